@@ -1,0 +1,478 @@
+"""The dock's async client (anyio on the asyncio backend, pyzmq's asyncio sockets).
+
+One DEALER to the controller and one per warehouse; a reader task per socket routes replies to
+waiting requests by request id, so any number of tasks can share one client. Every request has
+a timeout (:class:`DockTimeout`), and each socket has a bound on requests in flight.
+
+Usage::
+
+    async with DockClient("tcp://127.0.0.1:5555") as dock:
+        idx = await dock.add({"prompt_ids": [t0, t1]}, group_size=2)
+        lease = await dock.claim("generate", reads=["prompt_ids"], n=8, timeout=5)
+        cols = await dock.fetch(lease.indices, ["prompt_ids"])
+        await dock.put(lease.indices, {"response_ids": [...]}, versions=[...], lengths=[...])
+        await dock.ack(lease)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from streamrl.dock import protocol as p
+from streamrl.dock.codec import decode_columns, encode_columns
+from streamrl.dock.errors import (
+    DockError,
+    DockFull,
+    DockTimeout,
+    EndOfStream,
+    NothingToClaim,
+    RemoteError,
+    WireFormatError,
+)
+
+LONG_POLL_S = 1.0  # a waiting claim re-asks this often, so no single request outlives its timeout
+
+
+@dataclass
+class Lease:
+    """Samples claimed for one consumer. Ack them (or release them) before the lease TTL runs out."""
+
+    lease_id: int
+    consumer: str
+    samples: list[p.SampleInfo]
+    dropped_stale: int = 0
+
+    @property
+    def indices(self) -> list[int]:
+        return [s.index for s in self.samples]
+
+    @property
+    def groups(self) -> list[int]:
+        return [s.group for s in self.samples]
+
+    @property
+    def versions(self) -> list[int]:
+        return [s.version for s in self.samples]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+@dataclass
+class MicroBatch:
+    """A lease plus the fetched columns (name -> one value per sample, in lease order)."""
+
+    lease: Lease
+    columns: dict[str, list[Any]]
+
+    @property
+    def indices(self) -> list[int]:
+        return self.lease.indices
+
+    def __len__(self) -> int:
+        return len(self.lease)
+
+
+@dataclass
+class _Conn:
+    name: str
+    sock: zmq.asyncio.Socket
+    limit: anyio.Semaphore
+    pending: dict[int, asyncio.Future[tuple[Any, list[zmq.Frame]]]] = field(default_factory=dict)
+
+
+class DockClient:
+    def __init__(
+        self,
+        controller: str,
+        *,
+        client_id: str | None = None,
+        lease_ttl_s: float = 10.0,
+        request_timeout_s: float = 30.0,
+        connect_timeout_s: float = 60.0,
+        max_in_flight: int = 64,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if lease_ttl_s <= 0 or request_timeout_s <= 0:
+            raise ValueError("lease_ttl_s and request_timeout_s must be positive (seconds)")
+        self.controller_endpoint = controller
+        self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.lease_ttl_s = lease_ttl_s
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_in_flight = max_in_flight
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._req_ids = itertools.count(1)
+        self._conns: list[_Conn] = []
+        self._ctl: _Conn | None = None
+        self._warehouses: list[_Conn] = []
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.consumers: list[str] = []
+        self.capacity = 0
+        self._leases: dict[int, Lease] = {}
+        self._counters = dict.fromkeys(("requests", "timeouts", "errors", "bytes_sent", "bytes_received"), 0)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> DockClient:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        try:
+            self._ctl = self._open("controller", self.controller_endpoint)
+            hello = p.Hello(self._next_id(), self.client_id, p.PROTOCOL_VERSION, self.lease_ttl_s)
+            reply, _ = await self._request(self._ctl, hello, timeout=self.connect_timeout_s)
+            assert isinstance(reply, p.HelloReply)
+            self.consumers, self.capacity = reply.consumers, reply.capacity
+            self._warehouses = [self._open(f"warehouse {i} ({ep})", ep) for i, ep in enumerate(reply.warehouses)]
+            self._tg.start_soon(self._heartbeat)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            tg, self._tg = self._tg, None
+            await tg.__aexit__(None, None, None)
+        for conn in self._conns:
+            for fut in conn.pending.values():
+                if not fut.done():
+                    fut.set_exception(DockError("client closed"))
+            conn.sock.close(linger=0)
+        self._conns.clear()
+
+    def _open(self, name: str, endpoint: str) -> _Conn:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)  # finite; requests in flight are bounded well below this
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.connect(endpoint)
+        conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight))
+        self._conns.append(conn)
+        assert self._tg is not None
+        self._tg.start_soon(self._reader, conn)
+        return conn
+
+    async def _reader(self, conn: _Conn) -> None:
+        while True:
+            frames = await conn.sock.recv_multipart(copy=False)
+            try:
+                msg = p.reply_decoder.decode(frames[0].bytes)
+            except msgspec.DecodeError:
+                self._counters["errors"] += 1
+                continue  # not a reply we can route: drop it, the request will time out
+            self._counters["bytes_received"] += sum(len(f) for f in frames)
+            fut = conn.pending.pop(msg.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result((msg, frames[1:]))
+            # else: a late reply to a request that already timed out; dropped
+
+    async def _heartbeat(self) -> None:
+        assert self._ctl is not None
+        while True:
+            await anyio.sleep(self.lease_ttl_s / 4)
+            if self._leases:
+                await self._ctl.sock.send(p.encoder.encode(p.Heartbeat(self.client_id)))
+
+    def _next_id(self) -> int:
+        return next(self._req_ids)
+
+    async def _request(
+        self, conn: _Conn, msg: Any, frames: Sequence[Any] = (), timeout: float | None = None
+    ) -> tuple[Any, list[zmq.Frame]]:
+        timeout = self.request_timeout_s if timeout is None else timeout
+        fut: asyncio.Future[tuple[Any, list[zmq.Frame]]] = asyncio.get_running_loop().create_future()
+        rid = msg.req_id
+        async with conn.limit:
+            conn.pending[rid] = fut
+            self._counters["requests"] += 1
+            try:
+                with anyio.fail_after(timeout):
+                    # zero-copy frames: pyzmq holds the memoryviews until libzmq has sent them
+                    await conn.sock.send_multipart([p.encoder.encode(msg), *frames], copy=False)
+                    self._counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
+                    reply, data = await fut
+            except TimeoutError:
+                self._counters["timeouts"] += 1
+                raise DockTimeout(
+                    f"{conn.name} did not answer {type(msg).__name__} within {timeout:.1f} s "
+                    "(is the dock running? is the endpoint right?)"
+                ) from None
+            finally:
+                conn.pending.pop(rid, None)
+        if isinstance(reply, p.ErrorReply):
+            self._counters["errors"] += 1
+            if reply.code == "full":
+                raise DockFull(reply.message)
+            if reply.code == "timeout":
+                raise DockTimeout(f"{conn.name}: {reply.message}")
+            raise RemoteError(conn.name, reply.code, reply.message)
+        return reply, data
+
+    def _owner(self, index: int) -> int:
+        return index % len(self._warehouses)
+
+    def _split(self, indices: Sequence[int]) -> dict[int, list[int]]:
+        """Positions in ``indices`` per owning warehouse."""
+        by_wh: dict[int, list[int]] = {}
+        for pos, i in enumerate(indices):
+            by_wh.setdefault(self._owner(i), []).append(pos)
+        return by_wh
+
+    # ------------------------------------------------------------------ producing
+    async def reserve(self, n: int, group_size: int = 1, *, timeout: float | None = None) -> list[int]:
+        """New sample indices, waiting while the dock is at capacity (backpressure)."""
+        assert self._ctl is not None
+        req = p.Reserve(self._next_id(), self.client_id, n, group_size, timeout)
+        wait = (timeout if timeout is not None else math.inf) + self.request_timeout_s
+        reply, _ = await self._request(self._ctl, req, timeout=wait)
+        return list(reply.indices)
+
+    async def reserve_nowait(self, n: int, group_size: int = 1) -> list[int]:
+        """Like :meth:`reserve` but raises :class:`DockFull` at once instead of waiting (one round trip)."""
+        assert self._ctl is not None
+        reply, _ = await self._request(self._ctl, p.Reserve(self._next_id(), self.client_id, n, group_size, 0.0))
+        return list(reply.indices)
+
+    async def put(
+        self,
+        indices: Sequence[int],
+        columns: Mapping[str, Sequence[Any]],
+        *,
+        versions: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+    ) -> None:
+        """Write columns of existing samples, straight to their warehouses, in parallel.
+
+        Returns once every warehouse stored its part; only then may the caller modify the
+        tensors it passed (they are sent zero-copy, see codec rule 1).
+        """
+        n = len(indices)
+        for name, vals in columns.items():
+            if len(vals) != n:
+                raise ValueError(f"column {name!r} has {len(vals)} values for {n} indices")
+        if (versions is not None and len(versions) != n) or (lengths is not None and len(lengths) != n):
+            raise ValueError(f"versions and lengths need one entry per index ({n})")
+
+        async def send(wid: int, pos: list[int]) -> None:
+            sub = {name: [vals[k] for k in pos] for name, vals in columns.items()}
+            cols, frames = encode_columns(sub, len(pos))
+            req = p.Put(
+                self._next_id(),
+                [indices[k] for k in pos],
+                cols,
+                [versions[k] for k in pos] if versions is not None else None,
+                [lengths[k] for k in pos] if lengths is not None else None,
+            )
+            await self._request(self._warehouses[wid], req, frames)
+
+        await self._fan_out(send, self._split(indices))
+
+    async def add(
+        self,
+        columns: Mapping[str, Sequence[Any]],
+        *,
+        group_size: int = 1,
+        versions: Sequence[int] | None = None,
+        lengths: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Reserve new samples (waiting for capacity) and put their first columns."""
+        n = len(next(iter(columns.values())))
+        indices = await self.reserve(n, group_size, timeout=timeout)
+        await self.put(indices, columns, versions=versions, lengths=lengths)
+        return indices
+
+    async def close_input(self) -> None:
+        """No more samples will be reserved; consumers get :class:`EndOfStream` once they had all."""
+        assert self._ctl is not None
+        await self._request(self._ctl, p.CloseInput(self._next_id(), self.client_id))
+
+    # ------------------------------------------------------------------ consuming
+    async def claim(
+        self,
+        consumer: str,
+        reads: Sequence[str],
+        n: int,
+        *,
+        min_n: int = 1,
+        whole_groups: bool = False,
+        balance_by_length: bool = False,
+        min_version: int | None = None,
+        timeout: float | None = None,
+    ) -> Lease:
+        """Lease up to ``n`` samples whose ``reads`` are ready and ``consumer`` has not had.
+
+        Waits until ``min_n`` are claimable (or, at ``timeout``, takes any that are); raises
+        :class:`DockTimeout` if none came in time, :class:`EndOfStream` if none ever will.
+        ``whole_groups`` returns only complete groups; ``balance_by_length`` picks samples of
+        similar length; ``min_version`` drops (for this consumer) samples of older versions.
+        """
+        deadline = time.monotonic() + (timeout if timeout is not None else math.inf)
+        dropped = 0
+        while True:
+            left = deadline - time.monotonic()
+            last_poll = left <= LONG_POLL_S  # only the final poll may settle for fewer than min_n
+            lease = await self._claim_once(consumer, reads, n, min_n, whole_groups, balance_by_length,
+                                           min_version, max(0.0, min(LONG_POLL_S, left)), last_poll)
+            dropped += lease.dropped_stale
+            if lease.samples:
+                lease.dropped_stale = dropped
+                return lease
+            if time.monotonic() >= deadline:
+                raise DockTimeout(f"no sample ready for consumer {consumer!r} within {timeout} s")
+
+    async def claim_nowait(
+        self,
+        consumer: str,
+        reads: Sequence[str],
+        n: int,
+        *,
+        whole_groups: bool = False,
+        balance_by_length: bool = False,
+        min_version: int | None = None,
+    ) -> Lease:
+        """Claim what is ready now (one round trip); :class:`NothingToClaim` if nothing is."""
+        lease = await self._claim_once(consumer, reads, n, 1, whole_groups, balance_by_length, min_version, 0.0,
+                                       True)
+        if not lease.samples:
+            raise NothingToClaim(f"nothing ready for consumer {consumer!r}")
+        return lease
+
+    async def _claim_once(
+        self,
+        consumer: str,
+        reads: Sequence[str],
+        n: int,
+        min_n: int,
+        whole_groups: bool,
+        balance: bool,
+        min_version: int | None,
+        wait_s: float,
+        partial_at_timeout: bool,
+    ) -> Lease:
+        assert self._ctl is not None
+        req = p.Claim(self._next_id(), self.client_id, consumer, list(reads), n, min_n, whole_groups, balance,
+                      min_version, wait_s, partial_at_timeout)
+        reply, _ = await self._request(self._ctl, req, timeout=wait_s + self.request_timeout_s)
+        if reply.end and not reply.samples:
+            raise EndOfStream(f"consumer {consumer!r} has had every sample and the input is closed")
+        lease = Lease(reply.lease_id, consumer, list(reply.samples), reply.dropped_stale)
+        if lease.samples:
+            self._leases[lease.lease_id] = lease
+        return lease
+
+    async def fetch(self, indices: Sequence[int], columns: Sequence[str]) -> dict[str, list[Any]]:
+        """Column values of ``indices`` (in that order), from their warehouses in parallel."""
+        out: dict[str, list[Any]] = {c: [None] * len(indices) for c in columns}
+
+        async def get(wid: int, pos: list[int]) -> None:
+            idx = [indices[k] for k in pos]
+            reply, frames = await self._request(self._warehouses[wid], p.Get(self._next_id(), idx, list(columns)))
+            try:
+                values = decode_columns(reply.columns, frames, len(idx))
+            except WireFormatError as exc:
+                raise WireFormatError(f"warehouse {wid} sent a bad reply: {exc}") from exc
+            for name, vals in values.items():
+                col = out[name]
+                for k, v in zip(pos, vals, strict=True):
+                    col[k] = v
+
+        await self._fan_out(get, self._split(indices))
+        return out
+
+    async def ack(self, lease: Lease, indices: Sequence[int] | None = None) -> None:
+        """Done with (some of) the lease's samples: they are never delivered to this consumer again."""
+        assert self._ctl is not None
+        await self._request(
+            self._ctl, p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices else None)
+        )
+        if indices is None or set(indices) >= set(lease.indices):
+            self._leases.pop(lease.lease_id, None)
+
+    async def release(self, lease: Lease) -> None:
+        """Give the lease's unacked samples back to the pool (e.g. a stage failed on them)."""
+        assert self._ctl is not None
+        self._leases.pop(lease.lease_id, None)
+        await self._request(self._ctl, p.Release(self._next_id(), self.client_id, lease.lease_id))
+
+    async def stream(
+        self,
+        consumer: str,
+        reads: Sequence[str],
+        n: int,
+        *,
+        min_n: int = 1,
+        whole_groups: bool = False,
+        balance_by_length: bool = False,
+        min_version: int | None = None,
+        idle_timeout: float | None = None,
+    ) -> AsyncIterator[MicroBatch]:
+        """Micro-batches for ``consumer`` until the input is closed and all were delivered.
+
+        The caller acks (or releases) each ``batch.lease``; an unacked lease is re-delivered
+        after the TTL if this client dies.
+        """
+        while True:
+            try:
+                lease = await self.claim(consumer, reads, n, min_n=min_n, whole_groups=whole_groups,
+                                         balance_by_length=balance_by_length, min_version=min_version,
+                                         timeout=idle_timeout)
+            except EndOfStream:
+                return
+            try:
+                columns = await self.fetch(lease.indices, list(reads)) if reads else {}
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.release(lease)  # nothing lost: another worker gets these samples
+                raise
+            yield MicroBatch(lease, columns)
+
+    # ------------------------------------------------------------------ helpers
+    async def _fan_out(self, fn: Any, parts: dict[int, list[int]]) -> None:
+        if len(parts) == 1:
+            (wid, pos), = parts.items()
+            await fn(wid, pos)
+            return
+        async with anyio.create_task_group() as tg:
+            for wid, pos in parts.items():
+                tg.start_soon(fn, wid, pos)
+
+    async def server_statistics(self) -> dict[str, Any]:
+        """Controller and warehouse statistics (in flight, ready, claimed, bytes held, counters)."""
+        assert self._ctl is not None
+        ctl, _ = await self._request(self._ctl, p.StatsRequest(self._next_id()))
+        whs = []
+        for conn in self._warehouses:
+            reply, _ = await self._request(conn, p.StatsRequest(self._next_id()))
+            whs.append(reply.stats)
+        return {"controller": ctl.stats, "warehouses": whs}
+
+    def statistics(self) -> dict[str, Any]:
+        """This client's own counters (no round trip)."""
+        return {
+            "client_id": self.client_id,
+            "leases_held": len(self._leases),
+            "in_flight": sum(len(c.pending) for c in self._conns),
+            **self._counters,
+        }

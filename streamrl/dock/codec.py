@@ -1,0 +1,172 @@
+"""Column values <-> (header columns, tensor frames), zero-copy where it pays.
+
+Buffer-lifetime rules (each one has a test in tests/dock/test_codec.py):
+
+1. *Large tensors are sent without copying.* A tensor of at least ``ZERO_COPY_BYTES`` goes out
+   as its own frame built from a memoryview of its storage, and ``send_multipart(copy=False)``
+   makes libzmq read that memory later, from its I/O thread. pyzmq keeps a reference to the
+   memoryview (hence to the tensor) until libzmq is done, so the memory cannot be freed early.
+   It can still be *modified* early: callers must not write to a tensor they passed to ``put``
+   until the ``put`` has returned. ``put`` returns only after the warehouse replied, i.e. after
+   every byte arrived there, so "await put, then mutate" is safe.
+2. *Non-contiguous tensors are copied* (``contiguous()``): the copy is what rule 1 keeps alive.
+3. *Small tensors are packed*: every tensor under the threshold is copied into one pack frame
+   per message (aligned to ``ALIGN`` bytes per value), because a frame per 16-byte tensor costs
+   far more in per-frame overhead than the copy.
+4. *Received tensors are views of the received frame* (``torch.frombuffer``). The tensor keeps
+   the zmq Frame alive through the buffer protocol, so the frame outlives every view of it. A
+   consequence: one small value that is still referenced keeps its whole pack frame alive.
+   Writing into a received tensor writes into that frame's memory, which this process owns.
+5. *Misaligned frames are copied.* libzmq stores small messages inline, where the data start may
+   only be 8-byte aligned; viewing it as a wider dtype needs the element size's alignment, so a
+   frame whose address is not aligned for a column's dtype is copied once into fresh memory.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from streamrl.dock.errors import WireFormatError
+from streamrl.dock.protocol import Column, ObjectColumn, TensorColumn
+
+ZERO_COPY_BYTES = 64 * 1024  # below this a tensor is packed: a frame costs more than a copy
+ALIGN = 16  # byte alignment of each value inside a pack frame (covers every torch dtype)
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.complex64, torch.complex128,
+    )
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _DTYPES[_name] = getattr(torch, _name)
+
+Frame = Any  # a buffer-protocol object on send (memoryview/bytes), a zmq.Frame or bytes on receive
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (0-d included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def encode_columns(columns: Mapping[str, Sequence[Any]], n: int) -> tuple[list[Column], list[Frame]]:
+    """Encode ``columns`` (name -> one value per sample, ``n`` samples) into header columns + frames."""
+    header: list[Column] = []
+    frames: list[Frame] = []
+    pack_parts: list[torch.Tensor] = []
+    pack_size = 0
+    pack_frame: int | None = None  # index of the pack frame, assigned when the first small value comes
+    for name, values in columns.items():
+        if len(values) != n:
+            raise ValueError(f"column {name!r} has {len(values)} values for {n} samples")
+        if n and all(isinstance(v, torch.Tensor) for v in values):
+            dtype = values[0].dtype
+            if any(v.dtype != dtype for v in values):
+                found = sorted({dtype_name(v.dtype) for v in values})
+                raise ValueError(f"column {name!r} mixes dtypes {found}: cast them to one dtype")
+            if dtype_name(dtype) not in _DTYPES:
+                raise ValueError(f"column {name!r} has unsupported dtype {dtype}")
+            shapes, frame_ids, offsets = [], [], []
+            for v in values:
+                if v.device.type != "cpu":
+                    v = v.cpu()  # device tensors are staged through host memory
+                v = v.contiguous()  # rule 2: the contiguous copy is what stays alive
+                shapes.append(list(v.shape))
+                nbytes = v.numel() * v.element_size()
+                if nbytes >= ZERO_COPY_BYTES:
+                    # rule 1: own frame, zero-copy; the memoryview pins the tensor's storage
+                    frame_ids.append(len(frames))
+                    offsets.append(0)
+                    frames.append(memoryview(_as_bytes_view(v).numpy()))
+                else:
+                    # rule 3: packed, copied below with torch.cat
+                    if pack_frame is None:
+                        pack_frame = len(frames)
+                        frames.append(b"")  # placeholder, filled once the pack is complete
+                    pad = (-pack_size) % ALIGN
+                    if pad:
+                        pack_parts.append(torch.zeros(pad, dtype=torch.uint8))
+                        pack_size += pad
+                    frame_ids.append(pack_frame)
+                    offsets.append(pack_size)
+                    if nbytes:
+                        pack_parts.append(_as_bytes_view(v))
+                        pack_size += nbytes
+            header.append(TensorColumn(name, dtype_name(dtype), shapes, frame_ids, offsets))
+        elif any(isinstance(v, torch.Tensor) for v in values):
+            raise ValueError(f"column {name!r} mixes tensors and other values: use one kind per column")
+        else:
+            header.append(ObjectColumn(name, list(values)))
+    if pack_frame is not None:
+        packed = torch.cat(pack_parts) if pack_parts else torch.zeros(0, dtype=torch.uint8)
+        frames[pack_frame] = memoryview(packed.numpy())
+    return header, frames
+
+
+def _frame_tensor(frame: Frame) -> torch.Tensor:
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(buf) == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # zmq frames may be read-only; the tensor is a view we only read (rule 4)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def decode_columns(columns: Sequence[Column], frames: Sequence[Frame], n: int) -> dict[str, list[Any]]:
+    """Rebuild column values from header columns and tensor frames; checks every size and bound."""
+    raw = [_frame_tensor(f) for f in frames]
+    aligned: dict[tuple[int, int], torch.Tensor] = {}
+    out: dict[str, list[Any]] = {}
+    for col in columns:
+        match col:
+            case ObjectColumn(name=name, values=values):
+                if len(values) != n:
+                    raise WireFormatError(f"column {name!r} has {len(values)} values for {n} samples")
+                out[name] = values
+            case TensorColumn(name=name, dtype=dt, shapes=shapes, frames=fids, offsets=offs):
+                dtype = _DTYPES.get(dt)
+                if dtype is None:
+                    raise WireFormatError(f"column {name!r}: unknown dtype {dt!r}")
+                if not (len(shapes) == len(fids) == len(offs) == n):
+                    raise WireFormatError(f"column {name!r}: shapes/frames/offsets must have {n} entries")
+                itemsize = torch.empty(0, dtype=dtype).element_size()
+                values_out: list[Any] = []
+                for shape, fid, off in zip(shapes, fids, offs, strict=True):
+                    if not 0 <= fid < len(raw):
+                        raise WireFormatError(f"column {name!r}: frame {fid} missing ({len(raw)} frames)")
+                    if any(d < 0 for d in shape):
+                        raise WireFormatError(f"column {name!r}: negative dimension in shape {shape}")
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    nbytes = numel * itemsize
+                    buf = raw[fid]
+                    if off < 0 or off % itemsize or off + nbytes > buf.numel():
+                        raise WireFormatError(
+                            f"column {name!r}: bytes [{off}, {off + nbytes}) fall outside frame {fid} "
+                            f"of {buf.numel()} bytes or are misaligned"
+                        )
+                    if nbytes == 0:
+                        values_out.append(torch.empty(shape, dtype=dtype))
+                        continue
+                    if buf.data_ptr() % itemsize:
+                        # rule 5: copy a misaligned frame once, reuse the copy for later values
+                        key = (fid, itemsize)
+                        if key not in aligned:
+                            aligned[key] = buf.clone()
+                        buf = aligned[key]
+                    values_out.append(buf[off : off + nbytes].view(dtype).reshape(shape))
+                out[name] = values_out
+    return out

@@ -1,0 +1,755 @@
+"""The dock's metadata controller: who may read which sample, never the data itself.
+
+State per live sample: its group, policy version, length, a bitmask of the columns that are
+ready, and per consumer one of PENDING / CLAIMED / DONE. Per consumer a *view* (fixed by its
+first claim: the columns it reads and whether it claims whole groups) keeps a FIFO of samples
+(or groups) that are ready and pending for it. A column becoming ready appends to the views it
+completes; a claim pops from the front. So a claim costs O(samples claimed), never O(capacity).
+
+Leases: claimed samples belong to a lease of the claiming client. Every message from a client
+(heartbeats included) renews all its leases; a client silent for longer than its lease TTL
+(killed, hung, partitioned) loses them, and their samples go back to the front of the pool.
+A sample is freed (and the warehouse told to drop it) once every registered consumer is DONE.
+
+The socket loop is synchronous pyzmq on a ROUTER: it is one process's only job, and a plain loop
+has less per-message overhead than an event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from streamrl.dock import protocol as p
+
+log = logging.getLogger("streamrl.dock.controller")
+
+PENDING, CLAIMED, DONE = 0, 1, 2
+
+
+class ProtocolViolation(Exception):
+    """A request that is well-formed but not allowed; answered with an ErrorReply, never fatal."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Sample:
+    __slots__ = ("group", "group_size", "group_start", "index", "length", "n_done", "ready", "state", "version")
+
+    def __init__(self, index: int, group: int, group_start: int, group_size: int, n_consumers: int) -> None:
+        self.index = index
+        self.group = group
+        self.group_start = group_start
+        self.group_size = group_size
+        self.version = 0
+        self.length = 0
+        self.ready = 0  # bitmask over column ids
+        self.state = bytearray(n_consumers)
+        self.n_done = 0
+
+
+@dataclass
+class _View:
+    """A consumer's fixed way of claiming, and its FIFO of claimable samples (or group starts)."""
+
+    consumer: int
+    reads_mask: int
+    reads: list[str]
+    whole_groups: bool
+    queue: deque[int] = field(default_factory=deque)
+    queued_groups: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Lease:
+    lease_id: int
+    client_id: str
+    consumer: int
+    indices: set[int]
+
+
+@dataclass
+class _PendingClaim:
+    identity: bytes
+    req: p.Claim
+    deadline: float
+
+
+@dataclass
+class _PendingReserve:
+    identity: bytes
+    req: p.Reserve
+    deadline: float
+
+
+class ControllerState:
+    """All controller bookkeeping, independent of sockets (unit-testable, deterministic)."""
+
+    def __init__(self, consumers: list[str], capacity: int, n_warehouses: int) -> None:
+        if not consumers:
+            raise ValueError("the dock needs at least one consumer: the stage names that must ack each sample")
+        if len(set(consumers)) != len(consumers):
+            raise ValueError(f"consumer names must be unique, got {consumers}")
+        if capacity < 1:
+            raise ValueError(f"capacity (samples in flight) must be >= 1, got {capacity}")
+        self.consumers = list(consumers)
+        self.consumer_ids = {c: i for i, c in enumerate(consumers)}
+        self.capacity = capacity
+        self.n_warehouses = n_warehouses
+        self.samples: dict[int, _Sample] = {}
+        self.column_bits: dict[str, int] = {}
+        self.views: list[_View | None] = [None] * len(consumers)
+        self.done_count = [0] * len(consumers)  # samples each consumer acked or dropped, ever
+        self.claimed_count = [0] * len(consumers)  # samples each consumer holds under leases now
+        self.next_index = 0
+        self.next_group = 0
+        self.next_lease = itertools.count(1)
+        self.leases: dict[int, _Lease] = {}
+        self.client_leases: dict[str, set[int]] = {}
+        self.input_closed = False
+        self.to_free: list[int] = []  # freed indices not yet announced to the warehouses
+        self.counters = dict.fromkeys(
+            ("reserved", "claims", "samples_claimed", "samples_acked", "samples_freed",
+             "samples_released", "dropped_stale", "leases_expired", "errors"),
+            0,
+        )
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def free_slots(self) -> int:
+        return self.capacity - len(self.samples)
+
+    def check_reserve(self, n: int, group_size: int) -> None:
+        """Raise ProtocolViolation if a reserve of ``n`` in groups of ``group_size`` can never succeed."""
+        if self.input_closed:
+            raise ProtocolViolation("input_closed", "the input was closed: no new samples can be reserved")
+        if n < 1 or group_size < 1 or n % group_size:
+            raise ProtocolViolation(
+                "bad_field", f"reserve n={n} must be a positive multiple of group_size={group_size}"
+            )
+        if n > self.capacity:
+            raise ProtocolViolation(
+                "bad_field", f"reserve n={n} exceeds the dock capacity {self.capacity}: raise dock.capacity"
+            )
+
+    def reserve(self, n: int, group_size: int) -> tuple[list[int], list[int]]:
+        """Allocate ``n`` new sample indices in groups of ``group_size``; caller checked capacity."""
+        self.check_reserve(n, group_size)
+        indices, groups = [], []
+        nc = len(self.consumers)
+        for start in range(self.next_index, self.next_index + n, group_size):
+            g = self.next_group
+            self.next_group += 1
+            for i in range(start, start + group_size):
+                self.samples[i] = _Sample(i, g, start, group_size, nc)
+                indices.append(i)
+                groups.append(g)
+        self.next_index += n
+        self.counters["reserved"] += n
+        return indices, groups
+
+    # ------------------------------------------------------------------ readiness
+    def _bit(self, column: str) -> int:
+        bit = self.column_bits.get(column)
+        if bit is None:
+            bit = 1 << len(self.column_bits)
+            self.column_bits[column] = bit
+        return bit
+
+    def columns_ready(
+        self,
+        indices: list[int],
+        columns: list[str],
+        versions: list[int] | None,
+        lengths: list[int] | None,
+    ) -> tuple[set[int], list[int]]:
+        """Mark columns ready. Returns (consumers with new claimable samples, unknown indices)."""
+        mask = 0
+        for c in columns:
+            mask |= self._bit(c)
+        touched: set[int] = set()
+        unknown: list[int] = []
+        for k, i in enumerate(indices):
+            s = self.samples.get(i)
+            if s is None:
+                unknown.append(i)  # freed already, or never reserved: the warehouse must drop it
+                continue
+            if versions is not None:
+                s.version = versions[k]
+            if lengths is not None:
+                s.length = lengths[k]
+            old = s.ready
+            s.ready = old | mask
+            if s.ready == old:
+                continue
+            for view in self.views:
+                if view is None or s.state[view.consumer] != PENDING:
+                    continue
+                rm = view.reads_mask
+                if (old & rm) != rm and (s.ready & rm) == rm and self._enqueue(view, s, front=False):
+                    touched.add(view.consumer)
+        return touched, unknown
+
+    def _enqueue(self, view: _View, s: _Sample, front: bool) -> bool:
+        if not view.whole_groups:
+            (view.queue.appendleft if front else view.queue.append)(s.index)
+            return True
+        g = s.group_start
+        if g in view.queued_groups or not self._group_claimable(view, g):
+            return False
+        view.queued_groups.add(g)
+        (view.queue.appendleft if front else view.queue.append)(g)
+        return True
+
+    def _group_claimable(self, view: _View, start: int) -> bool:
+        """Every member is DONE for this consumer or (PENDING and ready), and at least one PENDING."""
+        any_pending = False
+        rm = view.reads_mask
+        first = self.samples.get(start)
+        size = first.group_size if first is not None else 0
+        for i in range(start, start + size):
+            s = self.samples.get(i)
+            if s is None:
+                continue  # freed members were DONE for everyone
+            st = s.state[view.consumer]
+            if st == CLAIMED or (st == PENDING and (s.ready & rm) != rm):
+                return False
+            any_pending |= st == PENDING
+        return any_pending
+
+    def _view_for(self, req: p.Claim) -> _View:
+        cid = self.consumer_ids.get(req.consumer)
+        if cid is None:
+            raise ProtocolViolation(
+                "unknown_consumer", f"consumer {req.consumer!r} is not registered; known: {self.consumers}"
+            )
+        view = self.views[cid]
+        if view is None:
+            mask = 0
+            for c in req.reads:
+                mask |= self._bit(c)
+            view = _View(cid, mask, sorted(req.reads), req.whole_groups)
+            self.views[cid] = view
+            # one O(live samples) scan when the consumer first shows up; incremental afterwards
+            for s in self.samples.values():
+                if s.state[cid] == PENDING and (s.ready & mask) == mask:
+                    self._enqueue(view, s, front=False)
+        elif view.reads != sorted(req.reads) or view.whole_groups != req.whole_groups:
+            raise ProtocolViolation(
+                "bad_field",
+                f"consumer {req.consumer!r} already claims reads={view.reads} whole_groups={view.whole_groups}; "
+                f"got reads={sorted(req.reads)} whole_groups={req.whole_groups}. A consumer's reads are fixed.",
+            )
+        return view
+
+    def ready_count(self, view: _View) -> int:
+        if not view.whole_groups:
+            return len(view.queue)
+        return sum(self._pending_members(view, g) for g in view.queue)
+
+    def _pending_members(self, view: _View, start: int) -> int:
+        first = self.samples.get(start)
+        if first is None:
+            return 0
+        return sum(
+            1
+            for i in range(start, start + first.group_size)
+            if (s := self.samples.get(i)) is not None and s.state[view.consumer] == PENDING
+        )
+
+    def outstanding(self, consumer: int) -> int:
+        """Samples reserved so far that this consumer has neither done nor currently claimed."""
+        return self.next_index - self.done_count[consumer] - self.claimed_count[consumer]
+
+    def at_end(self, consumer: int) -> bool:
+        return self.input_closed and self.done_count[consumer] == self.next_index
+
+    # ------------------------------------------------------------------ claims and leases
+    def validate_claim(self, req: p.Claim) -> _View:
+        if req.n < 1 or req.min_n < 1 or req.min_n > req.n:
+            raise ProtocolViolation("bad_field", f"claim needs 1 <= min_n <= n, got n={req.n} min_n={req.min_n}")
+        return self._view_for(req)
+
+    def try_claim(self, req: p.Claim, view: _View, force: bool) -> p.Claimed | None:
+        """Claim now if ``min_n`` samples are claimable (or ``force`` and any are); else None."""
+        dropped = self._drop_stale(view, req.min_version) if req.min_version is not None else 0
+        available = self.ready_count(view)
+        # fewer than min_n are fine when no more can ever come (input closed, all others delivered)
+        last_ones = self.input_closed and available == self.outstanding(view.consumer)
+        if available < req.min_n and not ((force or last_ones) and available > 0):
+            if dropped or self.at_end(view.consumer):
+                return p.Claimed(req.req_id, 0, [], dropped, self.at_end(view.consumer))
+            return None
+        picked = self._pop(view, req.n, req.balance_by_length)
+        lease = _Lease(next(self.next_lease), req.client_id, view.consumer, set(picked))
+        self.leases[lease.lease_id] = lease
+        self.client_leases.setdefault(req.client_id, set()).add(lease.lease_id)
+        infos = []
+        for i in picked:
+            s = self.samples[i]
+            s.state[view.consumer] = CLAIMED
+            self.claimed_count[view.consumer] += 1
+            infos.append(p.SampleInfo(i, s.group, s.group_size, s.version, s.length))
+        self.counters["claims"] += 1
+        self.counters["samples_claimed"] += len(picked)
+        return p.Claimed(req.req_id, lease.lease_id, infos, dropped, False)
+
+    def _pop(self, view: _View, n: int, balance: bool) -> list[int]:
+        if not view.whole_groups:
+            if not balance or len(view.queue) <= n:
+                return [view.queue.popleft() for _ in range(min(n, len(view.queue)))]
+            # length balancing over a window of 4n: the n samples of closest lengths, so a
+            # micro-batch pads little; the others go back to the front in their old order
+            window = [view.queue.popleft() for _ in range(min(4 * n, len(view.queue)))]
+            by_len = sorted(window, key=lambda i: self.samples[i].length)
+            spread = [
+                self.samples[by_len[k + n - 1]].length - self.samples[by_len[k]].length
+                for k in range(len(by_len) - n + 1)
+            ]
+            k = min(range(len(spread)), key=spread.__getitem__)
+            chosen = set(by_len[k : k + n])
+            view.queue.extendleft(reversed([i for i in window if i not in chosen]))
+            return [i for i in window if i in chosen]
+        picked: list[int] = []
+        while view.queue:
+            start = view.queue[0]
+            members = [
+                i
+                for i in range(start, start + self.samples[start].group_size)
+                if i in self.samples and self.samples[i].state[view.consumer] == PENDING
+            ] if start in self.samples else []
+            if picked and len(picked) + len(members) > n:
+                break  # whole groups only: the next group would overflow the micro-batch
+            view.queue.popleft()
+            view.queued_groups.discard(start)
+            picked.extend(members)
+            if len(picked) >= n:
+                break
+        return picked
+
+    def _drop_stale(self, view: _View, min_version: int) -> int:
+        """Samples too old for this consumer are DONE for it without being delivered."""
+        dropped = 0
+        kept: deque[int] = deque()
+        while view.queue:
+            head = view.queue.popleft()
+            s = self.samples.get(head)
+            if s is not None and s.version < min_version:
+                group = (
+                    range(head, head + s.group_size) if view.whole_groups else range(head, head + 1)
+                )
+                if view.whole_groups:
+                    view.queued_groups.discard(head)
+                for i in group:
+                    m = self.samples.get(i)
+                    if m is not None and m.state[view.consumer] == PENDING:
+                        self._mark_done(m, view.consumer)
+                        dropped += 1
+            else:
+                kept.append(head)
+        view.queue = kept
+        self.counters["dropped_stale"] += dropped
+        return dropped
+
+    def _mark_done(self, s: _Sample, consumer: int) -> None:
+        s.state[consumer] = DONE
+        s.n_done += 1
+        self.done_count[consumer] += 1
+        if s.n_done == len(self.consumers):
+            del self.samples[s.index]
+            self.to_free.append(s.index)
+            self.counters["samples_freed"] += 1
+
+    def ack(self, client_id: str, lease_id: int, indices: list[int] | None) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.client_id != client_id:
+            raise ProtocolViolation(
+                "unknown_lease",
+                f"lease {lease_id} is not held by client {client_id!r} (expired after the lease TTL, "
+                "already acked, or released)",
+            )
+        targets = list(lease.indices) if indices is None else indices
+        stray = [i for i in targets if i not in lease.indices]
+        if stray:
+            raise ProtocolViolation("bad_field", f"indices {stray[:8]} are not in lease {lease_id}")
+        for i in targets:
+            lease.indices.discard(i)
+            self.claimed_count[lease.consumer] -= 1
+            self._mark_done(self.samples[i], lease.consumer)
+        self.counters["samples_acked"] += len(targets)
+        if not lease.indices:
+            self._drop_lease(lease)
+
+    def release(self, client_id: str, lease_id: int) -> int:
+        """Give a lease's unacked samples back (front of the queue). Returns the consumer id."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.client_id != client_id:
+            raise ProtocolViolation("unknown_lease", f"lease {lease_id} is not held by client {client_id!r}")
+        self._return_lease(lease)
+        return lease.consumer
+
+    def _return_lease(self, lease: _Lease) -> None:
+        self._drop_lease(lease)
+        view = self.views[lease.consumer]
+        assert view is not None
+        self.claimed_count[lease.consumer] -= len(lease.indices)
+        for i in sorted(lease.indices, reverse=True):
+            s = self.samples[i]
+            s.state[lease.consumer] = PENDING
+            if (s.ready & view.reads_mask) == view.reads_mask:
+                self._enqueue(view, s, front=True)
+        self.counters["samples_released"] += len(lease.indices)
+
+    def _drop_lease(self, lease: _Lease) -> None:
+        self.leases.pop(lease.lease_id, None)
+        held = self.client_leases.get(lease.client_id)
+        if held is not None:
+            held.discard(lease.lease_id)
+            if not held:
+                del self.client_leases[lease.client_id]
+
+    def expire_client(self, client_id: str) -> set[int]:
+        """The client went silent: every lease it holds goes back to the pool."""
+        touched = set()
+        for lease_id in list(self.client_leases.get(client_id, ())):
+            lease = self.leases[lease_id]
+            self._return_lease(lease)
+            touched.add(lease.consumer)
+            self.counters["leases_expired"] += 1
+        return touched
+
+    def take_freed(self) -> list[int]:
+        freed, self.to_free = self.to_free, []
+        return freed
+
+    def statistics(self) -> dict[str, Any]:
+        claimed = sum(len(lease.indices) for lease in self.leases.values())
+        per_consumer = {}
+        for cid, name in enumerate(self.consumers):
+            view = self.views[cid]
+            per_consumer[name] = {
+                "ready": self.ready_count(view) if view else 0,
+                "claimed": self.claimed_count[cid],
+                "done": self.done_count[cid],
+                "reads": view.reads if view else None,
+            }
+        return {
+            "capacity": self.capacity,
+            "in_flight": len(self.samples),
+            "claimed": claimed,
+            "leases": len(self.leases),
+            "input_closed": self.input_closed,
+            "reserved_total": self.next_index,
+            "columns": sorted(self.column_bits),
+            "consumers": per_consumer,
+            **self.counters,
+        }
+
+
+class ControllerServer:
+    """Serves :class:`ControllerState` on a ROUTER socket. One process, one thread."""
+
+    def __init__(
+        self,
+        bind: str,
+        consumers: list[str],
+        capacity: int,
+        n_warehouses: int,
+        *,
+        context: zmq.Context | None = None,
+        hwm: int = 100_000,
+    ) -> None:
+        self.state = ControllerState(consumers, capacity, n_warehouses)
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        # finite high-water marks: a flood of requests queues in bounded memory, then TCP pushes back
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, never blocks
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(bind)
+        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.warehouses: dict[int, tuple[bytes, str]] = {}
+        self.pending_hellos: list[tuple[bytes, p.Hello]] = []
+        self.pending_claims: dict[int, list[_PendingClaim]] = {}
+        self.pending_reserves: deque[_PendingReserve] = deque()
+        self.deadlines: list[tuple[float, int, Any]] = []  # heap of (deadline, seq, pending item)
+        self.seq = itertools.count()
+        self.client_ttl: dict[str, float] = {}
+        self.client_seen: dict[str, float] = {}
+        self._stop = False
+        self._next_expiry_scan = 0.0
+
+    # ------------------------------------------------------------------ replies
+    def _send(self, identity: bytes, msg: msgspec.Struct) -> None:
+        try:
+            self.sock.send_multipart([identity, p.encoder.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out and retry
+            log.warning("dropping reply %s to %r: %s", type(msg).__name__, identity, exc)
+
+    def _error(self, identity: bytes, req_id: int, code: str, message: str) -> None:
+        self.state.counters["errors"] += 1
+        self._send(identity, p.ErrorReply(req_id, code, message))
+
+    # ------------------------------------------------------------------ main loop
+    def stop(self) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop:
+            timeout_ms = self._poll_timeout_ms()
+            events = dict(poller.poll(timeout_ms))
+            if self.sock in events:
+                # drain what is queued before doing timer work: batches messages under load
+                for _ in range(1000):
+                    try:
+                        frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self.handle(frames)
+            self._on_timers()
+            self._flush_frees()
+        self.sock.close(linger=0)
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        nxt = now + 0.1  # expiry scans at least every 100 ms
+        if self.deadlines:
+            nxt = min(nxt, self.deadlines[0][0])
+        return max(0, int((nxt - now) * 1000) + 1)
+
+    def handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            log.warning("dropping message with %d frames (need routing id + header)", len(frames))
+            return
+        identity, header = frames[0], frames[1]
+        if len(frames) > 2:
+            rid = p.salvage_req_id(header)
+            if rid is not None:
+                self._error(identity, rid, "bad_frames", "controller messages carry no tensor frames")
+            return
+        try:
+            msg = p.controller_request_decoder.decode(header)
+        except msgspec.DecodeError as exc:
+            rid = p.salvage_req_id(header)
+            log.warning("undecodable controller message from %r: %s", identity, exc)
+            if rid is not None:
+                self._error(identity, rid, "malformed", f"could not decode request: {exc}")
+            return
+        try:
+            self._dispatch(identity, msg)
+        except ProtocolViolation as exc:
+            self._error(identity, getattr(msg, "req_id", -1), exc.code, str(exc))
+        except Exception as exc:  # a bug must not take the controller down for everyone
+            log.exception("internal error handling %s", type(msg).__name__)
+            self._error(identity, getattr(msg, "req_id", -1), "internal", f"{type(exc).__name__}: {exc}")
+
+    def _touch(self, client_id: str) -> None:
+        self.client_seen[client_id] = time.monotonic()
+
+    def _dispatch(self, identity: bytes, msg: p.ControllerRequest) -> None:
+        st = self.state
+        match msg:
+            case p.Heartbeat(client_id=cid):
+                self._touch(cid)
+            case p.Claim():
+                self._touch(msg.client_id)
+                view = st.validate_claim(msg)
+                reply = st.try_claim(msg, view, force=False)
+                if reply is not None:
+                    self._send(identity, reply)
+                elif not msg.timeout_s:
+                    self._send(identity, p.Claimed(msg.req_id, 0, [], 0, False))
+                else:
+                    item = _PendingClaim(identity, msg, time.monotonic() + msg.timeout_s)
+                    self.pending_claims.setdefault(view.consumer, []).append(item)
+                    heapq.heappush(self.deadlines, (item.deadline, next(self.seq), item))
+            case p.Ack(client_id=cid, lease_id=lid, indices=idx):
+                self._touch(cid)
+                st.ack(cid, lid, idx)
+                self._send(identity, p.Ok(msg.req_id))
+                self._serve_reserves()
+            case p.ColumnsReady(indices=idx, columns=cols, versions=vers, lengths=lens):
+                n = len(idx)
+                if (vers is not None and len(vers) != n) or (lens is not None and len(lens) != n):
+                    log.warning("columns_ready with mismatched versions/lengths from %r dropped", identity)
+                    return
+                touched, unknown = st.columns_ready(idx, cols, vers, lens)
+                if unknown:
+                    self._send(identity, p.Free(unknown))  # data for dead indices: drop it
+                for consumer in touched:
+                    self._serve_claims(consumer)
+            case p.Reserve():
+                self._touch(msg.client_id)
+                self._reserve(identity, msg)
+            case p.Release(client_id=cid, lease_id=lid):
+                self._touch(cid)
+                consumer = st.release(cid, lid)
+                self._send(identity, p.Ok(msg.req_id))
+                self._serve_claims(consumer)
+            case p.Hello(client_id=cid):
+                if msg.protocol != p.PROTOCOL_VERSION:
+                    raise ProtocolViolation(
+                        "protocol", f"client speaks protocol {msg.protocol}, controller {p.PROTOCOL_VERSION}"
+                    )
+                if not 0.05 <= msg.lease_ttl_s <= 3600:
+                    raise ProtocolViolation("bad_field", f"lease_ttl_s={msg.lease_ttl_s} outside [0.05, 3600]")
+                self.client_ttl[cid] = msg.lease_ttl_s
+                self._touch(cid)
+                self.pending_hellos.append((identity, msg))
+                self._answer_hellos()
+            case p.WarehouseHello(warehouse_id=wid, endpoint=ep):
+                if not 0 <= wid < st.n_warehouses:
+                    log.warning("warehouse id %d out of range [0, %d): ignored", wid, st.n_warehouses)
+                    return
+                self.warehouses[wid] = (identity, ep)
+                self._answer_hellos()
+            case p.CloseInput(client_id=cid):
+                self._touch(cid)
+                st.input_closed = True
+                self._send(identity, p.Ok(msg.req_id))
+                for consumer in range(len(st.consumers)):
+                    self._serve_claims(consumer)
+            case p.StatsRequest(req_id=rid):
+                stats = st.statistics()
+                stats["pending_claims"] = sum(len(v) for v in self.pending_claims.values())
+                stats["pending_reserves"] = len(self.pending_reserves)
+                stats["clients"] = len(self.client_seen)
+                self._send(identity, p.Stats(rid, stats))
+
+    def _answer_hellos(self) -> None:
+        st = self.state
+        if len(self.warehouses) < st.n_warehouses:
+            return  # clients wait until every warehouse has registered
+        eps = [self.warehouses[w][1] for w in range(st.n_warehouses)]
+        for identity, hello in self.pending_hellos:
+            self._send(identity, p.HelloReply(hello.req_id, p.PROTOCOL_VERSION, eps, st.consumers, st.capacity))
+        self.pending_hellos.clear()
+
+    def _reserve(self, identity: bytes, msg: p.Reserve) -> None:
+        st = self.state
+        st.check_reserve(msg.n, msg.group_size)
+        if not self.pending_reserves and st.free_slots >= msg.n:
+            indices, groups = st.reserve(msg.n, msg.group_size)
+            self._send(identity, p.Reserved(msg.req_id, indices, groups))
+            return
+        if msg.timeout_s is not None and msg.timeout_s <= 0:
+            self._error(identity, msg.req_id, "full", f"dock full: {st.free_slots} free of {st.capacity}")
+            return
+        # backpressure: the producer waits, FIFO, until consumers free enough samples
+        deadline = time.monotonic() + (msg.timeout_s if msg.timeout_s is not None else 1e9)
+        item = _PendingReserve(identity, msg, deadline)
+        self.pending_reserves.append(item)
+        heapq.heappush(self.deadlines, (deadline, next(self.seq), item))
+
+    def _serve_reserves(self) -> None:
+        st = self.state
+        while self.pending_reserves and st.free_slots >= self.pending_reserves[0].req.n:
+            item = self.pending_reserves.popleft()
+            try:
+                indices, groups = st.reserve(item.req.n, item.req.group_size)
+            except ProtocolViolation as exc:
+                self._error(item.identity, item.req.req_id, exc.code, str(exc))
+                continue
+            self._send(item.identity, p.Reserved(item.req.req_id, indices, groups))
+            item.deadline = -1.0  # answered: its heap entry is stale
+
+    def _serve_claims(self, consumer: int) -> None:
+        waiting = self.pending_claims.get(consumer)
+        view = self.state.views[consumer]
+        while waiting and view is not None:
+            item = waiting[0]
+            reply = self.state.try_claim(item.req, view, force=False)
+            if reply is None:
+                return
+            waiting.pop(0)
+            item.deadline = -1.0
+            self._send(item.identity, reply)
+
+    def _on_timers(self) -> None:
+        now = time.monotonic()
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, _, item = heapq.heappop(self.deadlines)
+            if item.deadline < 0:
+                continue
+            if isinstance(item, _PendingClaim):
+                waiting = self.pending_claims.get(self.state.consumer_ids[item.req.consumer], [])
+                if item in waiting:
+                    waiting.remove(item)
+                view = self.state.views[self.state.consumer_ids[item.req.consumer]]
+                assert view is not None
+                reply = self.state.try_claim(item.req, view, force=item.req.partial_at_timeout)
+                end = self.state.at_end(view.consumer)
+                self._send(item.identity, reply or p.Claimed(item.req.req_id, 0, [], 0, end))
+            else:
+                if item in self.pending_reserves:
+                    self.pending_reserves.remove(item)
+                st = self.state
+                self._error(item.identity, item.req.req_id, "timeout",
+                            f"dock still full after {item.req.timeout_s} s ({st.free_slots} free of {st.capacity})")
+        if now >= self._next_expiry_scan:
+            self._next_expiry_scan = now + 0.05
+            for cid in list(self.state.client_leases):
+                ttl = self.client_ttl.get(cid, 10.0)
+                if now - self.client_seen.get(cid, now) > ttl:
+                    log.warning("client %s silent for > %.2f s: its leases go back to the pool", cid, ttl)
+                    for consumer in self.state.expire_client(cid):
+                        self._serve_claims(consumer)
+
+    def _flush_frees(self) -> None:
+        freed = self.state.take_freed()
+        if not freed:
+            return
+        by_wh: dict[int, list[int]] = {}
+        nw = self.state.n_warehouses
+        for i in freed:
+            by_wh.setdefault(i % nw, []).append(i)
+        for wid, idx in by_wh.items():
+            if wid in self.warehouses:
+                self._send(self.warehouses[wid][0], p.Free(idx))
+        for consumer in range(len(self.state.consumers)):
+            if self.pending_claims.get(consumer):
+                self._serve_claims(consumer)  # frees can complete the end-of-stream condition
+        self._serve_reserves()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m streamrl.dock.controller", description=__doc__.splitlines()[0])
+    ap.add_argument("--bind", required=True, help="tcp://127.0.0.1:0 (port from the OS) or ipc:///path")
+    ap.add_argument("--consumers", required=True, help="comma-separated stage names that must ack each sample")
+    ap.add_argument("--capacity", type=int, required=True, help="samples in flight before producers wait")
+    ap.add_argument("--warehouses", type=int, default=1, help="number of warehouses that will register")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
+    try:
+        server = ControllerServer(
+            args.bind, [c for c in args.consumers.split(",") if c], args.capacity, args.warehouses
+        )
+    except (ValueError, zmq.ZMQError) as exc:
+        print(f"controller: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    print(f"READY {server.endpoint}", flush=True)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Start and stop a dock (one controller + W warehouses) as local processes.
+
+Each server is ``python -m streamrl.dock.{controller,warehouse}`` in its own process group,
+announcing the endpoint it bound with a ``READY <endpoint>`` line (so ``tcp://127.0.0.1:0``
+gets its port from the OS). ``stop()`` sends SIGTERM, waits, then SIGKILLs stragglers, and
+removes the private ipc directory: nothing outlives the :class:`LocalDock`.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+Transport = Literal["tcp", "ipc"]
+
+
+class DockStartError(RuntimeError):
+    """A dock server did not come up; the message carries its stderr."""
+
+
+def _read_ready(proc: subprocess.Popen[str], name: str, timeout_s: float) -> str:
+    """Wait for the ``READY <endpoint>`` line of a server process."""
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                break
+            line = proc.stdout.readline()
+            if not line:  # EOF: the process died
+                break
+            if line.startswith("READY "):
+                return line.split(None, 1)[1].strip()
+    finally:
+        sel.close()
+    err = ""
+    log = getattr(proc, "log_file", None)
+    if log is not None:
+        log.seek(0)
+        err = log.read()[-2000:]
+    raise DockStartError(f"{name} did not report READY within {timeout_s} s (exit code {proc.poll()}): {err}")
+
+
+@dataclass
+class LocalDock:
+    """A dock running as local processes. Use as a context manager or call start()/stop()."""
+
+    consumers: list[str]
+    capacity: int
+    n_warehouses: int = 1
+    transport: Transport = "tcp"
+    start_timeout_s: float = 60.0
+    log_level: str = "WARNING"
+    controller_endpoint: str = ""
+    warehouse_endpoints: list[str] = field(default_factory=list)
+    _procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    _ipc_dir: str | None = None
+
+    def _bind(self, name: str) -> str:
+        if self.transport == "tcp":
+            return "tcp://127.0.0.1:0"
+        assert self._ipc_dir is not None
+        return f"ipc://{self._ipc_dir}/{name}"
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
+        env = {**os.environ, "STREAMRL_LOG": self.log_level, "PYTHONUNBUFFERED": "1"}
+        # stderr to a temp file, not a pipe: a chatty server must never block on a full pipe
+        log = tempfile.TemporaryFile(mode="w+", prefix="streamrl-dock-")
+        # own session: a Ctrl-C at the terminal reaches the launcher, which then stops us in order
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=log, text=True,
+            env=env, start_new_session=True,
+        )
+        proc.log_file = log  # type: ignore[attr-defined]
+        self._procs.append(proc)
+        return proc
+
+    def start(self) -> LocalDock:
+        if self.transport not in ("tcp", "ipc"):
+            raise ValueError(f"dock transport must be 'tcp' or 'ipc', got {self.transport!r}")
+        if self.transport == "ipc":
+            # short path: ipc socket paths are limited to ~100 bytes
+            self._ipc_dir = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
+        try:
+            ctl = self._spawn([
+                "streamrl.dock.controller", "--bind", self._bind("controller"),
+                "--consumers", ",".join(self.consumers), "--capacity", str(self.capacity),
+                "--warehouses", str(self.n_warehouses),
+            ])
+            self.controller_endpoint = _read_ready(ctl, "dock controller", self.start_timeout_s)
+            whs = [
+                self._spawn([
+                    "streamrl.dock.warehouse", "--bind", self._bind(f"warehouse-{w}"),
+                    "--controller", self.controller_endpoint, "--id", str(w),
+                    "--warehouses", str(self.n_warehouses),
+                ])
+                for w in range(self.n_warehouses)
+            ]
+            self.warehouse_endpoints = [
+                _read_ready(proc, f"dock warehouse {w}", self.start_timeout_s) for w, proc in enumerate(whs)
+            ]
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+            for stream in (proc.stdout, getattr(proc, "log_file", None)):
+                _close(stream)
+        self._procs.clear()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
+    def ipc_files(self) -> list[Path]:
+        return list(Path(self._ipc_dir).iterdir()) if self._ipc_dir else []
+
+    def __enter__(self) -> LocalDock:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _close(stream: IO[str] | None) -> None:
+    if stream is not None:
+        try:
+            stream.close()
+        except OSError:
+            pass

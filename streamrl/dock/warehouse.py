@@ -1,0 +1,243 @@
+"""A dock warehouse: holds the column values of the samples it owns, serves put/get.
+
+Warehouse ``w`` of ``W`` owns sample index ``k`` iff ``k % W == w``; clients compute that
+themselves and talk to warehouses directly, in parallel, so tensors never pass through the
+controller. After storing a put, the warehouse tells the controller which (sample, column)
+pairs became ready, then answers the client. Nothing relies on the readiness message reaching
+the controller before the producer's next message (they travel on different connections):
+a consumer's claim simply waits until the readiness arrives.
+
+Stored tensors are views of the received zmq frames (codec rule 4): a put costs no copy here,
+and a get of a large value sends that same memory back out without copying (codec rule 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from streamrl.dock import protocol as p
+from streamrl.dock.codec import decode_columns, encode_columns
+from streamrl.dock.errors import WireFormatError
+
+log = logging.getLogger("streamrl.dock.warehouse")
+
+
+class WarehouseStore:
+    """Column values by sample index, with byte accounting. No sockets."""
+
+    def __init__(self, warehouse_id: int, n_warehouses: int) -> None:
+        self.warehouse_id = warehouse_id
+        self.n_warehouses = n_warehouses
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.bytes_held = 0
+        self.counters = dict.fromkeys(("puts", "gets", "frees", "errors", "bytes_in", "bytes_out"), 0)
+
+    def check_owned(self, indices: list[int]) -> None:
+        bad = [i for i in indices if i < 0 or i % self.n_warehouses != self.warehouse_id]
+        if bad:
+            raise ValueError(
+                f"indices {bad[:8]} are not owned by warehouse {self.warehouse_id} of {self.n_warehouses} "
+                "(index k lives on warehouse k % n_warehouses)"
+            )
+
+    def put(self, indices: list[int], values: dict[str, list[Any]]) -> None:
+        self.check_owned(indices)
+        if len(set(indices)) != len(indices):
+            raise ValueError("duplicate indices in one put")
+        for i in indices:  # validate the whole put before storing any of it
+            row = self.rows.get(i)
+            dup = [name for name in values if row is not None and name in row]
+            if dup:
+                raise ValueError(f"column {dup[0]!r} of sample {i} is already written (columns are write-once)")
+        for k, i in enumerate(indices):
+            row = self.rows.setdefault(i, {})
+            for name, vals in values.items():
+                v = vals[k]
+                row[name] = v
+                self.bytes_held += _nbytes(v)
+
+    def get(self, indices: list[int], columns: list[str]) -> dict[str, list[Any]]:
+        self.check_owned(indices)
+        out: dict[str, list[Any]] = {c: [] for c in columns}
+        for i in indices:
+            row = self.rows.get(i)
+            if row is None:
+                raise KeyError(f"sample {i} holds no data here (never written, or freed after every consumer acked)")
+            for c in columns:
+                if c not in row:
+                    raise KeyError(f"column {c!r} of sample {i} is not written yet; present: {sorted(row)}")
+                out[c].append(row[c])
+        return out
+
+    def free(self, indices: list[int]) -> None:
+        for i in indices:
+            row = self.rows.pop(i, None)
+            if row is not None:
+                self.bytes_held -= sum(_nbytes(v) for v in row.values())
+                self.counters["frees"] += 1
+
+    def statistics(self) -> dict[str, Any]:
+        return {"warehouse_id": self.warehouse_id, "samples": len(self.rows), "bytes_held": self.bytes_held,
+                **self.counters}
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+class WarehouseServer:
+    def __init__(
+        self,
+        bind: str,
+        controller: str,
+        warehouse_id: int,
+        n_warehouses: int,
+        *,
+        context: zmq.Context | None = None,
+        hwm: int = 1000,
+    ) -> None:
+        self.store = WarehouseStore(warehouse_id, n_warehouses)
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)  # finite: clients bound their in-flight requests too
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(bind)
+        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.ctl = self.ctx.socket(zmq.DEALER)
+        self.ctl.setsockopt(zmq.LINGER, 0)
+        self.ctl.connect(controller)
+        self.ctl.send(p.encoder.encode(p.WarehouseHello(warehouse_id, self.endpoint)))
+        self._stop = False
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.ctl, zmq.POLLIN)
+        while not self._stop:
+            events = dict(poller.poll(100))
+            if self.ctl in events:
+                while True:
+                    try:
+                        frames = self.ctl.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle_controller(frames)
+            if self.sock in events:
+                for _ in range(256):
+                    try:
+                        frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.handle(frames)
+        self.sock.close(linger=0)
+        self.ctl.close(linger=0)
+
+    def _handle_controller(self, frames: list[bytes]) -> None:
+        try:
+            msg = p.warehouse_request_decoder.decode(frames[0])
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable message from the controller: %s", exc)
+            return
+        match msg:
+            case p.Free(indices=idx):
+                self.store.free(idx)
+            case _:
+                log.warning("unexpected %s from the controller", type(msg).__name__)
+
+    def _reply(self, identity: bytes, msg: msgspec.Struct, frames: list[Any] | None = None) -> None:
+        try:
+            self.sock.send_multipart([identity, p.encoder.encode(msg), *(frames or [])], copy=False,
+                                     flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("dropping reply to %r: %s", identity, exc)
+
+    def _error(self, identity: bytes, req_id: int, code: str, message: str) -> None:
+        self.store.counters["errors"] += 1
+        self._reply(identity, p.ErrorReply(req_id, code, message))
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            log.warning("dropping message with %d frames", len(frames))
+            return
+        identity, header = frames[0].bytes, frames[1].bytes
+        try:
+            msg = p.warehouse_request_decoder.decode(header)
+        except msgspec.DecodeError as exc:
+            rid = p.salvage_req_id(header)
+            log.warning("undecodable warehouse request from %r: %s", identity, exc)
+            if rid is not None:
+                self._error(identity, rid, "malformed", f"could not decode request: {exc}")
+            return
+        try:
+            self._dispatch(identity, msg, frames[2:])
+        except (WireFormatError, ValueError, KeyError) as exc:
+            text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            self._error(identity, getattr(msg, "req_id", -1), "bad_request", str(text))
+        except Exception as exc:  # never die of one request
+            log.exception("internal error on %s", type(msg).__name__)
+            self._error(identity, getattr(msg, "req_id", -1), "internal", f"{type(exc).__name__}: {exc}")
+
+    def _dispatch(self, identity: bytes, msg: p.WarehouseRequest, data: list[zmq.Frame]) -> None:
+        st = self.store
+        match msg:
+            case p.Put(req_id=rid, indices=idx, columns=cols, versions=vers, lengths=lens):
+                n = len(idx)
+                if (vers is not None and len(vers) != n) or (lens is not None and len(lens) != n):
+                    raise ValueError(f"versions/lengths must have one entry per index ({n})")
+                if len({c.name for c in cols}) != len(cols):
+                    raise ValueError("a column name appears twice in one put")
+                values = decode_columns(cols, data, n)
+                st.put(idx, values)
+                st.counters["puts"] += 1
+                st.counters["bytes_in"] += sum(len(f) for f in data)
+                ready = p.ColumnsReady(st.warehouse_id, idx, [c.name for c in cols], vers, lens)
+                self.ctl.send(p.encoder.encode(ready))
+                self._reply(identity, p.Ok(rid))
+            case p.Get(req_id=rid, indices=idx, columns=names):
+                values = st.get(idx, names)
+                cols, frames = encode_columns(values, len(idx))
+                st.counters["gets"] += 1
+                st.counters["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
+                self._reply(identity, p.Fetched(rid, idx, cols), frames)
+            case p.StatsRequest(req_id=rid):
+                self._reply(identity, p.Stats(rid, st.statistics()))
+            case p.Free():
+                raise ValueError("free is the controller's message; clients release via the controller")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m streamrl.dock.warehouse", description=__doc__.splitlines()[0])
+    ap.add_argument("--bind", required=True, help="tcp://127.0.0.1:0 (port from the OS) or ipc:///path")
+    ap.add_argument("--controller", required=True, help="the controller's endpoint")
+    ap.add_argument("--id", type=int, required=True, help="this warehouse's id, 0..warehouses-1")
+    ap.add_argument("--warehouses", type=int, default=1)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
+    try:
+        server = WarehouseServer(args.bind, args.controller, args.id, args.warehouses)
+    except zmq.ZMQError as exc:
+        print(f"warehouse: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    print(f"READY {server.endpoint}", flush=True)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
