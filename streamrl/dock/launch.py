@@ -76,7 +76,7 @@ class LocalDock:
     def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
         env = {**os.environ, "STREAMRL_LOG": self.log_level, "PYTHONUNBUFFERED": "1"}
         # stderr to a temp file, not a pipe: a chatty server must never block on a full pipe
-        log = tempfile.TemporaryFile(mode="w+", prefix="streamrl-dock-")
+        log = tempfile.TemporaryFile(mode="w+", prefix="streamrl-dock-")  # noqa: SIM115 - closed in stop()
         # own session: a Ctrl-C at the terminal reaches the launcher, which then stops us in order
         proc = subprocess.Popen(
             [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=log, text=True,

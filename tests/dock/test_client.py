@@ -1,0 +1,124 @@
+"""The async client against a real dock (controller + 2 warehouses as processes) over tcp and ipc."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from streamrl.dock.client import DockClient
+from streamrl.dock.errors import DockFull, DockTimeout, EndOfStream, NothingToClaim, RemoteError
+from streamrl.dock.launch import LocalDock
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool]
+
+
+def _value(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    return (torch.randn(shape) * 50).to(dtype)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_round_trip_of_every_dtype_and_shape_over_real_sockets(transport: str) -> None:
+    shapes = [(), (0,), (1,), (13,), (4, 3), (1 << 17,)]  # 0-d, empty, ragged, 2-d, above zero-copy size
+
+    async def main(dock: LocalDock) -> None:
+        async with DockClient(dock.controller_endpoint) as c:
+            n = len(shapes)
+            columns = {f"c_{str(dt)[6:]}": [_value(dt, s) for s in shapes] for dt in DTYPES}
+            columns["meta"] = [{"k": i, "s": "x" * i} for i in range(n)]
+            idx = await c.add(columns)
+            await c.close_input()
+            lease = await c.claim("gen", list(columns), n, min_n=n, timeout=10)
+            assert sorted(lease.indices) == sorted(idx)
+            got = await c.fetch(idx, list(columns))
+            for name, vals in columns.items():
+                for want, have in zip(vals, got[name], strict=True):
+                    if isinstance(want, torch.Tensor):
+                        assert have.dtype == want.dtype and have.shape == want.shape
+                        assert torch.equal(have, want)
+                    else:
+                        assert have == want
+            await c.ack(lease)
+
+    with LocalDock(["gen"], capacity=64, n_warehouses=2, transport=transport) as dock:  # type: ignore[arg-type]
+        anyio.run(main, dock)
+        if transport == "ipc":
+            assert dock.ipc_files()
+        ipc_dir = dock._ipc_dir
+    assert ipc_dir is None or not __import__("os").path.exists(ipc_dir)  # no stale ipc files
+
+
+def test_pipeline_flow_groups_versions_and_end_of_stream(dock: LocalDock) -> None:
+    async def main() -> None:
+        async with DockClient(dock.controller_endpoint) as c:
+            idx = await c.add({"x": [torch.tensor([i]) for i in range(16)]}, group_size=4)
+            with pytest.raises(NothingToClaim):
+                await c.claim_nowait("train", ["x", "y"], 8, whole_groups=True)
+            lease = await c.claim("gen", ["x"], 16, min_n=16, timeout=10)
+            await c.put(lease.indices, {"y": [torch.ones(i) for i in range(16)]},
+                        versions=[7] * 16, lengths=list(range(16)))
+            await c.ack(lease)
+            await c.close_input()
+            seen = []
+            async for batch in c.stream("train", ["x", "y"], 8, whole_groups=True, idle_timeout=10):
+                assert len({s.group for s in batch.lease.samples}) == 2  # two whole groups of 4
+                assert batch.lease.versions == [7] * 8
+                assert [t.numel() for t in batch.columns["y"]] == batch.lease.lengths
+                seen.extend(batch.indices)
+                await c.ack(batch.lease)
+            assert sorted(seen) == idx
+            with pytest.raises(EndOfStream):
+                await c.claim("train", ["x", "y"], 8, whole_groups=True, timeout=2)
+            stats = await c.server_statistics()
+            assert stats["controller"]["in_flight"] == 0  # every consumer acked: freed
+            assert all(w["samples"] == 0 and w["bytes_held"] == 0 for w in stats["warehouses"])
+
+    anyio.run(main)
+
+
+def test_bad_requests_get_clear_errors_and_the_servers_keep_serving(dock: LocalDock) -> None:
+    async def main() -> None:
+        async with DockClient(dock.controller_endpoint, request_timeout_s=10) as c:
+            idx = await c.add({"x": [torch.zeros(1)]})
+            with pytest.raises(RemoteError, match="write-once"):
+                await c.put(idx, {"x": [torch.zeros(1)]})
+            with pytest.raises(RemoteError, match="not written yet"):
+                await c.fetch(idx, ["nope"])
+            with pytest.raises(RemoteError, match="not registered"):
+                await c.claim("nobody", ["x"], 1, timeout=1)
+            with pytest.raises(RemoteError, match="exceeds the dock capacity"):
+                await c.reserve(10_000)
+            with pytest.raises(RemoteError, match="multiple of group_size"):
+                await c.reserve(3, group_size=2)
+            lease = await c.claim("gen", ["x"], 1, timeout=5)
+            await c.ack(lease)
+            with pytest.raises(RemoteError, match="not held"):
+                await c.ack(lease)
+            assert (await c.fetch(idx, ["x"]))["x"][0].tolist() == [0.0]
+
+    anyio.run(main)
+
+
+def test_reserve_nowait_raises_dock_full_and_reserve_times_out() -> None:
+    async def main(dock: LocalDock) -> None:
+        async with DockClient(dock.controller_endpoint) as c:
+            await c.reserve(4)
+            with pytest.raises(DockFull):
+                await c.reserve_nowait(1)
+            with pytest.raises(DockTimeout):
+                await c.reserve(1, timeout=0.3)
+
+    with LocalDock(["gen"], capacity=4) as dock:
+        anyio.run(main, dock)
+
+
+def test_client_timeout_when_no_dock_answers() -> None:
+    async def main() -> None:
+        with pytest.raises(DockTimeout, match="did not answer"):
+            async with DockClient("tcp://127.0.0.1:9", connect_timeout_s=0.5):
+                pass
+
+    anyio.run(main)

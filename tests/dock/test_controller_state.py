@@ -1,0 +1,169 @@
+"""ControllerState semantics, exercised directly (no sockets) so hypothesis can try many interleavings."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamrl.dock import protocol as p
+from streamrl.dock.controller import ControllerState, ProtocolViolation
+
+CONSUMERS = ["gen", "train"]
+
+
+def claim(state: ControllerState, consumer: str, n: int, client: str = "c1", **kw: object) -> p.Claimed | None:
+    req = p.Claim(1, client, consumer, ["x"], n, **kw)  # type: ignore[arg-type]
+    view = state.validate_claim(req)
+    return state.try_claim(req, view, force=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_none(data: st.DataObject) -> None:
+    group_size = data.draw(st.sampled_from([1, 2, 4]), label="group_size")
+    whole = {c: data.draw(st.booleans(), label=f"whole_groups[{c}]") for c in CONSUMERS}
+    state = ControllerState(CONSUMERS, capacity=16, n_warehouses=2)
+    acked: dict[str, list[int]] = {c: [] for c in CONSUMERS}
+    leases: dict[int, tuple[str, str, set[int]]] = {}  # lease -> (consumer, client, indices)
+
+    def do_claim(consumer: str, client: str, n: int) -> None:
+        reply = claim(state, consumer, n, client, whole_groups=whole[consumer])
+        if reply and reply.samples:
+            got = {s.index for s in reply.samples}
+            for _, (c, _, held) in leases.items():
+                assert c != consumer or not (held & got), "a sample leased twice to one consumer"
+            assert not (got & set(acked[consumer])), "an acked sample was delivered again"
+            if whole[consumer]:
+                starts = {s.index - s.index % group_size for s in reply.samples}
+                for g in starts:  # whole groups: every still-pending member comes together
+                    members = {i for i in range(g, g + group_size) if i not in acked[consumer]}
+                    assert members <= got
+            leases[reply.lease_id] = (consumer, client, got)
+
+    for _ in range(data.draw(st.integers(5, 60), label="steps")):
+        op = data.draw(st.sampled_from(["reserve", "ready", "claim", "ack", "release", "expire"]))
+        if op == "reserve" and state.free_slots >= group_size * 2:
+            state.reserve(group_size * data.draw(st.integers(1, 2)), group_size)
+        elif op == "ready" and state.samples:
+            live = sorted(state.samples)
+            chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+            state.columns_ready(chosen, ["x"], None, None)
+        elif op == "claim":
+            do_claim(data.draw(st.sampled_from(CONSUMERS)), data.draw(st.sampled_from(["c1", "c2"])),
+                     data.draw(st.integers(1, 8)))
+        elif op == "ack" and leases:
+            lid = data.draw(st.sampled_from(sorted(leases)))
+            consumer, client, held = leases.pop(lid)
+            state.ack(client, lid, None)
+            acked[consumer].extend(held)
+        elif op == "release" and leases:
+            lid = data.draw(st.sampled_from(sorted(leases)))
+            consumer, client, _ = leases.pop(lid)
+            state.release(client, lid)
+        elif op == "expire":
+            client = data.draw(st.sampled_from(["c1", "c2"]))
+            state.expire_client(client)
+            for lid in [lid for lid, (_, c, _) in leases.items() if c == client]:
+                del leases[lid]
+
+    # drain: all columns ready, every consumer claims and acks until nothing is left
+    state.columns_ready(sorted(state.samples), ["x"], None, None)
+    for lid, (consumer, client, held) in list(leases.items()):
+        state.ack(client, lid, None)
+        acked[consumer].extend(held)
+    state.input_closed = True
+    for consumer in CONSUMERS:
+        while (reply := claim(state, consumer, 8, whole_groups=whole[consumer])) and reply.samples:
+            state.ack("c1", reply.lease_id, None)
+            acked[consumer].extend(s.index for s in reply.samples)
+        assert reply is not None and reply.end
+    for consumer in CONSUMERS:
+        assert sorted(acked[consumer]) == list(range(state.next_index)), f"{consumer}: lost or duplicated"
+    assert not state.samples and state.free_slots == state.capacity
+
+
+def test_claims_cost_o_claimed_not_o_capacity() -> None:
+    """With 50k samples ready, a claim of 8 touches the queue's head only."""
+    state = ControllerState(["a"], capacity=50_000, n_warehouses=1)
+    idx, _ = state.reserve(50_000, 1)
+    state.columns_ready(idx, ["x"], None, None)
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        reply = claim(state, "a", 8)
+        assert reply is not None
+        state.ack("c1", reply.lease_id, None)
+    per_claim = (time.perf_counter() - t0) / 1000
+    assert per_claim < 1e-3, f"claim+ack took {per_claim * 1e6:.0f} us with 50k samples live"
+
+
+def test_min_version_drops_stale_samples_for_that_consumer_only() -> None:
+    state = ControllerState(["train", "log"], capacity=8, n_warehouses=1)
+    idx, _ = state.reserve(4, 1)
+    state.columns_ready(idx, ["x"], [0, 1, 2, 3], None)
+    reply = claim(state, "train", 8, min_version=2)
+    assert reply is not None and [s.index for s in reply.samples] == [2, 3] and reply.dropped_stale == 2
+    reply = claim(state, "log", 8)
+    assert reply is not None and len(reply.samples) == 4
+
+
+def test_balance_by_length_picks_samples_of_similar_length() -> None:
+    state = ControllerState(["train"], capacity=16, n_warehouses=1)
+    idx, _ = state.reserve(8, 1)
+    state.columns_ready(idx, ["x"], None, [30, 2, 29, 3, 31, 1, 28, 4])
+    reply = claim(state, "train", 4, balance_by_length=True)
+    assert reply is not None
+    assert sorted(s.length for s in reply.samples) == [1, 2, 3, 4]
+    rest = claim(state, "train", 4)
+    assert rest is not None and sorted(s.length for s in rest.samples) == [28, 29, 30, 31]
+
+
+def test_whole_groups_wait_for_the_last_member() -> None:
+    state = ControllerState(["adv"], capacity=8, n_warehouses=1)
+    idx, groups = state.reserve(8, 4)
+    assert groups == [0] * 4 + [1] * 4
+    state.columns_ready(idx[:7], ["x"], None, None)
+    reply = claim(state, "adv", 8, whole_groups=True)
+    assert reply is not None and [s.index for s in reply.samples] == [0, 1, 2, 3]
+    state.columns_ready([7], ["x"], None, None)
+    reply = claim(state, "adv", 8, whole_groups=True)
+    assert reply is not None and [s.index for s in reply.samples] == [4, 5, 6, 7]
+
+
+def test_min_n_is_waived_for_the_last_samples_of_a_closed_input() -> None:
+    state = ControllerState(["train"], capacity=8, n_warehouses=1)
+    idx, _ = state.reserve(3, 1)
+    state.columns_ready(idx, ["x"], None, None)
+    req = p.Claim(1, "c", "train", ["x"], 8, min_n=8)
+    assert state.try_claim(req, state.validate_claim(req), force=False) is None
+    state.input_closed = True
+    reply = state.try_claim(req, state.validate_claim(req), force=False)
+    assert reply is not None and len(reply.samples) == 3
+
+
+@pytest.mark.parametrize(
+    ("call", "code"),
+    [
+        (lambda s: s.reserve(3, 2), "bad_field"),
+        (lambda s: s.reserve(100, 1), "bad_field"),
+        (lambda s: s.ack("c", 99, None), "unknown_lease"),
+        (lambda s: s.validate_claim(p.Claim(1, "c", "nobody", ["x"], 1)), "unknown_consumer"),
+        (lambda s: s.validate_claim(p.Claim(1, "c", "a", ["x"], 0)), "bad_field"),
+    ],
+)
+def test_bad_requests_are_protocol_violations_with_codes(call, code: str) -> None:  # type: ignore[no-untyped-def]
+    state = ControllerState(["a"], capacity=8, n_warehouses=1)
+    with pytest.raises(ProtocolViolation) as info:
+        call(state)
+    assert info.value.code == code
+
+
+def test_constructor_validates() -> None:
+    with pytest.raises(ValueError, match="at least one consumer"):
+        ControllerState([], 8, 1)
+    with pytest.raises(ValueError, match="unique"):
+        ControllerState(["a", "a"], 8, 1)
+    with pytest.raises(ValueError, match="capacity"):
+        ControllerState(["a"], 0, 1)
