@@ -492,6 +492,8 @@ class ControllerServer:
         self.client_ttl: dict[str, float] = {}
         self.client_seen: dict[str, float] = {}
         self._stop = False
+        self.parent_pid = 0  # when set: stop once that process is gone (no orphans)
+        self._parent_check = 0.0
         self._next_expiry_scan = 0.0
 
     # ------------------------------------------------------------------ replies
@@ -509,10 +511,19 @@ class ControllerServer:
     def stop(self) -> None:
         self._stop = True
 
+    def _check_parent(self) -> None:
+        now = time.monotonic()
+        if self.parent_pid and now >= self._parent_check:
+            self._parent_check = now + 1.0
+            if os.getppid() != self.parent_pid:
+                log.error("parent process %d is gone: stopping", self.parent_pid)
+                self._stop = True
+
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop:
+            self._check_parent()
             timeout_ms = self._poll_timeout_ms()
             events = dict(poller.poll(timeout_ms))
             if self.sock in events:
@@ -734,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind", required=True, help="tcp://127.0.0.1:0 (port from the OS) or ipc:///path")
     ap.add_argument("--consumers", required=True, help="comma-separated stage names that must ack each sample")
     ap.add_argument("--capacity", type=int, required=True, help="samples in flight before producers wait")
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     ap.add_argument("--warehouses", type=int, default=1, help="number of warehouses that will register")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
@@ -744,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, zmq.ZMQError) as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
+    server.parent_pid = args.parent_pid
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"READY {server.endpoint}", flush=True)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,14 +97,14 @@ class LocalDock:
             ctl = self._spawn([
                 "streamrl.dock.controller", "--bind", self._bind("controller"),
                 "--consumers", ",".join(self.consumers), "--capacity", str(self.capacity),
-                "--warehouses", str(self.n_warehouses),
+                "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
             ])
             self.controller_endpoint = _read_ready(ctl, "dock controller", self.start_timeout_s)
             whs = [
                 self._spawn([
                     "streamrl.dock.warehouse", "--bind", self._bind(f"warehouse-{w}"),
                     "--controller", self.controller_endpoint, "--id", str(w),
-                    "--warehouses", str(self.n_warehouses),
+                    "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
                 ])
                 for w in range(self.n_warehouses)
             ]
@@ -156,3 +157,47 @@ def _close(stream: IO[str] | None) -> None:
             stream.close()
         except OSError:
             pass
+
+
+@dataclass
+class ThreadDock:
+    """The same servers in threads of this process (``resources.launch: inprocess``, debugging)."""
+
+    consumers: list[str]
+    capacity: int
+    n_warehouses: int = 1
+    controller_endpoint: str = ""
+    warehouse_endpoints: list[str] = field(default_factory=list)
+    _servers: list[object] = field(default_factory=list)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> ThreadDock:
+        from streamrl.dock.controller import ControllerServer
+        from streamrl.dock.warehouse import WarehouseServer
+
+        ctl = ControllerServer("tcp://127.0.0.1:0", self.consumers, self.capacity, self.n_warehouses)
+        self.controller_endpoint = ctl.endpoint
+        servers: list[ControllerServer | WarehouseServer] = [ctl]
+        for w in range(self.n_warehouses):
+            servers.append(WarehouseServer("tcp://127.0.0.1:0", ctl.endpoint, w, self.n_warehouses))
+        self.warehouse_endpoints = [s.endpoint for s in servers[1:]]
+        for s in servers:
+            t = threading.Thread(target=s.serve_forever, name=f"dock-{type(s).__name__}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._servers = list(servers)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for s in self._servers:
+            s.stop()  # type: ignore[attr-defined]
+        for t in self._threads:
+            t.join(timeout=timeout_s)
+        self._servers.clear()
+        self._threads.clear()
+
+    def __enter__(self) -> ThreadDock:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

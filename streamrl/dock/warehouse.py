@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -119,15 +120,26 @@ class WarehouseServer:
         self.ctl.connect(controller)
         self.ctl.send(p.encoder.encode(p.WarehouseHello(warehouse_id, self.endpoint)))
         self._stop = False
+        self.parent_pid = 0  # when set: stop once that process is gone (no orphans)
+        self._parent_check = 0.0
 
     def stop(self) -> None:
         self._stop = True
+
+    def _check_parent(self) -> None:
+        now = time.monotonic()
+        if self.parent_pid and now >= self._parent_check:
+            self._parent_check = now + 1.0
+            if os.getppid() != self.parent_pid:
+                log.error("parent process %d is gone: stopping", self.parent_pid)
+                self._stop = True
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.ctl, zmq.POLLIN)
         while not self._stop:
+            self._check_parent()
             events = dict(poller.poll(100))
             if self.ctl in events:
                 while True:
@@ -224,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind", required=True, help="tcp://127.0.0.1:0 (port from the OS) or ipc:///path")
     ap.add_argument("--controller", required=True, help="the controller's endpoint")
     ap.add_argument("--id", type=int, required=True, help="this warehouse's id, 0..warehouses-1")
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     ap.add_argument("--warehouses", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
@@ -232,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as exc:
         print(f"warehouse: {exc}", file=sys.stderr)
         return 2
+    server.parent_pid = args.parent_pid
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"READY {server.endpoint}", flush=True)

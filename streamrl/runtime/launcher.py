@@ -1,0 +1,281 @@
+"""Launch a run: dock + one worker per stage replica, metrics, progress, clean shutdown.
+
+``processes`` (default): controller, warehouses and every stage worker are separate local
+processes started here, each in its own session so a Ctrl-C reaches only the launcher, which
+then stops them in order (Stop, wait, SIGTERM, SIGKILL). Every child also exits by itself if
+the launcher disappears. ``inprocess``: the stage workers are tasks of this process and the
+dock servers threads, for stepping through with a debugger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from streamrl.config import RunConfig, dump_config, load_config
+from streamrl.dock.launch import LocalDock, ThreadDock
+from streamrl.metrics.progress import Progress
+from streamrl.metrics.writer import MetricsWriter, plot_reward_curve
+from streamrl.runtime import control as c
+from streamrl.runtime.pipeline import PipelineSpec, load_pipeline
+from streamrl.runtime.stage import StageError
+from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
+
+log = logging.getLogger("streamrl.launcher")
+
+
+class RunFailed(RuntimeError):
+    """The run stopped because a stage failed or a worker died; the message says which and where."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    metrics: list[dict[str, Any]]
+    steps: int
+    stop_reason: str
+    setup_s: float  # launch until every worker was set up (processes, imports, models)
+    train_s: float  # Go until the end of the run
+    total_s: float
+    time_to_target_s: float | None  # Go until the first step with reward >= algo.stop_reward
+    checkpoint: Path | None
+    worker_logs: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def final_reward(self) -> float | None:
+        return self.metrics[-1].get("reward_mean") if self.metrics else None
+
+
+@dataclass
+class _Worker:
+    stage: str
+    index: int
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+
+def _new_run_dir(cfg: RunConfig) -> Path:
+    base = Path(cfg.output.run_dir)
+    if not base.is_absolute():
+        base = Path.cwd() / base
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = base / f"{cfg.output.name}-{stamp}"
+    k = 1
+    while run_dir.exists():
+        k += 1
+        run_dir = base / f"{cfg.output.name}-{stamp}-{k}"
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def run(config: str | Path | dict[str, Any] | RunConfig, overrides: list[str] | None = None,
+        **kwargs: Any) -> RunResult:
+    """Run a config to completion (blocking). See :func:`arun`."""
+    return anyio.run(lambda: arun(config, overrides, **kwargs))
+
+
+async def arun(config: str | Path | dict[str, Any] | RunConfig, overrides: list[str] | None = None, *,
+               run_dir: str | Path | None = None) -> RunResult:
+    """Validate the config and pipeline, launch everything, stream metrics, stop cleanly."""
+    t_launch = time.monotonic()
+    cfg = load_config(config, overrides)
+    pipeline = load_pipeline(cfg)
+    rdir = Path(run_dir) if run_dir is not None else _new_run_dir(cfg)
+    rdir.mkdir(parents=True, exist_ok=True)
+    (rdir / "config.yaml").write_text(dump_config(cfg))
+    (rdir / "pipeline.yaml").write_text(Path(pipeline.path).read_text())
+    return await _Launch(cfg, pipeline, rdir, t_launch).run()
+
+
+class _Launch:
+    def __init__(self, cfg: RunConfig, pipeline: PipelineSpec, run_dir: Path, t_launch: float) -> None:
+        self.cfg = cfg
+        self.pipeline = pipeline
+        self.run_dir = run_dir
+        self.t_launch = t_launch
+        self.workers = [_Worker(s.name, k) for s in pipeline.stages for k in range(s.workers)]
+        self.progress = Progress(cfg.algo.steps, cfg.output.progress)
+        self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard)
+        self.busy: dict[tuple[str, int], float] = {}
+        self.busy_at_last_step: dict[str, float] = {}
+        self.t_last_step = 0.0
+        self.t_go = 0.0
+        self.time_to_target: float | None = None
+        self.failure: c.Failed | None = None
+        self.death: str | None = None
+        self.stop_reason = ""
+
+    async def run(self) -> RunResult:
+        cfg = self.cfg
+        # ipc endpoints live in a short private dir (socket paths are limited to ~100 bytes)
+        tmp = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
+        dock: LocalDock | ThreadDock
+        if cfg.resources.launch == "processes":
+            dock = LocalDock(self.pipeline.consumers, cfg.dock_capacity, cfg.resources.dock.warehouses,
+                             cfg.resources.dock.transport, start_timeout_s=cfg.resources.start_timeout_s)
+        else:
+            dock = ThreadDock(self.pipeline.consumers, cfg.dock_capacity, cfg.resources.dock.warehouses)
+        server: c.ControlServer | None = None
+        try:
+            self.progress.message(f"streamrl: run dir {self.run_dir}")
+            dock.start()
+            server = c.ControlServer(f"ipc://{tmp}/control")
+            weights = f"ipc://{tmp}/weights"
+            async with anyio.create_task_group() as tg:
+                for w in self.workers:
+                    spec = WorkerSpec(config=cfg, stage=self.pipeline.stage(w.stage), worker=w.index,
+                                      dock_endpoint=dock.controller_endpoint, control_endpoint=server.endpoint,
+                                      weights_endpoint=weights, run_dir=str(self.run_dir),
+                                      parent_pid=os.getpid() if cfg.resources.launch == "processes" else 0)
+                    if cfg.resources.launch == "processes":
+                        self._spawn(w, spec)
+                    else:
+                        tg.start_soon(run_worker, spec)
+                await self._supervise(server)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                if server is not None:
+                    await server.broadcast(c.Stop(self.stop_reason or "launcher stopping"))
+                await anyio.to_thread.run_sync(self._reap)
+                if server is not None:
+                    server.close()
+                dock.stop()
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.progress.close()
+                self.metrics.close()
+        return self._result()
+
+    def _spawn(self, w: _Worker, spec: WorkerSpec) -> None:
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        spec_path = logs / f"{w.stage}-{w.index}.spec.json"
+        write_spec(spec, spec_path)
+        w.log_path = logs / f"{w.stage}-{w.index}.log"
+        with w.log_path.open("wb") as out:
+            w.proc = subprocess.Popen(
+                [sys.executable, "-m", "streamrl.runtime.worker", str(spec_path)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def _check_processes(self) -> None:
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() not in (None, 0) and self.death is None:
+                code = w.proc.returncode
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                self.death = f"stage {w.stage!r} worker {w.index} {how}; its log: {w.log_path}"
+
+    async def _supervise(self, server: c.ControlServer) -> None:
+        expected = {(w.stage, w.index) for w in self.workers}
+        ready: set[tuple[str, int]] = set()
+        finished: set[tuple[str, int]] = set()
+        deadline = time.monotonic() + self.cfg.resources.start_timeout_s
+        stop_deadline: float | None = None
+        went = False
+        while True:
+            event = None
+            with anyio.move_on_after(0.2):
+                event = await server.recv()
+            self._check_processes()
+            match event:
+                case c.Ready(stage=s, worker=k):
+                    ready.add((s, k))
+                case c.StageBusy(stage=s, worker=k, busy_s=b):
+                    self.busy[(s, k)] = b
+                case c.StepReport(step=step, metrics=m):
+                    self._on_step(step, m)
+                case c.Failed():
+                    self.failure = event
+                case c.StopRequest(reason=reason):
+                    self.stop_reason = reason
+                    await server.broadcast(c.Stop(reason))
+                    stop_deadline = time.monotonic() + 60
+                case c.Finished(stage=s, worker=k):
+                    finished.add((s, k))
+            if self.failure is not None or self.death is not None:
+                return
+            if not went and ready == expected:
+                went = True
+                self.t_go = self.t_last_step = time.monotonic()
+                self.progress.message(f"streamrl: {len(expected)} workers ready in "
+                                      f"{self.t_go - self.t_launch:.1f} s; training")
+                await server.broadcast(c.Go())
+            if not went and time.monotonic() > deadline:
+                missing = sorted(expected - ready)
+                raise RunFailed(f"workers {missing} did not finish setup within resources.start_timeout_s="
+                                f"{self.cfg.resources.start_timeout_s} s; see {self.run_dir / 'logs'}")
+            if finished == expected:
+                self.stop_reason = self.stop_reason or "all stages finished"
+                return
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                return  # stop requested; stragglers are reaped below
+
+    def _on_step(self, step: int, metrics: dict[str, float]) -> None:
+        now = time.monotonic()
+        row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(now - self.t_go, 4)}
+        wall = max(now - self.t_last_step, 1e-9)
+        for s in self.pipeline.stages:
+            total = sum(b for (name, _), b in self.busy.items() if name == s.name)
+            row[f"busy/{s.name}"] = round((total - self.busy_at_last_step.get(s.name, 0.0)) / wall / s.workers, 4)
+            self.busy_at_last_step[s.name] = total
+        self.t_last_step = now
+        target = self.cfg.algo.stop_reward
+        if target is not None and self.time_to_target is None and metrics.get("reward_mean", -1e9) >= target:
+            self.time_to_target = now - self.t_go
+        self.metrics.write(row)
+        self.progress.update(row)
+
+    def _reap(self) -> None:
+        """Wait for workers to exit after Stop; SIGTERM, then SIGKILL, whoever lingers."""
+        procs = [w.proc for w in self.workers if w.proc is not None]
+        deadline = time.monotonic() + 30
+        for sig, wait in ((None, 30.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            alive = [p for p in procs if p.poll() is None]
+            if not alive:
+                return
+            for p in alive:
+                if sig is not None:
+                    p.send_signal(sig)
+            deadline = time.monotonic() + wait
+            for p in alive:
+                try:
+                    p.wait(timeout=max(0.05, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def _result(self) -> RunResult:
+        now = time.monotonic()
+        logs = {f"{w.stage}-{w.index}": w.log_path for w in self.workers if w.log_path is not None}
+        if self.failure is not None:
+            f = self.failure
+            tail = "\n".join(f.traceback.strip().splitlines()[-12:])
+            raise StageError(f.stage, f.worker, f.indices, f"{f.message.split(': ', 1)[-1]}\n{tail}")
+        if self.death is not None:
+            raise RunFailed(self.death)
+        rows = self.metrics.rows
+        if self.cfg.output.plot and rows:
+            plot_reward_curve(rows, self.run_dir / "reward_curve.png", title=self.cfg.output.name)
+        ckpt = self.run_dir / "checkpoint"
+        setup = (self.t_go or now) - self.t_launch
+        self.progress.message(
+            f"streamrl: {len(rows)} steps, final reward {rows[-1].get('reward_mean', float('nan')):.3f}, "
+            f"setup {setup:.1f} s + training {now - (self.t_go or now):.1f} s ({self.stop_reason}); "
+            f"outputs in {self.run_dir}" if rows else f"streamrl: no step completed ({self.stop_reason})"
+        )
+        return RunResult(
+            run_dir=self.run_dir, metrics=rows, steps=len(rows), stop_reason=self.stop_reason, setup_s=setup,
+            train_s=now - (self.t_go or now), total_s=now - self.t_launch, time_to_target_s=self.time_to_target,
+            checkpoint=ckpt if ckpt.is_dir() else None, worker_logs=logs,
+        )

@@ -1,0 +1,218 @@
+"""Numbered policy versions, from the trainer to whoever needs them.
+
+This is the full-state weight path: the trainer publishes version v (a snapshot of its
+weights) after each optimizer step; generators fetch the newest version at or above the one
+they need; sources only wait for a version number. The allgather-swap reshard
+(:mod:`streamrl.reshard`) moves weights between layouts without a full copy; this module is
+the interface the pipeline talks to either way: ``publish`` / ``wait_version`` / ``fetch``.
+
+Wire: ROUTER in the trainer, DEALER in each subscriber; msgspec headers; weights as tensor
+frames through the dock codec (large tensors zero-copy). Requests long-poll: the publisher
+holds a request until a version >= ``need`` exists or ``timeout_s`` passes.
+
+Buffer lifetime: ``publish`` snapshots (clones) the weights, so the optimizer may update the
+live parameters while earlier snapshots are still being sent; a snapshot is freed once it is
+replaced and every send that references it has completed (pyzmq holds references until then).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import anyio
+import msgspec
+import torch
+import zmq
+import zmq.asyncio
+
+from streamrl.dock.codec import decode_columns, encode_columns
+from streamrl.dock.protocol import TensorColumn
+
+log = logging.getLogger("streamrl.policy")
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
+    pass
+
+
+class WeightsRequest(_Msg, tag="weights_request"):
+    req_id: int
+    have: int  # the version the subscriber holds (-1: none); weights come only if newer
+    need: int  # answer once a version >= need exists
+    want_weights: bool
+    timeout_s: float
+
+
+class WeightsReply(_Msg, tag="weights_reply"):
+    req_id: int
+    version: int  # the newest version; < need means the long-poll timed out
+    names: list[str] | None = None  # parameter names; None = no weights in this reply
+    weights: TensorColumn | None = None
+
+
+_request_decoder = msgspec.msgpack.Decoder(WeightsRequest)
+_reply_decoder = msgspec.msgpack.Decoder(WeightsReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class PolicyTimeout(TimeoutError):
+    """The version a stage needs did not appear in time (is the trainer alive?)."""
+
+
+@dataclass
+class _Pending:
+    identity: bytes
+    req: WeightsRequest
+    deadline: float
+
+
+class PolicyPublisher:
+    """Serves the newest policy version from the trainer's process."""
+
+    def __init__(self, bind: str, context: zmq.asyncio.Context | None = None) -> None:
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(bind)
+        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.version = 0
+        self._names: list[str] = []
+        self._tensors: list[torch.Tensor] = []
+        self._pending: list[_Pending] = []
+        self.bytes_sent = 0
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Make ``version`` current. Snapshots ``state`` (see the module's buffer-lifetime note)."""
+        if version <= self.version and self._tensors:
+            raise ValueError(f"policy versions must increase: {version} after {self.version}")
+        self._names = list(state)
+        self._tensors = [t.detach().to("cpu", copy=True) for t in state.values()]
+        self.version = version
+
+    async def serve(self) -> None:
+        """Answer requests forever (run it as a background task)."""
+        while True:
+            with anyio.move_on_after(self._next_timeout()):
+                identity, payload = await self.sock.recv_multipart()
+                try:
+                    req = _request_decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    log.warning("dropping malformed weights request: %s", exc)
+                    continue
+                self._pending.append(_Pending(identity, req, time.monotonic() + max(0.0, req.timeout_s)))
+            await self._answer()
+
+    def _next_timeout(self) -> float:
+        if not self._pending:
+            return 0.2  # re-check now and then: publish() may have made pending requests answerable
+        return max(0.0, min(0.2, min(p.deadline for p in self._pending) - time.monotonic()))
+
+    async def _answer(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for item in self._pending:
+            if self.version >= item.req.need or now >= item.deadline:
+                await self._reply(item.identity, item.req)
+            else:
+                keep.append(item)
+        self._pending = keep
+
+    async def _reply(self, identity: bytes, req: WeightsRequest) -> None:
+        frames: list[object] = []
+        reply = WeightsReply(req.req_id, self.version)
+        if req.want_weights and self.version > req.have and self.version >= req.need and self._tensors:
+            cols, frames = encode_columns({"w": self._tensors}, len(self._tensors))
+            assert isinstance(cols[0], TensorColumn)
+            reply = WeightsReply(req.req_id, self.version, self._names, cols[0])
+            self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+        try:
+            await self.sock.send_multipart([identity, _encoder.encode(reply), *frames], copy=False,
+                                           flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("could not answer a weights request: %s", exc)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class PolicySubscriber:
+    """Asks the trainer's publisher for versions and weights. Version 0 is the initial policy,
+    which every stage builds itself from the config, so waiting for it costs nothing."""
+
+    def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None,
+                 poll_s: float = 1.0) -> None:
+        self.endpoint = endpoint
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self.sock: zmq.asyncio.Socket | None = None
+        self.poll_s = poll_s
+        self.known_version = 0
+        self._ids = itertools.count(1)
+        self.bytes_received = 0
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.endpoint)
+        return self.sock
+
+    async def _ask(self, have: int, need: int, want: bool, wait_s: float) -> tuple[WeightsReply, list[zmq.Frame]]:
+        sock = self._socket()
+        rid = next(self._ids)
+        await sock.send(_encoder.encode(WeightsRequest(rid, have, need, want, wait_s)))
+        try:
+            with anyio.fail_after(wait_s + 30.0):
+                while True:
+                    frames = await sock.recv_multipart(copy=False)
+                    reply = _reply_decoder.decode(frames[0].bytes)
+                    if reply.req_id == rid:  # older replies belong to requests that timed out
+                        self.known_version = max(self.known_version, reply.version)
+                        return reply, frames[1:]
+        except TimeoutError:
+            raise PolicyTimeout(f"the policy publisher at {self.endpoint} did not answer within "
+                                f"{wait_s + 30.0:.0f} s (is the trainer running?)") from None
+
+    async def wait_version(self, need: int, timeout_s: float | None = None) -> int:
+        """Wait until version >= ``need`` exists; returns the newest version known."""
+        if need <= self.known_version:
+            return self.known_version
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else math.inf)
+        while True:
+            wait = min(self.poll_s, max(0.0, deadline - time.monotonic()))
+            reply, _ = await self._ask(-1, need, False, wait)
+            if reply.version >= need:
+                return reply.version
+            if time.monotonic() >= deadline:
+                raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
+                                    f"(newest: {reply.version}; is the trainer running?)")
+
+    async def fetch(
+        self, have: int, need: int, timeout_s: float | None = None
+    ) -> tuple[int, dict[str, torch.Tensor] | None]:
+        """The newest weights if newer than ``have`` (waiting for a version >= ``need``).
+
+        Returns (version, state) with state None when ``have`` is already the newest.
+        """
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else math.inf)
+        while True:
+            wait = min(self.poll_s, max(0.0, deadline - time.monotonic())) if need > have else 0.0
+            reply, frames = await self._ask(have, need, True, wait)
+            if reply.version >= need or need <= have:
+                if reply.weights is None or reply.names is None:
+                    return have, None
+                values = decode_columns([reply.weights], frames, len(reply.names))["w"]
+                self.bytes_received += sum(len(f) for f in frames)
+                return reply.version, dict(zip(reply.names, values, strict=True))
+            if time.monotonic() >= deadline:
+                raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
+                                    f"(newest: {reply.version}; is the trainer running?)")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None

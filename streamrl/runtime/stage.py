@@ -1,0 +1,145 @@
+"""What a stage is: a small protocol, not a base class.
+
+A *processing* stage (it has ``reads``)::
+
+    class MyStage:
+        async def setup(self, ctx: StageContext) -> None: ...       # build models, open files
+        async def process(self, batch: Batch) -> Output | dict: ...  # one micro-batch -> new columns
+        async def close(self) -> None: ...
+
+The runtime loops claim -> fetch -> process -> put -> ack for each worker. ``process`` returns
+one value per sample for each column in the stage's ``writes`` (a dict, or an :class:`Output`
+that also sets the samples' policy versions and lengths). Heavy compute belongs in
+``await ctx.run_sync(fn, ...)`` (a worker thread): the event loop must stay free to renew
+leases and serve weights.
+
+A *source* stage (no ``reads``) has ``async def produce(self) -> Output | None`` instead: each
+call returns the columns of new samples (``Output.group_size`` consecutive samples form a group),
+None when it has no more.
+
+Optional: ``def claim_size(self) -> ClaimSize`` to change how many samples the next claim asks
+for and the oldest policy version it accepts (the trainer uses it to fill exactly one step).
+Raise :class:`StopRun` from ``process`` to end the whole run successfully (e.g. target reached).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+import anyio.to_thread
+
+from streamrl.dock.protocol import SampleInfo
+
+if TYPE_CHECKING:
+    from streamrl.config import RunConfig
+    from streamrl.runtime.control import ControlClient
+    from streamrl.runtime.pipeline import StageSpec
+    from streamrl.runtime.policy import PolicySubscriber
+
+T = TypeVar("T")
+
+
+class StopRun(Exception):
+    """Raised by a stage to end the run successfully (e.g. the target reward was reached)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StageError(RuntimeError):
+    """A stage failed; names the stage, the worker and the samples it was processing."""
+
+    def __init__(self, stage: str, worker: int, indices: Sequence[int], message: str) -> None:
+        shown = list(indices)[:16]
+        more = f" (+{len(indices) - 16} more)" if len(indices) > 16 else ""
+        super().__init__(f"stage {stage!r} worker {worker} failed on samples {shown}{more}: {message}")
+        self.stage = stage
+        self.worker = worker
+        self.indices = list(indices)
+
+
+@dataclass
+class Output:
+    columns: dict[str, list[Any]]
+    versions: list[int] | None = None  # policy version that produced each sample
+    lengths: list[int] | None = None  # tokens per sample (for length-balanced claims)
+    group_size: int = 1  # sources only: consecutive samples that form a group
+
+
+@dataclass
+class ClaimSize:
+    n: int
+    min_n: int = 1
+    min_version: int | None = None
+
+
+@dataclass
+class Batch:
+    """One claimed micro-batch: sample metadata plus the columns the stage reads."""
+
+    samples: list[SampleInfo]
+    columns: dict[str, list[Any]]
+
+    @property
+    def indices(self) -> list[int]:
+        return [s.index for s in self.samples]
+
+    @property
+    def groups(self) -> list[int]:
+        return [s.group for s in self.samples]
+
+    @property
+    def versions(self) -> list[int]:
+        return [s.version for s in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+@dataclass
+class StageContext:
+    config: RunConfig
+    spec: StageSpec
+    worker: int
+    run_dir: Path
+    device: str
+    policy: PolicySubscriber
+    control: ControlClient
+    weights_endpoint: str
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("streamrl.stage"))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.spec.options
+
+    async def run_sync(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking compute in a worker thread so leases and weight serving keep going."""
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+    def report_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Send one optimizer step's metrics to the launcher (metrics.jsonl, TensorBoard, progress)."""
+        self.control.step(step, metrics)
+
+
+@runtime_checkable
+class Stage(Protocol):
+    async def setup(self, ctx: StageContext) -> None: ...
+
+    async def process(self, batch: Batch) -> Output | dict[str, list[Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Source(Protocol):
+    async def setup(self, ctx: StageContext) -> None: ...
+
+    async def produce(self) -> Output | None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,214 @@
+"""One stage worker: set up the stage, wait for Go, then loop claim -> fetch -> process -> put -> ack.
+
+Runs as its own process (``python -m streamrl.runtime.worker SPEC.json``, the default) or as a
+task inside the launcher's process (``resources.launch: inprocess``). On failure the leased
+samples are released back to the dock (another worker, or a rerun, gets them), the launcher
+gets a ``Failed`` event naming the stage, worker and samples, and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import torch
+
+from streamrl.config import RunConfig
+from streamrl.dock.client import DockClient, Lease
+from streamrl.dock.errors import EndOfStream
+from streamrl.runtime.control import ControlClient
+from streamrl.runtime.pipeline import StageSpec, import_object
+from streamrl.runtime.policy import PolicySubscriber
+from streamrl.runtime.stage import Batch, ClaimSize, Output, StageContext, StageError, StopRun
+
+log = logging.getLogger("streamrl.worker")
+
+BUSY_REPORT_S = 0.5  # how often a worker tells the launcher its busy time
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    config: RunConfig
+    stage: StageSpec
+    worker: int
+    dock_endpoint: str
+    control_endpoint: str
+    weights_endpoint: str
+    run_dir: str
+    parent_pid: int = 0  # exit if this process is gone (no orphans if the launcher is killed)
+
+
+def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
+    out = result if isinstance(result, Output) else Output(columns=dict(result or {}))
+    missing = [c for c in spec.writes if c not in out.columns]
+    extra = [c for c in out.columns if c not in spec.writes]
+    if missing or extra:
+        raise ValueError(f"process() must return exactly the columns in writes={spec.writes}; "
+                         f"missing {missing}, not declared {extra}")
+    for name, values in out.columns.items():
+        if len(values) != n:
+            raise ValueError(f"column {name!r} has {len(values)} values for a batch of {n}")
+    return out
+
+
+class _Meter:
+    def __init__(self, control: ControlClient) -> None:
+        self.control = control
+        self.busy_s = 0.0
+        self.batches = 0
+        self.samples = 0
+        self._last_report = 0.0
+
+    def add(self, seconds: float, samples: int) -> None:
+        self.busy_s += seconds
+        self.batches += 1
+        self.samples += samples
+        now = time.monotonic()
+        if now - self._last_report >= BUSY_REPORT_S:
+            self.flush()
+            self._last_report = now
+
+    def flush(self) -> None:
+        self.control.busy(self.busy_s, self.batches, self.samples)
+
+
+async def run_worker(spec: WorkerSpec) -> int:
+    """Run one worker to completion. Returns the process exit code (0 ok, 1 stage failure)."""
+    cfg, sspec = spec.config, spec.stage
+    control = ControlClient(spec.control_endpoint, sspec.name, spec.worker)
+    policy = PolicySubscriber(spec.weights_endpoint)
+    device = sspec.device or cfg.resources.device
+    indices: list[int] = []
+    stage: Any = None
+    try:
+        cls = import_object(sspec.cls, "stage class")
+        stage = cls()
+        async with anyio.create_task_group() as tg:
+            ctx = StageContext(cfg, sspec, spec.worker, Path(spec.run_dir), device, policy, control,
+                               spec.weights_endpoint, logging.getLogger(f"streamrl.stage.{sspec.name}"))
+            ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
+            await stage.setup(ctx)
+            control.ready()
+            if not await control.wait_go(cfg.resources.start_timeout_s + 60):
+                tg.cancel_scope.cancel()
+                return 0
+
+            async def stop_watch() -> None:
+                await control.wait_stop()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stop_watch)
+            if spec.parent_pid:
+                tg.start_soon(_watch_parent, spec.parent_pid, tg)
+            meter = _Meter(control)
+            async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
+                                  lease_ttl_s=cfg.resources.dock.lease_ttl_s) as dock:
+                try:
+                    if sspec.is_source:
+                        await _source_loop(stage, dock, meter)
+                    else:
+                        await _stage_loop(stage, sspec, dock, meter, indices)
+                except StopRun as stop:
+                    control.stop_request(stop.reason)
+                meter.flush()
+            tg.cancel_scope.cancel()
+        await stage.close()
+        control.finished()
+        return 0
+    except Exception as exc:
+        err = StageError(sspec.name, spec.worker, indices, f"{type(exc).__name__}: {exc}")
+        log.error("%s", err)
+        control.failed(indices, str(err), traceback.format_exc())
+        if stage is not None:
+            try:
+                await stage.close()
+            except Exception:
+                log.exception("close() of stage %r failed after an error", sspec.name)
+        return 1
+    finally:
+        policy.close()
+        control.close()
+
+
+async def _watch_parent(parent_pid: int, tg: anyio.abc.TaskGroup) -> None:
+    while True:
+        await anyio.sleep(1.0)
+        if os.getppid() != parent_pid:
+            log.error("launcher %d is gone: stopping", parent_pid)
+            tg.cancel_scope.cancel()
+            return
+
+
+async def _source_loop(stage: Any, dock: DockClient, meter: _Meter) -> None:
+    while True:
+        t0 = time.perf_counter()
+        out = await stage.produce()
+        meter.add(time.perf_counter() - t0, 0 if out is None else len(next(iter(out.columns.values()))))
+        if out is None:
+            await dock.close_input()
+            return
+        # add() waits while the dock is full: the source runs only as far ahead as consumers allow
+        await dock.add(out.columns, group_size=out.group_size, versions=out.versions, lengths=out.lengths)
+
+
+async def _stage_loop(stage: Any, spec: StageSpec, dock: DockClient, meter: _Meter, indices: list[int]) -> None:
+    claim_size = getattr(stage, "claim_size", None)
+    while True:
+        size = claim_size() if claim_size is not None else ClaimSize(spec.micro_batch)
+        try:
+            lease = await dock.claim(spec.name, spec.reads, size.n, min_n=size.min_n,
+                                     whole_groups=spec.whole_groups, balance_by_length=spec.balance_by_length,
+                                     min_version=size.min_version)
+        except EndOfStream:
+            return
+        indices[:] = lease.indices
+        try:
+            await _process_lease(stage, spec, dock, lease, meter)
+        except StopRun:
+            raise  # the lease was acked: the stage consumed its samples
+        except BaseException:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await dock.release(lease)  # nothing lost: the samples go back to the pool
+            raise
+        indices.clear()
+
+
+async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease, meter: _Meter) -> None:
+    columns = await dock.fetch(lease.indices, spec.reads)
+    t0 = time.perf_counter()
+    try:
+        result = await stage.process(Batch(lease.samples, columns))
+    except StopRun:
+        await dock.ack(lease)  # the stage consumed these before deciding to stop
+        raise
+    meter.add(time.perf_counter() - t0, len(lease))
+    out = _as_output(result, spec, len(lease))
+    if out.columns:
+        await dock.put(lease.indices, out.columns, versions=out.versions, lengths=out.lengths)
+    await dock.ack(lease)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m streamrl.runtime.worker SPEC.json", file=sys.stderr)
+        return 2
+    spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=WorkerSpec)
+    logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"),
+                        format=f"%(asctime)s {spec.stage.name}[{spec.worker}] %(name)s: %(message)s")
+    torch.set_num_threads(spec.stage.threads)
+    return anyio.run(run_worker, spec)
+
+
+def write_spec(spec: WorkerSpec, path: Path) -> None:
+    path.write_bytes(msgspec.json.encode(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

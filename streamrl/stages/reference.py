@@ -1,0 +1,26 @@
+"""The reference stage: logprobs of the response tokens under the initial (frozen) policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamrl.engines.train import TorchTrainEngine
+from streamrl.runtime.stage import Batch, StageContext
+from streamrl.stages.common import build_policy
+
+
+class ReferenceStage:
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        model, _ = build_policy(ctx.config, ctx.device)
+        model.eval().requires_grad_(False)
+        # the train engine's no-grad logprobs path; the learning rate is never used
+        self.engine = TorchTrainEngine(model, lr=1.0, device=ctx.device)
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        logp = await self.ctx.run_sync(self.engine.logprobs, batch.columns["prompt_ids"],
+                                       batch.columns["response_ids"], self.ctx.config.algo.temperature)
+        return {"ref_logprobs": logp}
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,48 @@
+"""The source stage: prompts from a task, ``group_size`` samples per prompt, one step at a time.
+
+It writes ``prompt_ids`` (tokens), ``prompt`` and ``answer`` (text) and ``step``. Before the
+prompts of step s it waits for policy version s - max_staleness: with 0 the whole pipeline is
+synchronous on-policy; with k >= 1 generation may run k versions ahead of training.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from streamrl.runtime.stage import Output, StageContext
+from streamrl.stages.common import build_task, build_tokenizer
+
+
+class SourceStage:
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        cfg = ctx.config
+        self.tokenizer = build_tokenizer(cfg)
+        self.task = build_task(cfg, self.tokenizer)
+        self.rng = random.Random(cfg.task.seed)
+        self.step = 0
+        self.gate = bool(ctx.options.get("gate_on_policy", True))
+
+    async def produce(self) -> Output | None:
+        a = self.ctx.config.algo
+        if self.step >= a.steps:
+            return None
+        if self.gate:
+            await self.ctx.policy.wait_version(self.step - a.max_staleness)
+        prompts = self.task.make_prompts(self.rng, a.prompts_per_step)
+        columns: dict[str, list[Any]] = {"prompt_ids": [], "prompt": [], "answer": [], "step": []}
+        for p in prompts:
+            ids = torch.tensor(self.tokenizer.encode(p.text, add_special_tokens=False), dtype=torch.int64)
+            for _ in range(a.group_size):
+                columns["prompt_ids"].append(ids)
+                columns["prompt"].append(p.text)
+                columns["answer"].append(p.answer)
+                columns["step"].append(self.step)
+        self.step += 1
+        return Output(columns, group_size=a.group_size)
+
+    async def close(self) -> None:
+        pass

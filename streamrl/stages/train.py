@@ -1,0 +1,102 @@
+"""The train stage: GRPO/PPO clipped objective, gradients accumulated micro-batch by micro-batch.
+
+Streaming: each claimed micro-batch is forwarded and back-propagated as soon as it arrives
+(the engine sums unnormalised losses), and the optimizer steps once a whole step's samples
+(prompts_per_step x group_size) went through, normalising by the step's global token or
+sequence count. So training of step s starts while later micro-batches of s are still being
+generated and scored. After each step the new weights are published as version v+1.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from streamrl.engines.train import TorchTrainEngine, samples_from_columns
+from streamrl.runtime.policy import PolicyPublisher
+from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
+from streamrl.stages.common import build_policy
+
+
+class TrainStage:
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        a = ctx.config.algo
+        self.model, self.tokenizer = build_policy(ctx.config, ctx.device)
+        self.engine = TorchTrainEngine(self.model, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay,
+                                       max_grad_norm=a.max_grad_norm, device=ctx.device)
+        self.loss_config = msgspec.structs.replace(a.loss, temperature=a.temperature)
+        self.publisher = PolicyPublisher(ctx.weights_endpoint)
+        ctx.tasks.start_soon(self.publisher.serve)  # type: ignore[attr-defined]
+        self.version = 0
+        self.batch_size = ctx.config.batch_size
+        self._reset()
+        self.t_step = time.monotonic()
+
+    def _reset(self) -> None:
+        self.consumed = 0
+        self.rewards: list[float] = []
+        self.staleness: list[int] = []
+        self.response_tokens = 0
+        self.micro: list[dict[str, float]] = []
+
+    def claim_size(self) -> ClaimSize:
+        k = self.ctx.config.algo.max_staleness
+        n = min(self.ctx.spec.micro_batch, self.batch_size - self.consumed)
+        return ClaimSize(n=n, min_n=n, min_version=self.version - k if self.version - k > 0 else None)
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        a = self.ctx.config.algo
+        cols = dict(batch.columns)
+        if a.old_logprobs == "recompute":
+            cols["old_logprobs"] = await self.ctx.run_sync(self.engine.logprobs, cols["prompt_ids"],
+                                                           cols["response_ids"], a.temperature)
+        samples = samples_from_columns(cols)
+        self.micro.append(await self.ctx.run_sync(self.engine.accumulate, samples, self.loss_config))
+        self.consumed += len(batch)
+        self.rewards.extend(float(r) for r in cols.get("reward", []))
+        self.staleness.extend(self.version - v for v in batch.versions)
+        self.response_tokens += sum(int(t.numel()) for t in cols["response_ids"])
+        if self.consumed >= self.batch_size:
+            await self._step()
+        return {}
+
+    async def _step(self) -> None:
+        a = self.ctx.config.algo
+        stats = await self.ctx.run_sync(self.engine.step)
+        self.version += 1
+        self.publisher.publish(self.version, self.engine.state_dict(copy=False))
+        now = time.monotonic()
+        wall = max(now - self.t_step, 1e-9)
+        self.t_step = now
+        r = torch.tensor(self.rewards) if self.rewards else torch.zeros(1)
+        metrics = {
+            "reward_mean": float(r.mean()),
+            "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+            "loss": stats["loss"],
+            "kl": stats.get("kl", stats.get("approx_kl", 0.0)),
+            "clip_fraction": stats["clip_fraction"],
+            "entropy": stats["entropy"],
+            "grad_norm": stats["grad_norm"],
+            "samples_per_s": self.consumed / wall,
+            "tokens_per_s": self.response_tokens / wall,
+            "response_len_mean": self.response_tokens / max(self.consumed, 1),
+            "staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
+            "staleness_max": float(max(self.staleness, default=0)),
+            "micro_batches": stats["micro_batches"],
+            "step_time_s": wall,
+        }
+        self.ctx.report_step(self.version, metrics)
+        self._reset()
+        if a.stop_reward is not None and metrics["reward_mean"] >= a.stop_reward:
+            raise StopRun(f"reward {metrics['reward_mean']:.3f} >= stop_reward {a.stop_reward} at step {self.version}")
+        if self.version >= a.steps:
+            raise StopRun(f"completed {a.steps} steps")
+
+    async def close(self) -> None:
+        self.publisher.close()
+        if self.ctx.config.output.checkpoint and self.version > 0:
+            await self.ctx.run_sync(self.engine.save_checkpoint, self.ctx.run_dir / "checkpoint", self.tokenizer)
