@@ -91,7 +91,7 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tensorboard: bool = True
     plot: bool = True  # reward_curve.png at the end
     checkpoint: bool = True  # final policy as a transformers save_pretrained directory
-    progress: Literal["auto", "tty", "lines", "off"] = "auto"
+    progress: Literal["auto", "tty", "lines", "none"] = "auto"  # none: silent
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -29,7 +29,7 @@ class Progress:
         self._dirty = False
 
     def message(self, text: str) -> None:
-        if self.mode == "off":
+        if self.mode == "none":
             return
         if self._dirty:
             self.stream.write("\n")
@@ -38,7 +38,7 @@ class Progress:
         self.stream.flush()
 
     def update(self, row: dict[str, Any]) -> None:
-        if self.mode == "off":
+        if self.mode == "none":
             return
         step = int(row["step"])
         elapsed = time.monotonic() - self.t0

@@ -86,13 +86,16 @@ class PolicyPublisher:
         self._pending: list[_Pending] = []
         self.bytes_sent = 0
 
-    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
-        """Make ``version`` current. Snapshots ``state`` (see the module's buffer-lifetime note)."""
+    async def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Make ``version`` current and answer everyone waiting for it at once.
+
+        Snapshots ``state`` (see the module's buffer-lifetime note)."""
         if version <= self.version and self._tensors:
             raise ValueError(f"policy versions must increase: {version} after {self.version}")
         self._names = list(state)
         self._tensors = [t.detach().to("cpu", copy=True) for t in state.values()]
         self.version = version
+        await self._answer()
 
     async def serve(self) -> None:
         """Answer requests forever (run it as a background task)."""
@@ -109,7 +112,7 @@ class PolicyPublisher:
 
     def _next_timeout(self) -> float:
         if not self._pending:
-            return 0.2  # re-check now and then: publish() may have made pending requests answerable
+            return 1.0  # nothing pending: publish() answers new waiters itself
         return max(0.0, min(0.2, min(p.deadline for p in self._pending) - time.monotonic()))
 
     async def _answer(self) -> None:

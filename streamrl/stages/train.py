@@ -68,7 +68,7 @@ class TrainStage:
         a = self.ctx.config.algo
         stats = await self.ctx.run_sync(self.engine.step)
         self.version += 1
-        self.publisher.publish(self.version, self.engine.state_dict(copy=False))
+        await self.publisher.publish(self.version, self.engine.state_dict(copy=False))
         now = time.monotonic()
         wall = max(now - self.t_step, 1e-9)
         self.t_step = now
