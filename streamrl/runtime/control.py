@@ -36,6 +36,12 @@ class StageBusy(_Msg, tag="busy"):
     samples: int
 
 
+class StageMetrics(_Msg, tag="stage_metrics"):
+    stage: str
+    worker: int
+    metrics: dict[str, float]  # latest values; the launcher adds them to each step's row
+
+
 class StepReport(_Msg, tag="step"):
     step: int
     metrics: dict[str, float]
@@ -68,7 +74,7 @@ class Stop(_Msg, tag="stop"):
     reason: str
 
 
-WorkerEvent = Ready | StageBusy | StepReport | Failed | StopRequest | Finished
+WorkerEvent = Ready | StageBusy | StageMetrics | StepReport | Failed | StopRequest | Finished
 LauncherCommand = Go | Stop
 
 encoder = msgspec.msgpack.Encoder()
@@ -115,6 +121,9 @@ class ControlClient:
 
     def busy(self, busy_s: float, batches: int, samples: int) -> None:
         self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples))
+
+    def stage_metrics(self, metrics: dict[str, float]) -> None:
+        self._send(StageMetrics(self.stage, self.worker, {k: float(v) for k, v in metrics.items()}))
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}))

@@ -116,6 +116,7 @@ class _Launch:
         self.progress = Progress(cfg.algo.steps, cfg.output.progress)
         self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard)
         self.busy: dict[tuple[str, int], float] = {}
+        self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
         self.busy_at_last_step: dict[str, float] = {}
         self.t_last_step = 0.0
         self.t_go = 0.0
@@ -202,6 +203,8 @@ class _Launch:
                     ready.add((s, k))
                 case c.StageBusy(stage=s, worker=k, busy_s=b):
                     self.busy[(s, k)] = b
+                case c.StageMetrics(stage=s, worker=k, metrics=m):
+                    self.stage_metrics[(s, k)] = m
                 case c.StepReport(step=step, metrics=m):
                     self._on_step(step, m)
                 case c.Failed():
@@ -238,6 +241,10 @@ class _Launch:
             total = sum(b for (name, _), b in self.busy.items() if name == s.name)
             row[f"busy/{s.name}"] = round((total - self.busy_at_last_step.get(s.name, 0.0)) / wall / s.workers, 4)
             self.busy_at_last_step[s.name] = total
+        for (stage, k), values in sorted(self.stage_metrics.items()):
+            for name, v in values.items():
+                key = f"{stage}/{name}" if self.pipeline.stage(stage).workers == 1 else f"{stage}/{k}/{name}"
+                row[key] = v
         self.t_last_step = now
         target = self.cfg.algo.stop_reward
         if target is not None and self.time_to_target is None and metrics.get("reward_mean", -1e9) >= target:

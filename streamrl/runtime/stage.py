@@ -122,6 +122,11 @@ class StageContext:
         """Run blocking compute in a worker thread so leases and weight serving keep going."""
         return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
+    def report_metrics(self, metrics: dict[str, float]) -> None:
+        """This stage's own figures (e.g. reward-server latency); they join every later step's
+        row in metrics.jsonl as ``<stage>/<name>`` (summed over workers for counters)."""
+        self.control.stage_metrics(metrics)
+
     def report_step(self, step: int, metrics: dict[str, float]) -> None:
         """Send one optimizer step's metrics to the launcher (metrics.jsonl, TensorBoard, progress)."""
         self.control.step(step, metrics)
