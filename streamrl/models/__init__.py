@@ -1,1 +1,29 @@
-"""streamrl.models"""
+"""streamrl.models: tiny models and tokenizers built in code, HF loading, the functional forward."""
+
+from streamrl.models.build import (
+    DeviceUnavailableError,
+    ModelLoadError,
+    TinyModelSpec,
+    build_model,
+    load_model,
+    resolve_device,
+    save_pretrained_dir,
+)
+from streamrl.models.functional import FunctionalCausalLM, KVCache, UnsupportedModelError, unsupported_reason
+from streamrl.models.tokenizer import VOCAB_TOKENS, build_char_tokenizer
+
+__all__ = [
+    "VOCAB_TOKENS",
+    "DeviceUnavailableError",
+    "FunctionalCausalLM",
+    "KVCache",
+    "ModelLoadError",
+    "TinyModelSpec",
+    "UnsupportedModelError",
+    "build_char_tokenizer",
+    "build_model",
+    "load_model",
+    "resolve_device",
+    "save_pretrained_dir",
+    "unsupported_reason",
+]

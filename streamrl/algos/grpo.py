@@ -1,0 +1,186 @@
+"""GRPO maths as pure tensor functions: advantages, clipped policy loss, KL, aggregation.
+
+Conventions: per-token tensors are flat [N] over all response tokens of a (micro-)batch, with
+``seq_index`` [N] saying which sequence each token belongs to (0..S-1). Log-probabilities are of
+the sampled tokens under log_softmax(logits / temperature).
+
+Streaming: the train engine does not know how many tokens/sequences the optimizer step will
+hold until its last micro-batch. So ``unnormalized_loss`` returns a *sum* whose gradient is
+accumulated as micro-batches arrive, and ``loss_denominator`` gives what to divide the summed
+gradient by at the step. Sum-then-divide equals computing the loss on the whole batch at once,
+for every aggregation mode, whatever the split.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+import torch
+from torch import Tensor
+
+from streamrl.algos.kl import KLEstimator, kl_penalty
+
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+class LossConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Hyper-parameters of the GRPO / PPO-clip objective (validated at construction).
+
+    Defaults are TRL GRPOTrainer's (loss_type "dapo" = token-mean, epsilon 0.2, beta 0).
+    """
+
+    clip_low: float = 0.2  # ratio floor is 1 - clip_low (PPO epsilon)
+    clip_high: float = 0.2  # ratio ceiling is 1 + clip_high; > clip_low = DAPO "clip-higher"
+    kl_coef: float = 0.0  # weight of the per-token KL penalty against the reference policy (0 = off)
+    kl_estimator: KLEstimator = "k3"  # k1: log-ratio, k2: squared log-ratio / 2, k3: Schulman's unbiased
+    loss_agg: LossAggregation = "token-mean"  # how per-token losses become one number, see module doc
+    # Cap on the truncated importance weight exp(old - rollout) applied when the trainer recomputed
+    # old logprobs and they differ from the behaviour (rollout) ones: off-policy samples or an
+    # inference engine whose numerics differ. None = no correction.
+    tis_cap: float | None = 2.0
+    temperature: float = 1.0  # sampling temperature; logprobs are recomputed at the same one
+    compute_entropy: bool = True  # report the policy's mean entropy (costs one pass over the vocab)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"LossConfig.clip_low must be in [0, 1), got {self.clip_low}")
+        if not self.clip_high >= 0.0:
+            raise ValueError(f"LossConfig.clip_high must be >= 0, got {self.clip_high}")
+        if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
+            raise ValueError(f"LossConfig.kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.tis_cap is not None and not self.tis_cap > 0.0:
+            raise ValueError(f"LossConfig.tis_cap must be > 0 or None (no correction), got {self.tis_cap}")
+        if not self.temperature > 0.0:
+            raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
+
+
+def group_advantages(
+    rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO advantages: reward minus its group's mean, divided by the group's std (+ eps).
+
+    ``rewards`` [N] float, ``group_ids`` [N] int (any values; equal id = same prompt). The std is
+    the unbiased one (as TRL); a group of one sample has advantage 0.
+    """
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D")
+    rewards = rewards.to(torch.float32)
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n_groups = counts.numel()
+    sums = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
+    means = sums / counts
+    centred = rewards - means[inverse]
+    if not normalize_std:
+        return centred
+    sq = torch.zeros_like(sums).index_add_(0, inverse, centred * centred)
+    std = torch.sqrt(sq / (counts - 1).clamp(min=1))
+    return centred / (std[inverse] + eps)
+
+
+def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float) -> Tensor:
+    """min(exp(old - rollout), cap) per token, no gradient (truncated importance sampling)."""
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+
+
+def clipped_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token PPO-clip loss max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)), r = exp(logp - old).
+
+    Returns (loss [N], clipped [N] bool: the clipped branch was the larger one, so no gradient).
+    ``is_weights`` multiplies the loss per token (truncated importance sampling).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        loss = loss * is_weights
+    return loss, (clipped > unclipped).detach()
+
+
+def per_token_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    config: LossConfig,
+    *,
+    old_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The GRPO per-token loss and per-token statistics (all [N]).
+
+    ``advantages`` is per token (a sequence's scalar repeated). The ratio is taken against
+    ``old_logprobs`` when given (trainer recomputation), else against ``rollout_logprobs``, else
+    against the detached current logprobs (single on-policy update, ratio 1, as TRL with
+    num_iterations=1). With both old and rollout logprobs and ``config.tis_cap`` set, the loss is
+    weighted by min(exp(old - rollout), cap).
+    """
+    stats: dict[str, Tensor] = {}
+    is_weights = None
+    if old_logprobs is not None:
+        if rollout_logprobs is not None and config.tis_cap is not None:
+            is_weights = truncated_is_weights(old_logprobs, rollout_logprobs, config.tis_cap)
+            stats["is_weight"] = is_weights
+        behaviour = old_logprobs
+    elif rollout_logprobs is not None:
+        behaviour = rollout_logprobs
+    else:
+        behaviour = logprobs.detach()
+    loss, clipped = clipped_policy_loss(
+        logprobs, behaviour, advantages, clip_low=config.clip_low, clip_high=config.clip_high, is_weights=is_weights
+    )
+    stats["clipped"] = clipped.to(torch.float32)
+    delta = (logprobs - behaviour).detach()
+    stats["approx_kl"] = 0.5 * delta * delta  # KL(behaviour || current), second-order estimate
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
+        stats["kl"] = kl.detach()
+        if config.kl_coef > 0.0:
+            loss = loss + config.kl_coef * kl
+    elif config.kl_coef > 0.0:
+        raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs for every sample (run the reference stage)")
+    return loss, stats
+
+
+def _lengths_from_index(seq_index: Tensor, n_seqs: int) -> Tensor:
+    return torch.bincount(seq_index, minlength=n_seqs).to(torch.float32)
+
+
+def unnormalized_loss(per_token: Tensor, seq_index: Tensor, n_seqs: int, mode: LossAggregation) -> Tensor:
+    """A scalar *sum* to backpropagate; divide its gradient by ``loss_denominator`` at the step.
+
+    token-mean: Σ_t ℓ_t (denominator: tokens). seq-mean-token-mean: Σ_s mean_t ℓ_st
+    (denominator: sequences; an empty sequence adds 0). seq-mean-token-sum: Σ_s Σ_t ℓ_st
+    (denominator: sequences).
+    """
+    if mode == "seq-mean-token-mean":
+        lengths = _lengths_from_index(seq_index, n_seqs).clamp(min=1.0)
+        return (per_token / lengths[seq_index]).sum()
+    if mode in ("token-mean", "seq-mean-token-sum"):
+        return per_token.sum()
+    raise ValueError(f"loss aggregation {mode!r} is not one of {list(LOSS_AGGREGATIONS)}")
+
+
+def loss_denominator(mode: LossAggregation, tokens: int, sequences: int) -> int:
+    """What the summed loss/gradient of a whole optimizer step is divided by."""
+    if mode == "token-mean":
+        return tokens
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return sequences
+    raise ValueError(f"loss aggregation {mode!r} is not one of {list(LOSS_AGGREGATIONS)}")
+
+
+def aggregate_loss(per_token: Tensor, seq_index: Tensor, n_seqs: int, mode: LossAggregation) -> Tensor:
+    """The normalised loss of a whole batch at once (reference for the streamed form)."""
+    denominator = loss_denominator(mode, per_token.numel(), n_seqs)
+    return unnormalized_loss(per_token, seq_index, n_seqs, mode) / max(denominator, 1)

@@ -1,0 +1,312 @@
+"""Built-in torch rollout engine: batched sampling with a KV cache, on CPU, CUDA or NPU.
+
+Why not ``model.generate()``: for tiny models its per-step Python overhead (logits processors,
+stopping criteria, cache objects, mask building) costs more than the maths. This engine runs a
+plain loop over the functional forward (``streamrl.models.functional``) with a preallocated
+KV cache, and for architectures the functional forward does not cover, over the Hugging Face
+forward with a ``DynamicCache`` (same results, slower).
+
+What it does per call:
+- identical prompts are prefilled once and their cache rows copied (GRPO asks for n
+  completions of each prompt, so the prefill shrinks n-fold);
+- ragged prompts are right-padded; every sequence keeps its own RoPE positions 0..n-1, the
+  same positions the train engine uses, so the logprobs returned here equal the train
+  engine's recomputation up to float rounding;
+- a sequence leaves the batch when it emits EOS or reaches ``max_new_tokens``; finished rows are
+  dropped from the cache once they are a quarter of the batch (copying the cache every step
+  costs more than computing a few dead rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from streamrl.models.build import resolve_device
+from streamrl.models.functional import FunctionalCausalLM, KVCache, unsupported_reason
+
+FinishReason = Literal["eos", "length"]
+
+
+class GenerateArgumentError(ValueError):
+    """A ``generate`` argument is out of range; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One completion. Tensors are on CPU."""
+
+    response_ids: Tensor  # [n] int64 sampled tokens, EOS included when emitted
+    logprobs: Tensor  # [n] float32 log p(token) under log_softmax(logits / temperature), unfiltered
+    finish_reason: FinishReason  # "eos": emitted EOS; "length": hit max_new_tokens
+
+
+def sample_tokens(
+    logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """Sample one token per row of ``logits`` [B, V]; returns (tokens [B] int64, logprobs [B] float32).
+
+    The logprob is taken from the *unfiltered* tempered distribution: top-k / top-p only
+    restrict which tokens may be drawn. That is the quantity the train engine recomputes.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    allowed = logp
+    vocab = logp.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(allowed, top_k, dim=-1).values[:, -1:]
+        allowed = allowed.masked_fill(allowed < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logp, order = torch.sort(allowed, dim=-1, descending=True)
+        sorted_p = sorted_logp.exp()
+        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p
+        sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
+        allowed = torch.full_like(allowed, float("-inf")).scatter(-1, order, sorted_logp)
+    tokens = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(1)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+class _Decoder(Protocol):
+    """A model with a per-row KV cache: prefill prompts, then one token per row at a time."""
+
+    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, capacity: int) -> Tensor: ...
+
+    def step(self, tokens: Tensor, positions: Tensor, n_keys: int) -> Tensor: ...
+
+    def keep(self, slots: Tensor) -> None: ...
+
+
+class _FunctionalDecoder:
+    def __init__(self, fn: FunctionalCausalLM, cache: KVCache) -> None:
+        self.fn = fn
+        self.cache = cache
+        self.columns = 0  # columns written so far (prompt width + decoded tokens)
+
+    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, capacity: int) -> Tensor:
+        self.cache.reserve(expand.numel(), capacity)
+        self.columns = input_ids.shape[1]
+        hidden, _ = self.fn.forward_packed(input_ids, lengths, cache=self.cache, cache_rows=expand)
+        last = lengths.cumsum(0) - 1  # packed index of each prompt's last token
+        return self.fn.logits(hidden.index_select(0, last)).index_select(0, expand)
+
+    def step(self, tokens: Tensor, positions: Tensor, n_keys: int) -> Tensor:
+        self.columns = n_keys
+        return self.fn.decode_step(tokens, positions, self.cache, n_keys)
+
+    def keep(self, slots: Tensor) -> None:
+        self.cache.select_rows(slots, self.columns)
+
+
+class _HFDecoder:
+    """Fallback for architectures the functional forward does not cover: HF forward + DynamicCache."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.cache: DynamicCache | None = None
+        self.mask: Tensor | None = None  # [B, columns] 1 = real key
+
+    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, capacity: int) -> Tensor:
+        batch, length = input_ids.shape
+        columns = torch.arange(length, device=input_ids.device)
+        mask = (columns.unsqueeze(0) < lengths.unsqueeze(1)).long()
+        self.cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=columns.expand(batch, length),
+            past_key_values=self.cache, use_cache=True,
+        )
+        self.cache.batch_select_indices(expand)
+        self.mask = mask.index_select(0, expand)
+        last = out.logits[torch.arange(batch, device=input_ids.device), lengths - 1]
+        return last.index_select(0, expand)
+
+    def step(self, tokens: Tensor, positions: Tensor, n_keys: int) -> Tensor:
+        assert self.mask is not None
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        out = self.model(
+            input_ids=tokens.unsqueeze(1), attention_mask=self.mask, position_ids=positions.unsqueeze(1),
+            past_key_values=self.cache, use_cache=True,
+        )
+        return out.logits[:, -1]
+
+    def keep(self, slots: Tensor) -> None:
+        assert self.cache is not None and self.mask is not None
+        self.cache.batch_select_indices(slots)
+        self.mask = self.mask.index_select(0, slots)
+
+
+class TorchRolloutEngine:
+    """Sample completions from a Hugging Face causal LM held in this process.
+
+    ``model`` is used in place (moved to ``device``): weights updated elsewhere in the process
+    (a train engine sharing the module, ``load_state_dict``) are used by the next ``generate``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        eos_token_id: int,
+        pad_token_id: int,
+        device: str | torch.device = "auto",
+        *,
+        use_functional: bool | None = None,
+        compact_below: float = 0.75,
+    ) -> None:
+        """``use_functional``: None = functional forward when the architecture allows, else HF.
+        ``compact_below``: drop finished rows from the cache when the live fraction falls below this."""
+        self.device = resolve_device(device)
+        self.model = model.to(self.device)
+        self.eos_token_id = int(eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+        reason = unsupported_reason(model)
+        if use_functional and reason is not None:
+            raise GenerateArgumentError(f"use_functional=True but {reason}; pass use_functional=None")
+        self.use_functional = reason is None if use_functional is None else use_functional
+        if not 0.0 <= compact_below <= 1.0:
+            raise GenerateArgumentError(f"compact_below must be in [0, 1], got {compact_below}")
+        self.compact_below = compact_below
+        self._cache: KVCache | None = None  # reused across generate calls (see KVCache)
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Take new policy weights (e.g. a published version from the trainer)."""
+        self.model.load_state_dict(state, strict=True)
+
+    def _decoder(self) -> _Decoder:
+        if not self.use_functional:
+            return _HFDecoder(self.model)
+        fn = FunctionalCausalLM(self.model)
+        weight = self.model.get_input_embeddings().weight
+        if self._cache is None or self._cache.dtype != weight.dtype or self._cache.device != weight.device:
+            self._cache = KVCache(fn.n_layers, fn.n_kv_heads, fn.head_dim, dtype=weight.dtype, device=weight.device)
+        return _FunctionalDecoder(fn, self._cache)
+
+    def release_cache(self) -> None:
+        """Free the KV-cache buffers kept between calls (they are rebuilt on the next generate)."""
+        self._cache = None
+
+    def _check(self, prompts: list[Tensor], max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+        if not prompts:
+            raise GenerateArgumentError("prompts is empty; pass at least one 1-D int64 tensor of token ids")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, Tensor) or p.dim() != 1 or p.dtype != torch.int64 or p.numel() == 0:
+                raise GenerateArgumentError(
+                    f"prompts[{i}] must be a non-empty 1-D int64 tensor of token ids, got "
+                    f"{type(p).__name__} {getattr(p, 'dtype', '')} shape {tuple(getattr(p, 'shape', ()))}"
+                )
+        if max_new_tokens < 1:
+            raise GenerateArgumentError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not temperature > 0.0:
+            raise GenerateArgumentError(f"temperature must be > 0, got {temperature} (use top_k=1 for greedy)")
+        if not 0.0 < top_p <= 1.0:
+            raise GenerateArgumentError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise GenerateArgumentError(f"top_k must be >= 0 (0 = off), got {top_k}")
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[Tensor],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> list[Generation]:
+        """One completion per prompt (pass a prompt n times for n completions).
+
+        ``seed`` makes the call reproducible (a fresh generator); ``generator`` continues a
+        caller's stream; neither = torch's global RNG on the engine's device.
+        """
+        self._check(prompts, max_new_tokens, temperature, top_p, top_k)
+        device = self.device
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+
+        # Identical prompts share one prefill row.
+        unique: dict[tuple[int, ...], int] = {}
+        expand_host = [unique.setdefault(tuple(p.tolist()), len(unique)) for p in prompts]
+        unique_prompts = list(unique)
+        lengths_host = [len(p) for p in unique_prompts]
+        width = max(lengths_host)
+        padded = torch.full((len(unique_prompts), width), self.pad_token_id, dtype=torch.int64)
+        for row, p in enumerate(unique_prompts):
+            padded[row, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        lengths = torch.tensor(lengths_host, dtype=torch.int64)
+        expand = torch.tensor(expand_host, dtype=torch.int64, device=device)
+
+        was_training = self.model.training
+        self.model.eval()
+        ok = False
+        try:
+            decoder = self._decoder()
+            logits = decoder.prefill(
+                padded.to(device), lengths.to(device), expand, capacity=width + max_new_tokens - 1
+            )
+            generations = self._sample_loop(
+                decoder, logits, lengths.to(device).index_select(0, expand), width, max_new_tokens,
+                temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+            )
+            ok = True
+            return generations
+        finally:
+            self.model.train(was_training)
+            if not ok:
+                self._cache = None  # never reuse buffers a failed call may have left non-finite
+
+    def _sample_loop(
+        self,
+        decoder: _Decoder,
+        logits: Tensor,
+        positions: Tensor,
+        width: int,
+        max_new_tokens: int,
+        *,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        generator: torch.Generator | None,
+    ) -> list[Generation]:
+        n = logits.shape[0]
+        device = logits.device
+        out_tokens = torch.empty((n, max_new_tokens), dtype=torch.int64, device=device)
+        out_logprobs = torch.empty((n, max_new_tokens), dtype=torch.float32, device=device)
+        slot_rows = torch.arange(n, device=device)  # which output row each cache slot fills
+        rows_host = list(range(n))
+        alive = [True] * n  # per slot; a dead slot keeps computing until the next compaction
+        finish: list[FinishReason] = ["length"] * n
+        length = [max_new_tokens] * n
+        for t in range(max_new_tokens):
+            tokens, logprobs = sample_tokens(
+                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+            )
+            out_tokens[slot_rows, t] = tokens
+            out_logprobs[slot_rows, t] = logprobs
+            n_alive = 0
+            for slot, is_eos in enumerate((tokens == self.eos_token_id).tolist()):
+                if alive[slot] and is_eos:
+                    alive[slot] = False
+                    finish[rows_host[slot]] = "eos"
+                    length[rows_host[slot]] = t + 1
+                n_alive += alive[slot]
+            if n_alive == 0 or t + 1 == max_new_tokens:
+                break  # rows still alive keep length max_new_tokens, finish "length"
+            if n_alive < self.compact_below * len(rows_host):
+                keep_host = [slot for slot, a in enumerate(alive) if a]
+                keep = torch.tensor(keep_host, dtype=torch.int64, device=device)
+                decoder.keep(keep)
+                slot_rows, positions, tokens = slot_rows[keep], positions[keep], tokens[keep]
+                rows_host = [rows_host[slot] for slot in keep_host]
+                alive = [True] * len(keep_host)
+            # Token t sits at position prompt_len + t <= width + t: read columns 0..width+t.
+            logits = decoder.step(tokens, positions + t, n_keys=width + t + 1)
+        tokens_cpu = out_tokens.cpu()
+        logprobs_cpu = out_logprobs.cpu()
+        return [
+            Generation(tokens_cpu[row, : length[row]].clone(), logprobs_cpu[row, : length[row]].clone(), finish[row])
+            for row in range(n)
+        ]

@@ -1,0 +1,185 @@
+"""Build tiny models from a config, save/load Hugging Face directories, pick a device.
+
+``build_model`` reproduces the TRL baseline's ``build_model`` (``/work/shared/bench/grpo_trl.py``)
+exactly: same ``Qwen2Config`` fields, same seeding, so a run here starts from the very same
+weights as the baseline run and their learning curves can be compared.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+
+class ModelLoadError(RuntimeError):
+    """A model directory is missing or cannot be loaded; the message names the path."""
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The requested device does not exist on this machine."""
+
+
+class TinyModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Shape of a tiny decoder-only model built from a config (random init).
+
+    Defaults are the baseline's workload W1 model (about 0.4 M parameters).
+    """
+
+    arch: Literal["qwen2", "llama"] = "qwen2"  # qwen2 = the baseline (q/k/v biases); llama = no biases
+    hidden: int = 128  # model width (channels)
+    layers: int = 2  # decoder blocks
+    heads: int = 4  # attention heads; head_dim = hidden / heads
+    kv_heads: int | None = None  # key/value heads for grouped-query attention; None = heads (plain MHA)
+    intermediate: int = 256  # SwiGLU MLP width (channels)
+    max_positions: int = 64  # RoPE positions the config advertises (tokens); prompt + completion must fit
+    tie_embeddings: bool = False  # share input embedding and lm_head (the baseline does not)
+    seed: int = 0  # torch seed for the random init (same seed = same weights as the baseline)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "layers", "heads", "intermediate", "max_positions"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"TinyModelSpec.{name} must be >= 1, got {value}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"TinyModelSpec.hidden ({self.hidden}) must be a multiple of heads ({self.heads})"
+            )
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise ValueError(
+                f"TinyModelSpec.kv_heads ({self.kv_heads}) must divide heads ({self.heads}); "
+                "use None for plain multi-head attention"
+            )
+
+
+def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A randomly initialised causal LM, seeded by ``spec.seed``, fp32 on CPU.
+
+    The global torch RNG is left as it was (the init runs under ``fork_rng``).
+    """
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads or spec.heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=spec.tie_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        use_cache=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        # Seed right before construction, as the baseline does: the init draws from the global RNG.
+        torch.manual_seed(spec.seed)
+        if spec.arch == "qwen2":
+            model: PreTrainedModel = Qwen2ForCausalLM(Qwen2Config(**common))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**common))
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    return model
+
+
+def save_pretrained_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, path: str | Path) -> Path:
+    """Write ``model`` (safetensors) and ``tokenizer`` to ``path`` as a from_pretrained directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """Load a local ``save_pretrained`` directory through transformers' ``from_pretrained``.
+
+    Never touches the network (``local_files_only``). Raises ``ModelLoadError`` naming the path
+    when the directory is missing, has no ``config.json`` / weights, or fails to load.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist (expected a save_pretrained directory)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{str(path)!r} has no config.json; is it a save_pretrained directory?")
+    try:
+        json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{str(config_file)!r} is not valid JSON: {exc}") from exc
+    if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
+        raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights; save it with save_pretrained")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds; name the path in one error type
+        raise ModelLoadError(f"could not load model from {str(path)!r}: {type(exc).__name__}: {exc}") from exc
+    return model.to(resolve_device(device))
+
+
+def _npu_available() -> bool:
+    try:
+        importlib.import_module("torch_npu")  # registers torch.npu
+    except ImportError:
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """Turn "auto" | "cpu" | "cuda" | "cuda:N" | "npu" | "npu:N" into an available torch.device.
+
+    "auto" picks CUDA, then Ascend NPU (when torch_npu imports), then CPU.
+    """
+    if isinstance(device, torch.device):
+        device = str(device)
+    name = device.strip().lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if _npu_available():
+            return torch.device("npu")
+        return torch.device("cpu")
+    kind, _, index_text = name.partition(":")
+    if index_text and not index_text.isdigit():
+        raise DeviceUnavailableError(f"device {device!r}: index after ':' must be a number, e.g. 'cuda:1'")
+    index = int(index_text) if index_text else None
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                f"device {device!r} requested but CUDA is not available (torch {torch.__version__}); "
+                "use 'cpu' or 'auto'"
+            )
+        count = torch.cuda.device_count()
+    elif kind == "npu":
+        if not _npu_available():
+            raise DeviceUnavailableError(
+                f"device {device!r} requested but no Ascend NPU is usable (install torch_npu on an NPU host); "
+                "use 'cpu' or 'auto'"
+            )
+        count = torch.npu.device_count()  # type: ignore[attr-defined]
+    else:
+        raise DeviceUnavailableError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda', 'cuda:N' or 'npu'")
+    if index is not None and index >= count:
+        raise DeviceUnavailableError(f"device {device!r} requested but only {count} {kind} device(s) exist")
+    return torch.device(kind, index) if index is not None else torch.device(kind)

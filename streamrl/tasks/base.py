@@ -1,0 +1,86 @@
+"""What a task is: prompts to ask and a rule to score the answers.
+
+A reward function has one signature everywhere (in-process ``score`` stage, external reward
+server): ``reward(prompt, response, response_ids, answer, **metadata) -> float``. ``prompt`` and
+``response`` are text, ``response_ids`` the sampled token ids (EOS included when emitted),
+``answer`` the reference answer from the prompt row, ``metadata`` the row's other fields.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+# Names a metadata field may not take: they are the reward function's own parameters.
+RESERVED_FIELDS = frozenset({"prompt", "response", "response_ids", "answer"})
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    """One prompt row: the text the policy sees, the reference answer, any extra fields."""
+
+    text: str
+    answer: str
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class RewardFn(Protocol):
+    def __call__(
+        self, prompt: str, response: str, response_ids: Sequence[int], answer: str, **metadata: Any
+    ) -> float: ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A source of prompts plus the rule that scores completions of them."""
+
+    name: str
+
+    def make_prompts(self, rng: random.Random | int, n: int) -> list[Prompt]:
+        """``n`` prompts; an int seeds a fresh ``random.Random``, a Random continues its stream."""
+        ...
+
+    def reward(
+        self, prompt: str, response: str, response_ids: Sequence[int], answer: str, **metadata: Any
+    ) -> float: ...
+
+    def reward_batch(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        response_ids: Sequence[Sequence[int]],
+        answers: Sequence[str],
+        metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> list[float]: ...
+
+
+def as_rng(rng: random.Random | int) -> random.Random:
+    if isinstance(rng, random.Random):
+        return rng
+    if isinstance(rng, int) and not isinstance(rng, bool):
+        return random.Random(rng)
+    raise TypeError(f"rng must be a random.Random or an int seed, got {type(rng).__name__}")
+
+
+def batch_reward(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    response_ids: Sequence[Sequence[int]],
+    answers: Sequence[str],
+    metadata: Sequence[dict[str, Any]] | None = None,
+) -> list[float]:
+    """Apply a per-sample reward function to equal-length columns."""
+    n = len(prompts)
+    lengths = {"responses": len(responses), "response_ids": len(response_ids), "answers": len(answers)}
+    if metadata is not None:
+        lengths["metadata"] = len(metadata)
+    for name, size in lengths.items():
+        if size != n:
+            raise ValueError(f"reward batch: {name} has {size} entries, prompts has {n}")
+    meta = metadata if metadata is not None else [{}] * n
+    return [
+        float(fn(prompts[i], responses[i], list(response_ids[i]), answers[i], **meta[i])) for i in range(n)
+    ]

@@ -1,0 +1,107 @@
+"""Prompt datasets from JSONL files, and a task that serves them with a chosen reward.
+
+One row per line: ``{"prompt": "...", "answer": "...", <metadata fields>...}``. ``prompt`` is a
+non-empty string, ``answer`` a string; every other field is metadata handed to the reward
+function as keyword arguments. Errors name the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from streamrl.tasks.base import RESERVED_FIELDS, Prompt, RewardFn, as_rng, batch_reward
+
+
+class PromptDatasetError(ValueError):
+    """A prompt file or row is invalid; the message says where and what to fix."""
+
+
+def _row_to_prompt(row: object, where: str) -> Prompt:
+    if not isinstance(row, dict):
+        raise PromptDatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    if "prompt" not in row:
+        raise PromptDatasetError(f"{where}: field 'prompt' is missing (each row needs \"prompt\" and \"answer\")")
+    prompt = row["prompt"]
+    if not isinstance(prompt, str) or not prompt:
+        raise PromptDatasetError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
+    if "answer" not in row:
+        raise PromptDatasetError(f"{where}: field 'answer' is missing (use \"\" when the reward needs none)")
+    answer = row["answer"]
+    if not isinstance(answer, str):
+        raise PromptDatasetError(
+            f"{where}: field 'answer' must be a string, got {type(answer).__name__} {answer!r}; "
+            f"write it quoted, e.g. \"{answer}\""
+        )
+    metadata = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+    clash = sorted(RESERVED_FIELDS & metadata.keys())
+    if clash:
+        raise PromptDatasetError(
+            f"{where}: field {clash[0]!r} is reserved for the reward function's own arguments; rename it"
+        )
+    return Prompt(prompt, answer, metadata)
+
+
+def load_prompts_jsonl(path: str | Path) -> list[Prompt]:
+    """Read and validate every row of a JSONL prompt file (blank lines are skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptDatasetError(f"prompt file {str(path)!r} does not exist")
+    prompts: list[Prompt] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptDatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            prompts.append(_row_to_prompt(row, where))
+    if not prompts:
+        raise PromptDatasetError(f"prompt file {str(path)!r} has no rows")
+    return prompts
+
+
+class DatasetTask:
+    """Prompts from a fixed list (e.g. a JSONL file), scored by a given reward function.
+
+    ``make_prompts`` walks the rows in a shuffled order, reshuffling at each epoch; the order
+    depends only on the rng stream.
+    """
+
+    def __init__(self, name: str, prompts: Sequence[Prompt], reward_fn: RewardFn) -> None:
+        if not prompts:
+            raise PromptDatasetError(f"task {name!r} has no prompts")
+        self.name = name
+        self.prompts = list(prompts)
+        self.reward_fn = reward_fn
+        self._order: list[int] = []
+
+    def make_prompts(self, rng: random.Random | int, n: int) -> list[Prompt]:
+        rng = as_rng(rng)
+        out = []
+        for _ in range(n):
+            if not self._order:
+                self._order = list(range(len(self.prompts)))
+                rng.shuffle(self._order)
+            out.append(self.prompts[self._order.pop()])
+        return out
+
+    def reward(
+        self, prompt: str, response: str, response_ids: Sequence[int], answer: str, **metadata: Any
+    ) -> float:
+        return float(self.reward_fn(prompt, response, response_ids, answer, **metadata))
+
+    def reward_batch(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        response_ids: Sequence[Sequence[int]],
+        answers: Sequence[str],
+        metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> list[float]:
+        return batch_reward(self.reward_fn, prompts, responses, response_ids, answers, metadata)
