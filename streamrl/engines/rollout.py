@@ -62,8 +62,10 @@ def sample_tokens(
     if top_p < 1.0:
         sorted_logp, order = torch.sort(allowed, dim=-1, descending=True)
         sorted_p = sorted_logp.exp()
-        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
-        drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p
+        # Keep the smallest set of top tokens whose mass reaches top_p: drop a token when the ones
+        # ranked above it already cover top_p (the first always stays).
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+        drop[:, 0] = False
         sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
         allowed = torch.full_like(allowed, float("-inf")).scatter(-1, order, sorted_logp)
     tokens = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(1)

@@ -172,6 +172,11 @@ class FunctionalCausalLM:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
+    def _embed(self, ids: Tensor) -> Tensor:
+        embed = self.module.model.embed_tokens
+        # padding_idx as nn.Embedding: the pad row gets no gradient, as in the HF forward.
+        return F.embedding(ids, embed.weight, padding_idx=embed.padding_idx)
+
     def _norm(self, x: Tensor, norm: nn.Module) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
@@ -229,7 +234,7 @@ class FunctionalCausalLM:
         length = input_ids.shape[1]
         pack = Packing.from_lengths(lengths, length)
         ids = input_ids.reshape(-1) if pack.flat_index is None else input_ids.reshape(-1)[pack.flat_index]
-        x = F.embedding(ids, model.model.embed_tokens.weight)
+        x = self._embed(ids)
         cos, sin = self.rope_tables(pack.positions, x.dtype)
         for i, layer in enumerate(model.model.layers):
             h = self._norm(x, layer.input_layernorm)
@@ -278,7 +283,7 @@ class FunctionalCausalLM:
         n_p = p_pack.positions.numel()
         p_flat = prompt_ids.reshape(-1) if p_pack.flat_index is None else prompt_ids.reshape(-1)[p_pack.flat_index]
         c_flat = cont_ids.reshape(-1) if c_pack.flat_index is None else cont_ids.reshape(-1)[c_pack.flat_index]
-        x = F.embedding(torch.cat([p_flat, c_flat]), model.model.embed_tokens.weight)
+        x = self._embed(torch.cat([p_flat, c_flat]))
         # A continuation token's RoPE position continues its prompt: prompt_len + offset.
         c_row = torch.arange(batch, device=x.device).repeat_interleave(cont_lengths)
         c_positions = prompt_lengths.index_select(0, prompt_of)[c_row] + c_pack.positions
@@ -317,7 +322,7 @@ class FunctionalCausalLM:
         model = self.module
         batch = token_ids.shape[0]
         rep = self.n_heads // self.n_kv_heads
-        x = F.embedding(token_ids, model.model.embed_tokens.weight)
+        x = self._embed(token_ids)
         cos, sin = self.rope_tables(positions, x.dtype)
         rows = torch.arange(batch, device=x.device)
         columns = torch.arange(n_keys, device=x.device)

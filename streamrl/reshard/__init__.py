@@ -1,1 +1,78 @@
-"""streamrl.reshard"""
+"""Allgather-swap resharding between the training and the inference layouts (see docs/reshard.md).
+
+Layouts (:mod:`layout`), what to cut (:mod:`spec`, :mod:`shards`), the process groups
+(:mod:`groups`), the bucketed reshard (:mod:`resharder`), the training-state swap (:mod:`swap`),
+versioned inference weights (:mod:`weights`) and the awaitable policy objects (:mod:`policy`).
+"""
+
+from streamrl.reshard.accounting import BucketStats, MemoryTracker, ReshardReport, SwapReport
+from streamrl.reshard.groups import RankGroups, TrainGroups, build_rank_groups
+from streamrl.reshard.layout import InferenceLayout, LayoutError, Placement, Topology, TrainLayout
+from streamrl.reshard.policy import (
+    ColocatedPolicy,
+    PhaseError,
+    WeightChannelClosedError,
+    WeightReceiver,
+    WeightSender,
+)
+from streamrl.reshard.resharder import Bucket, ReshardConfig, Resharder, plan_buckets
+from streamrl.reshard.shards import Block, shard_state, shard_tensor, train_block
+from streamrl.reshard.spec import InferencePlan, ModelShardingSpec, ParamSpec, Piece
+from streamrl.reshard.swap import SwapStateError, TrainStateSwap
+from streamrl.reshard.tp_forward import rope_theta, tensor_parallel_logits
+from streamrl.reshard.train_engine import (
+    AdamWConfig,
+    ShardedTrainEngine,
+    StepStats,
+    TrainStateOffloadedError,
+)
+from streamrl.reshard.weights import (
+    InferenceWeights,
+    VersionError,
+    WeightsStatistics,
+    WeightsUnavailableError,
+)
+
+__all__ = [
+    "AdamWConfig",
+    "Block",
+    "Bucket",
+    "BucketStats",
+    "ColocatedPolicy",
+    "InferenceLayout",
+    "InferencePlan",
+    "InferenceWeights",
+    "LayoutError",
+    "MemoryTracker",
+    "ModelShardingSpec",
+    "ParamSpec",
+    "PhaseError",
+    "Piece",
+    "Placement",
+    "RankGroups",
+    "ReshardConfig",
+    "ReshardReport",
+    "Resharder",
+    "ShardedTrainEngine",
+    "StepStats",
+    "SwapReport",
+    "SwapStateError",
+    "Topology",
+    "TrainGroups",
+    "TrainLayout",
+    "TrainStateOffloadedError",
+    "TrainStateSwap",
+    "VersionError",
+    "WeightChannelClosedError",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightsStatistics",
+    "WeightsUnavailableError",
+    "build_rank_groups",
+    "plan_buckets",
+    "rope_theta",
+    "shard_state",
+    "shard_tensor",
+    "tensor_parallel_logits",
+    "train_block",
+]

@@ -10,10 +10,10 @@ dock servers threads, for stepping through with a debugger.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,12 +35,36 @@ from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
 log = logging.getLogger("streamrl.launcher")
 
 
-def _worker_env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # Idle OpenMP threads of one stage must not spin while another stage computes: with the
-    # default (active) policy, generate and train on 2 cores slowed each other 5-50x here.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
+# Idle OpenMP threads of one stage must not spin while another stage computes: with the
+# default (active) policy, generate and train on 2 cores slowed each other 5-50x here. Set
+# before the forkserver starts (workers inherit it); a user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Workers fork from a server that imported these once: start-up costs one torch/transformers
+# import instead of one per worker. Forking happens before any OpenMP pool or CUDA context exists
+# (the server only imports), which is what makes fork safe here.
+_PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.stages.source", "streamrl.stages.generate",
+            "streamrl.stages.score", "streamrl.stages.advantage", "streamrl.stages.reference",
+            "streamrl.stages.train"]
+_mp = multiprocessing.get_context("forkserver")
+_mp.set_forkserver_preload(_PRELOAD)
+
+
+def _worker_process(spec_path: str, log_path: str) -> None:
+    """Entry of a worker process (forked from the forkserver)."""
+    os.setsid()  # own session: a Ctrl-C at the terminal reaches only the launcher
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    from streamrl.runtime.worker import main
+
+    code = main([spec_path])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)  # multiprocessing's bootstrap turns this into the exit code, with cleanup
 
 
 class RunFailed(RuntimeError):
@@ -70,7 +94,7 @@ class _Worker:
     stage: str
     index: int
     log_path: Path | None = None
-    proc: subprocess.Popen[bytes] | None = None
+    proc: multiprocessing.process.BaseProcess | None = None
 
 
 def _new_run_dir(cfg: RunConfig) -> Path:
@@ -172,17 +196,14 @@ class _Launch:
         spec_path = logs / f"{w.stage}-{w.index}.spec.json"
         write_spec(spec, spec_path)
         w.log_path = logs / f"{w.stage}-{w.index}.log"
-        with w.log_path.open("wb") as out:
-            w.proc = subprocess.Popen(
-                [sys.executable, "-m", "streamrl.runtime.worker", str(spec_path)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env=_worker_env(),
-            )
+        w.proc = _mp.Process(target=_worker_process, args=(str(spec_path), str(w.log_path)),
+                             name=f"streamrl-{w.stage}-{w.index}", daemon=False)
+        w.proc.start()
 
     def _check_processes(self) -> None:
         for w in self.workers:
-            if w.proc is not None and w.proc.poll() not in (None, 0) and self.death is None:
-                code = w.proc.returncode
+            if w.proc is not None and w.proc.exitcode not in (None, 0) and self.death is None:
+                code = w.proc.exitcode
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 self.death = f"stage {w.stage!r} worker {w.index} {how}; its log: {w.log_path}"
 
@@ -255,20 +276,22 @@ class _Launch:
     def _reap(self) -> None:
         """Wait for workers to exit after Stop; SIGTERM, then SIGKILL, whoever lingers."""
         procs = [w.proc for w in self.workers if w.proc is not None]
-        deadline = time.monotonic() + 30
         for sig, wait in ((None, 30.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            alive = [p for p in procs if p.poll() is None]
+            alive = [p for p in procs if p.is_alive()]
             if not alive:
-                return
+                break
             for p in alive:
-                if sig is not None:
-                    p.send_signal(sig)
+                if sig is not None and p.pid is not None:
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
             deadline = time.monotonic() + wait
             for p in alive:
-                try:
-                    p.wait(timeout=max(0.05, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+                p.join(timeout=max(0.05, deadline - time.monotonic()))
+        for p in procs:
+            if not p.is_alive():
+                p.close()
 
     def _result(self) -> RunResult:
         now = time.monotonic()

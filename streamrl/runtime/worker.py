@@ -41,7 +41,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     control_endpoint: str
     weights_endpoint: str
     run_dir: str
-    parent_pid: int = 0  # exit if this process is gone (no orphans if the launcher is killed)
+    parent_pid: int = 0  # the launcher: exit once it is gone (no orphans if it is killed)
 
 
 def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
@@ -136,10 +136,26 @@ async def run_worker(spec: WorkerSpec) -> int:
         control.close()
 
 
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return True  # no /proc (not Linux): existence is all we can tell
+
+
 async def _watch_parent(parent_pid: int, tg: anyio.abc.TaskGroup) -> None:
+    """Workers are forked from a forkserver, not the launcher, so watch the launcher's pid itself."""
     while True:
         await anyio.sleep(1.0)
-        if os.getppid() != parent_pid:
+        if not process_alive(parent_pid):
             log.error("launcher %d is gone: stopping", parent_pid)
             tg.cancel_scope.cancel()
             return

@@ -41,6 +41,7 @@ class TrainStage:
         self.rewards: list[float] = []
         self.staleness: list[int] = []
         self.response_tokens = 0
+        self.sequence_tokens = 0  # prompt + response tokens trained on (for FLOP accounting)
         self.micro: list[dict[str, float]] = []
 
     def claim_size(self) -> ClaimSize:
@@ -60,6 +61,8 @@ class TrainStage:
         self.rewards.extend(float(r) for r in cols.get("reward", []))
         self.staleness.extend(self.version - v for v in batch.versions)
         self.response_tokens += sum(int(t.numel()) for t in cols["response_ids"])
+        self.sequence_tokens += sum(
+            int(p.numel()) + int(r.numel()) for p, r in zip(cols["prompt_ids"], cols["response_ids"], strict=True))
         if self.consumed >= self.batch_size:
             await self._step()
         return {}
@@ -84,6 +87,8 @@ class TrainStage:
             "samples_per_s": self.consumed / wall,
             "tokens_per_s": self.response_tokens / wall,
             "response_len_mean": self.response_tokens / max(self.consumed, 1),
+            "response_tokens": float(self.response_tokens),
+            "sequence_tokens": float(self.sequence_tokens),
             "staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
             "staleness_max": float(max(self.staleness, default=0)),
             "micro_batches": stats["micro_batches"],

@@ -64,6 +64,20 @@ def as_rng(rng: random.Random | int) -> random.Random:
     raise TypeError(f"rng must be a random.Random or an int seed, got {type(rng).__name__}")
 
 
+class BatchRewardMixin:
+    """``reward_batch`` for a task class that defines the per-sample ``reward``."""
+
+    def reward_batch(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        response_ids: Sequence[Sequence[int]],
+        answers: Sequence[str],
+        metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> list[float]:
+        return batch_reward(self.reward, prompts, responses, response_ids, answers, metadata)  # type: ignore[attr-defined]
+
+
 def batch_reward(
     fn: RewardFn,
     prompts: Sequence[str],

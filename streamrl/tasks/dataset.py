@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from streamrl.tasks.base import RESERVED_FIELDS, Prompt, RewardFn, as_rng, batch_reward
+from streamrl.tasks.base import RESERVED_FIELDS, BatchRewardMixin, Prompt, RewardFn, as_rng
 
 
 class PromptDatasetError(ValueError):
@@ -55,7 +55,7 @@ def load_prompts_jsonl(path: str | Path) -> list[Prompt]:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
+            where = f"{path}, line {lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -66,7 +66,7 @@ def load_prompts_jsonl(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-class DatasetTask:
+class DatasetTask(BatchRewardMixin):
     """Prompts from a fixed list (e.g. a JSONL file), scored by a given reward function.
 
     ``make_prompts`` walks the rows in a shuffled order, reshuffling at each epoch; the order
@@ -95,13 +95,3 @@ class DatasetTask:
         self, prompt: str, response: str, response_ids: Sequence[int], answer: str, **metadata: Any
     ) -> float:
         return float(self.reward_fn(prompt, response, response_ids, answer, **metadata))
-
-    def reward_batch(
-        self,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        response_ids: Sequence[Sequence[int]],
-        answers: Sequence[str],
-        metadata: Sequence[dict[str, Any]] | None = None,
-    ) -> list[float]:
-        return batch_reward(self.reward_fn, prompts, responses, response_ids, answers, metadata)

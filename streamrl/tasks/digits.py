@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from streamrl.tasks.base import Prompt, as_rng, batch_reward
+from streamrl.tasks.base import BatchRewardMixin, Prompt, as_rng
 
 DIGITS = "0123456789"
 EOS_TEXT = "<eos>"
@@ -38,7 +38,7 @@ def positional_score(chars: str, answer: str) -> float:
     return sum(1 for a, b in zip(chars, answer, strict=False) if a == b) / n
 
 
-class _DigitsTask:
+class _DigitsTask(BatchRewardMixin):
     """Shared parts: the token-id -> digit map and batch scoring."""
 
     name = "digits"
@@ -64,16 +64,6 @@ class _DigitsTask:
                 break
             chars.append(self.digit_of.get(int(t), "?"))
         return "".join(chars)
-
-    def reward_batch(
-        self,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        response_ids: Sequence[Sequence[int]],
-        answers: Sequence[str],
-        metadata: Sequence[dict[str, Any]] | None = None,
-    ) -> list[float]:
-        return batch_reward(self.reward, prompts, responses, response_ids, answers, metadata)  # type: ignore[attr-defined]
 
 
 class FirstDigitTask(_DigitsTask):

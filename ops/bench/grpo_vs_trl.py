@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""streamrl vs Hugging Face TRL's GRPOTrainer on identical work, side by side, in one run.
+
+Workloads (../shared/bench/README.md): same tiny Qwen2 shapes (random init), task, batch
+shape, sampling and optimizer on both sides (fp32, AdamW, constant lr, grad clip 1.0,
+temperature 1, KL 0, clip 0.2, group-normalised advantages, token-mean loss).
+
+  W1  digits-max, hidden 128 / 2 layers, 8 prompts x 8, <= 4 tokens: training-loop seconds
+      until a step's mean reward >= 0.9 (target: streamrl <= 0.5x TRL).
+  W2  digits-reverse (2..24 digits), hidden 256 / 4 layers, 16 prompts x 8, <= 32 tokens,
+      15 steps: completions/s in synchronous on-policy mode (target >= 2x TRL), also with
+      max_staleness 1, and the useful FLOP rate as a fraction of the fp32 matmul ceiling
+      measured in the same run (training 6*params*tokens + generation 2*params*tokens).
+
+Each side runs as a fresh process per repetition (seeds 0..reps-1); setup is excluded on both
+sides (TRL: its training loop; streamrl: from Go to the last step). TRL's venv comes from
+../shared/bench/setup_trl.sh (made if missing). Last line: one JSON object.
+
+    python ops/bench/grpo_vs_trl.py                 # W1 and W2, 3 repetitions
+    python ops/bench/grpo_vs_trl.py --workload W1 --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt_spread, print_json_line, print_table, spread  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_BENCH = ROOT.parent / "shared" / "bench"
+TRL_VENV = Path(os.environ.get("STREAMRL_TRL_VENV", "/tmp/streamrl-trl-venv"))
+
+W1_TRL = ["--task", "max", "--steps", "300", "--stop-reward", "0.9"]
+W2_TRL = ["--task", "reverse", "--n-digits", "24", "--min-digits", "2", "--max-completion-length", "32",
+          "--hidden", "256", "--layers", "4", "--heads", "8", "--intermediate", "512", "--prompts-per-step", "16",
+          "--num-generations", "8", "--steps", "15", "--lr", "1e-3"]
+
+
+def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str) -> dict[str, Any]:
+    common = {
+        "pipeline": str(ROOT / "pipelines" / "grpo.yaml"),
+        "seed": seed,
+        "output": {"run_dir": run_dir, "name": f"{workload}-k{staleness}-s{seed}", "tensorboard": False,
+                   "plot": False, "checkpoint": False, "progress": "none"},
+    }
+    if workload == "W1":
+        return {**common,
+                "model": {"tiny": {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 256, "seed": seed}},
+                "task": {"name": "digits-max", "options": {"n_digits": 3}, "seed": seed},
+                "algo": {"steps": 300, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 4, "lr": 1e-3,
+                         "max_staleness": staleness, "stop_reward": 0.9}}
+    return {**common,
+            "model": {"tiny": {"hidden": 256, "layers": 4, "heads": 8, "intermediate": 512, "seed": seed}},
+            "task": {"name": "digits-reverse", "options": {"min_digits": 2, "max_digits": 24}, "seed": seed},
+            "algo": {"steps": 15, "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 32, "lr": 1e-3,
+                     "max_staleness": staleness}}
+
+
+def run_streamrl(workload: str, seed: int, staleness: int, tmp: Path) -> dict[str, Any]:
+    cfg_path = tmp / f"{workload}-k{staleness}-s{seed}.yaml"
+    cfg_path.write_text(yaml.safe_dump(streamrl_config(workload, seed, staleness, str(tmp / "runs"))))
+    proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "run", str(cfg_path), "--print-result"],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"streamrl {workload} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    batch = 64 if workload == "W1" else 128  # samples (completions) per optimizer step
+    completions = len(rows) * batch
+    return {
+        "wall_s": result["train_s"], "setup_s": result["setup_s"], "steps": result["steps"],
+        "time_to_target_s": result["time_to_target_s"],
+        "completions_per_s": completions / result["train_s"],
+        "gen_tokens_per_s": sum(r["response_tokens"] for r in rows) / result["train_s"],
+        "sequence_tokens": sum(r["sequence_tokens"] for r in rows),
+        "prompt_tokens": sum(r["sequence_tokens"] - r["response_tokens"] for r in rows),
+        "first_step_ge_0.9": next((r["step"] for r in rows if r["reward_mean"] >= 0.9), None),
+    }
+
+
+def run_trl(args: list[str], seed: int) -> dict[str, Any]:
+    python = TRL_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"making TRL's venv at {TRL_VENV} (once) ...", flush=True)
+        subprocess.run(["bash", str(SHARED_BENCH / "setup_trl.sh"), str(TRL_VENV)], check=True)
+    proc = subprocess.run([str(python), str(SHARED_BENCH / "grpo_trl.py"), *args, "--seed", str(seed),
+                           "--print-every", "0"], capture_output=True, text=True, timeout=900)
+    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT_JSON")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"TRL failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line.split(" ", 1)[1])
+
+
+def matmul_ceiling_gflops(threads: int = 2, n: int = 1024, reps: int = 30) -> float:
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def w2_params() -> int:
+    from streamrl.models.build import TinyModelSpec, build_model
+    from streamrl.models.tokenizer import build_char_tokenizer
+
+    model = build_model(TinyModelSpec(hidden=256, layers=4, heads=8, intermediate=512), build_char_tokenizer())
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["W1", "W2", "all"], default="all")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip-trl", action="store_true", help="streamrl only (no ratio)")
+    args = ap.parse_args()
+    figures: dict[str, Any] = {}
+    baseline: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
+    targets = {"W1_time_to_0.9_ratio": "<= 0.5", "W2_completions_per_s_ratio_k0": ">= 2.0",
+               "W2_flop_fraction_of_ceiling": ">= 0.6"}
+    with tempfile.TemporaryDirectory(prefix="srl-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        rows = []
+        if args.workload in ("W1", "all"):
+            ours = {k: [run_streamrl("W1", s, k, tmp) for s in range(args.reps)] for k in (0, 1)}
+            trl = [] if args.skip_trl else [run_trl(W1_TRL, s) for s in range(args.reps)]
+            for k in (0, 1):
+                ttt = spread(r["time_to_target_s"] for r in ours[k] if r["time_to_target_s"] is not None)
+                steps = spread(r["first_step_ge_0.9"] for r in ours[k] if r["first_step_ge_0.9"])
+                figures[f"W1_k{k}_time_to_0.9_s"] = ttt
+                figures[f"W1_k{k}_steps_to_0.9"] = steps
+                figures[f"W1_k{k}_setup_s"] = spread(r["setup_s"] for r in ours[k])
+                rows.append([f"W1 streamrl k={k}: s to 0.9 (steps)", f"{fmt_spread(ttt, 2)} ({fmt_spread(steps, 0)})"])
+            if trl:
+                t = spread(r["wall_s"] for r in trl if r["first_step_reward_ge_0.9"])
+                st = spread(r["first_step_reward_ge_0.9"] for r in trl if r["first_step_reward_ge_0.9"])
+                baseline["W1_time_to_0.9_s"], baseline["W1_steps_to_0.9"] = t, st
+                rows.append(["W1 TRL: s to 0.9 (steps)", f"{fmt_spread(t, 2)} ({fmt_spread(st, 0)})"])
+                for k in (0, 1):
+                    ratios[f"W1_time_to_0.9_ratio_k{k}"] = figures[f"W1_k{k}_time_to_0.9_s"]["median"] / t["median"]
+        if args.workload in ("W2", "all"):
+            ceiling = matmul_ceiling_gflops()
+            params = w2_params()
+            figures["matmul_ceiling_gflops"] = ceiling
+            rows.append(["fp32 matmul ceiling, 2 threads (GFLOP/s)", f"{ceiling:.0f}"])
+            ours = {k: [run_streamrl("W2", s, k, tmp) for s in range(args.reps)] for k in (0, 1)}
+            trl = [] if args.skip_trl else [run_trl(W2_TRL, s) for s in range(args.reps)]
+            for k in (0, 1):
+                cps = spread(r["completions_per_s"] for r in ours[k])
+                tps = spread(r["gen_tokens_per_s"] for r in ours[k])
+                # useful work: train fwd+bwd 6*P*T over every trained token, generation 2*P*T (prefill + decode)
+                flops = [(6 + 2) * params * r["sequence_tokens"] / r["wall_s"] / 1e9 for r in ours[k]]
+                figures[f"W2_k{k}_completions_per_s"] = cps
+                figures[f"W2_k{k}_gen_tokens_per_s"] = tps
+                figures[f"W2_k{k}_useful_gflops"] = spread(flops)
+                figures[f"W2_k{k}_flop_fraction_of_ceiling"] = spread(f / ceiling for f in flops)
+                rows.append([f"W2 streamrl k={k}: completions/s", fmt_spread(cps)])
+                rows.append([f"W2 streamrl k={k}: gen tokens/s", fmt_spread(tps, 0)])
+                rows.append([f"W2 streamrl k={k}: useful GFLOP/s (fraction of ceiling)",
+                             f"{fmt_spread(spread(flops))} ({spread(flops)['median'] / ceiling:.2f})"])
+            if trl:
+                cps = spread(r["completions_per_s"] for r in trl)
+                baseline["W2_completions_per_s"] = cps
+                baseline["W2_gen_tokens_per_s"] = spread(r["gen_tokens_per_s"] for r in trl)
+                rows.append(["W2 TRL: completions/s", fmt_spread(cps)])
+                rows.append(["W2 TRL: gen tokens/s", fmt_spread(baseline["W2_gen_tokens_per_s"], 0)])
+                for k in (0, 1):
+                    ratios[f"W2_completions_per_s_ratio_k{k}"] = (
+                        figures[f"W2_k{k}_completions_per_s"]["median"] / cps["median"])
+            ratios["W2_flop_fraction_of_ceiling"] = figures.get("W2_k0_flop_fraction_of_ceiling", {}).get("median")
+        print_table(["measure", "median [min, max]"], rows)
+        for k, v in ratios.items():
+            print(f"ratio {k}: {v:.3f}" if isinstance(v, float) else f"ratio {k}: {v}")
+    print_json_line("grpo_vs_trl", figures, baseline, ratios, targets, reps=args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The awaitable face of the reshard: policy versions moving between training and generation.
+
+Colocated (the same ranks alternate training and generation)::
+
+    policy = ColocatedPolicy(engine, resharder)
+    # train stage, after its optimizer step:
+    await policy.to_inference(version)      # reshard into inference weights, swap train state out
+    # generate stage:
+    async with policy.weights.use(min_version) as weights: ...   # forward passes on `weights`
+    # train stage, before its next step:
+    await policy.to_training()              # waits for the forward passes, swaps train state back
+
+Disaggregated (separate generation workers)::
+
+    sender = WeightSender(engine, resharder)      # on every train rank
+    await sender.send(version)                    # after each optimizer step
+    await sender.close()                          # at shutdown: releases the receivers
+    receiver = WeightReceiver(resharder)          # on every generation worker
+    await receiver.run()                          # or: await receiver.receive() per version
+    async with receiver.weights.use(min_version) as weights: ...
+
+Collectives and copies block, so they run in a worker thread: ``await`` never blocks the event
+loop, and the only thing that waits for a version is whoever awaits it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Literal, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from streamrl.reshard.accounting import ReshardReport, SwapReport
+from streamrl.reshard.layout import LayoutError
+from streamrl.reshard.resharder import HEADER_CLOSE, HEADER_WEIGHTS, Resharder
+from streamrl.reshard.train_engine import ShardedTrainEngine
+from streamrl.reshard.weights import InferenceWeights
+
+T_ = TypeVar("T_")
+Phase = Literal["training", "inference"]
+
+
+class PhaseError(RuntimeError):
+    """A colocated transition asked for from the wrong phase."""
+
+
+class WeightChannelClosedError(RuntimeError):
+    """The weight channel was closed (or abandoned) and can carry no more versions."""
+
+
+def _weights_for(resharder: Resharder, device: object) -> InferenceWeights:
+    groups = resharder.groups
+    return InferenceWeights(
+        resharder.inference_shapes(),
+        dtype=resharder.inference_dtype,
+        device=resharder.device if device is None else device,  # type: ignore[arg-type]
+        inference_rank=groups.inference_rank or 0,
+        tensor_parallel=resharder.topology.inference.tensor_parallel,
+    )
+
+
+class ColocatedPolicy:
+    """One colocated rank's policy: its training shards and its inference weights, one at a time.
+
+    swap_training_state: move parameters, gradients and AdamW moments to host memory for the
+        inference phase (the device then holds only the inference weights).
+    release_weights_in_training: free the inference weights for the training phase; generation
+        waiting in ``weights.use(v)`` resumes at the next ``to_inference``.
+    """
+
+    def __init__(
+        self,
+        engine: ShardedTrainEngine,
+        resharder: Resharder,
+        *,
+        swap_training_state: bool = True,
+        release_weights_in_training: bool = True,
+    ) -> None:
+        if resharder.topology.placement != "colocated":
+            raise LayoutError("ColocatedPolicy needs a colocated topology; use WeightSender/WeightReceiver")
+        self.engine, self.resharder = engine, resharder
+        self.swap_training_state = swap_training_state
+        self.release_weights_in_training = release_weights_in_training
+        self.weights = _weights_for(resharder, engine.device)
+        self.phase: Phase = "training"
+        self.last_reshard: ReshardReport | None = None
+        self.last_swap: SwapReport | None = None
+        self._transition = anyio.Lock()
+
+    async def to_inference(self, version: int) -> ReshardReport:
+        """Reshard the current training weights as ``version``, swap the training state out, publish.
+
+        Collective over the train group: every colocated rank calls it with the same version.
+        """
+        async with self._transition:
+            if self.phase != "training":
+                raise PhaseError(
+                    f"already in the inference phase (version {self.weights.version}); await to_training() first"
+                )
+            async with self.weights.update() as tensors:
+
+                def work() -> ReshardReport:
+                    report = self.resharder.reshard_local(
+                        self.engine.local_shards(), tensors, version=version
+                    )
+                    if self.swap_training_state:
+                        self.last_swap = self.engine.offload_state()
+                    return report
+
+                report = await anyio.to_thread.run_sync(work)
+                self.weights.publish(version)
+            self.phase = "inference"
+            self.last_reshard = report
+            return report
+
+    async def to_training(self) -> SwapReport | None:
+        """Wait for the forward passes in flight, release the inference weights, swap training state in."""
+        async with self._transition:
+            if self.phase != "inference":
+                raise PhaseError("already in the training phase; to_inference(version) comes first")
+            async with self.weights.update():
+                if self.release_weights_in_training:
+                    self.weights.release()
+                report = None
+                if self.swap_training_state:
+                    report = await anyio.to_thread.run_sync(self.engine.reload_state)
+                    self.last_swap = report
+            self.phase = "training"
+            return report
+
+
+class WeightSender:
+    """Disaggregated train rank: streams each version's slices to its generation workers."""
+
+    def __init__(self, engine: ShardedTrainEngine, resharder: Resharder) -> None:
+        groups = resharder.groups
+        if resharder.topology.placement != "disaggregated" or groups.train is None:
+            raise LayoutError("WeightSender runs on the train ranks of a disaggregated topology")
+        self.engine, self.resharder = engine, resharder
+        self.closed = False
+        self.last_version: int | None = None
+        self._lock = anyio.Lock()
+
+    async def send(self, version: int) -> ReshardReport:
+        """Collective over the train group; returns when this rank's slices are delivered."""
+        async with self._lock:
+            if self.closed:
+                raise WeightChannelClosedError("this WeightSender is closed")
+            if self.last_version is not None and version <= self.last_version:
+                raise ValueError(
+                    f"policy version {version} does not follow the last sent {self.last_version}"
+                )
+            shards = self.engine.local_shards()
+            report = await anyio.to_thread.run_sync(lambda: self.resharder.send(shards, version=version))
+            self.last_version = version
+            return report
+
+    async def close(self) -> None:
+        """Tell this rank's generation workers that no more versions come (their run() returns)."""
+        async with self._lock:
+            if not self.closed:
+                self.closed = True
+                await anyio.to_thread.run_sync(lambda: self.resharder.send_header(HEADER_CLOSE, -1))
+
+
+async def _in_daemon_thread(fn: Callable[[], T_], poll_s: float = 0.005) -> T_:
+    """Run a blocking call that may wait indefinitely (a header recv) in a daemon thread.
+
+    anyio's worker threads are not daemonic, so a recv that never completes would keep the
+    process from exiting; a daemon thread does not. Cancelling the await abandons the thread.
+    """
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="streamrl-weight-header", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        await anyio.sleep(poll_s)
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+class WeightReceiver:
+    """Disaggregated generation worker: receives versions into its :class:`InferenceWeights`."""
+
+    def __init__(self, resharder: Resharder) -> None:
+        groups = resharder.groups
+        if resharder.topology.placement != "disaggregated" or groups.weight_source is None:
+            raise LayoutError("WeightReceiver runs on the generation workers of a disaggregated topology")
+        self.resharder = resharder
+        self.weights = _weights_for(resharder, None)
+        self.closed = False
+        self.last_report: ReshardReport | None = None
+        self._broken = False
+
+    async def receive(self) -> ReshardReport | None:
+        """Wait for the next version and install it; None once the sender has closed."""
+        if self.closed:
+            return None
+        if self._broken:
+            raise WeightChannelClosedError("a receive was cancelled mid-way; the weight channel is unusable")
+        self._broken = True  # until this receive completes
+        kind, version = await _in_daemon_thread(self.resharder.receive_header)
+        if kind == HEADER_CLOSE:
+            self.closed, self._broken = True, False
+            return None
+        assert kind == HEADER_WEIGHTS
+        async with self.weights.update() as tensors:
+            report = await anyio.to_thread.run_sync(lambda: self.resharder.receive(tensors, version=version))
+            self.weights.publish(version)
+        self._broken = False
+        self.last_report = report
+        return report
+
+    async def run(self) -> int:
+        """Receive versions until the sender closes; returns how many were installed."""
+        count = 0
+        while await self.receive() is not None:
+            count += 1
+        return count

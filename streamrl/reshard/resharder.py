@@ -1,0 +1,361 @@
+"""The allgather-swap reshard: training shards -> inference TP slices, one bucket at a time.
+
+For each bucket (consecutive training parameters in layer order, at most ``bucket_bytes``
+once gathered):
+
+1. allocate the gathered buffer (R x this rank's packed shard bytes) and pack this rank's
+   shards into *its own slot* of it, then all-gather in place over the train group;
+2. view every rank's slot as that rank's shard of each parameter (no copy);
+3. copy each inference piece (a rectangle of a full tensor, see :mod:`spec`) straight from the
+   shards that cover it into the inference weights, or into a staging buffer that is sent to a
+   generation worker;
+4. release the gathered buffer.
+
+Nothing ever holds a full parameter or the full model, so the peak extra memory per rank is one
+gathered bucket (+ one staging buffer of at most one bucket's slice when sending). The same
+code with a single bucket for the whole model is the naive reshard used as the baseline.
+
+Everything here is blocking (collectives, copies); :mod:`streamrl.reshard.policy` runs it in a
+worker thread so that ``await`` never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from streamrl.reshard.accounting import BucketStats, MemoryTracker, ReshardReport
+from streamrl.reshard.groups import RankGroups
+from streamrl.reshard.layout import LayoutError, TrainLayout
+from streamrl.reshard.shards import copy_rect, local_shape, train_block
+from streamrl.reshard.spec import ModelShardingSpec, ParamSpec, Piece, Rect
+
+# torch >= 2.13 renames all_gather_into_tensor to all_gather_single; same semantics.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+HEADER_WEIGHTS = 1  # header kind: a new policy version follows, bucket by bucket
+HEADER_CLOSE = 2  # header kind: the sender is shutting down; no more versions
+
+
+@dataclass(frozen=True)
+class ReshardConfig:
+    """bucket_bytes: cap, in bytes, on one bucket once gathered (R x local shard bytes). It is the
+    reshard's peak transient memory per rank: larger buckets mean fewer, larger collectives (less
+    per-call latency), smaller ones less memory. A parameter larger than the cap forms its own
+    bucket. None puts the whole model in one bucket: the naive gather-everything reshard.
+    """
+
+    bucket_bytes: int | None = 64 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes is not None and (
+            not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1
+        ):
+            raise ValueError(
+                f"bucket_bytes must be a positive integer number of bytes or None (whole model), "
+                f"got {self.bucket_bytes!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    params: tuple[ParamSpec, ...]
+    offsets: tuple[int, ...]  # element offset of each parameter's shard in a rank's packed slot
+    local_numel: int  # elements of one rank's packed slot
+
+    def gathered_bytes(self, world_size: int, itemsize: int) -> int:
+        return self.local_numel * world_size * itemsize
+
+
+def plan_buckets(
+    params: tuple[ParamSpec, ...], layout: TrainLayout, bucket_bytes: int | None, itemsize: int
+) -> tuple[Bucket, ...]:
+    """Greedy split of the parameters, in order, into buckets of at most ``bucket_bytes`` gathered."""
+    buckets: list[Bucket] = []
+    current: list[ParamSpec] = []
+    offsets: list[int] = []
+    numel = 0
+    for p in params:
+        n = torch.Size(local_shape(p, layout)).numel()
+        gathered = (numel + n) * layout.world_size * itemsize
+        if current and bucket_bytes is not None and gathered > bucket_bytes:
+            buckets.append(Bucket(len(buckets), tuple(current), tuple(offsets), numel))
+            current, offsets, numel = [], [], 0
+        current.append(p)
+        offsets.append(numel)
+        numel += n
+    if current:
+        buckets.append(Bucket(len(buckets), tuple(current), tuple(offsets), numel))
+    return tuple(buckets)
+
+
+def _accelerator(device: torch.device) -> Any:  # torch.cuda / torch.npu, None on CPU
+    return getattr(torch, device.type) if device.type != "cpu" else None
+
+
+def synchronize(device: torch.device) -> None:
+    accel = _accelerator(device)
+    if accel is not None:
+        accel.synchronize(device)
+
+
+ShardViews = dict[str, list[tuple[Rect, torch.Tensor]]]
+
+
+class Resharder:
+    """Bucketed allgather reshard for one rank of a :class:`~streamrl.reshard.groups.RankGroups`.
+
+    shard_dtype: dtype of the training shards (all parameters share it: the bucket is one flat
+    buffer). inference_dtype: dtype of the inference weights; the cast happens in the slice copy,
+    so a bf16 inference copy of fp32 training weights costs no extra buffer.
+    """
+
+    def __init__(
+        self,
+        spec: ModelShardingSpec,
+        groups: RankGroups,
+        *,
+        config: ReshardConfig = ReshardConfig(),
+        shard_dtype: torch.dtype = torch.float32,
+        inference_dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.spec, self.groups, self.config = spec, groups, config
+        self.topology = groups.topology
+        self.layout = self.topology.train
+        spec.check_train_layout(self.layout)
+        self.plan = spec.inference_plan(self.topology.inference.tensor_parallel)
+        self.shard_dtype = shard_dtype
+        self.inference_dtype = inference_dtype or shard_dtype
+        self.device = torch.device(device)
+        itemsize = torch.empty((), dtype=shard_dtype).element_size()
+        self._itemsize = itemsize
+        self._out_itemsize = torch.empty((), dtype=self.inference_dtype).element_size()
+        self.buckets = plan_buckets(spec.params, self.layout, config.bucket_bytes, itemsize)
+        self._blocks = {
+            p.name: [train_block(p, self.layout, r) for r in range(self.layout.world_size)]
+            for p in spec.params
+        }
+        # pieces[t][bucket index]: the pieces of inference rank t whose source lies in that bucket
+        bucket_of = {p.name: b.index for b in self.buckets for p in b.params}
+        self._pieces: list[list[list[Piece]]] = []
+        for rank_pieces in self.plan.pieces:
+            per_bucket: list[list[Piece]] = [[] for _ in self.buckets]
+            for piece in rank_pieces:
+                per_bucket[bucket_of[piece.source]].append(piece)
+            self._pieces.append(per_bucket)
+
+    # -- shapes of what the inference side holds ------------------------------------------------
+    def inference_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.plan.shapes)
+
+    def largest_bucket_bytes(self) -> int:
+        return max(b.gathered_bytes(self.layout.world_size, self._itemsize) for b in self.buckets)
+
+    def bucket_slice_numel(self, inference_rank: int, bucket: int) -> int:
+        return sum(p.numel for p in self._pieces[inference_rank][bucket])
+
+    # -- train side -----------------------------------------------------------------------------
+    def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> None:
+        for p in self.spec.params:
+            shard = shards.get(p.name)
+            if shard is None:
+                raise KeyError(f"training shards lack {p.name!r}")
+            expected = self._blocks[p.name][0].local_shape
+            if tuple(shard.shape) != expected or shard.dtype != self.shard_dtype:
+                raise ValueError(
+                    f"{p.name}: shard is {tuple(shard.shape)} {shard.dtype}, the layout needs "
+                    f"{expected} {self.shard_dtype}"
+                )
+
+    def _gathered_buckets(
+        self, shards: Mapping[str, torch.Tensor], tracker: MemoryTracker, report: ReshardReport
+    ) -> Iterator[tuple[Bucket, ShardViews, BucketStats]]:
+        groups = self.groups
+        if groups.train is None:
+            raise LayoutError(f"world rank {groups.world_rank} is not a train rank; it cannot gather shards")
+        rank, R = groups.train.rank, self.layout.world_size
+        for bucket in self.buckets:
+            n = bucket.local_numel
+            stats = BucketStats(bucket.index, len(bucket.params))
+            report.buckets.append(stats)
+            t0 = time.perf_counter()
+            gathered = torch.empty(R * n, dtype=self.shard_dtype, device=self.device)
+            stats.gathered_bytes = gathered.numel() * self._itemsize
+            tracker.allocate(stats.gathered_bytes)
+            own = gathered[rank * n : (rank + 1) * n]
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                own[offset : offset + shards[p.name].numel()].copy_(
+                    shards[p.name].reshape(-1), non_blocking=True
+                )
+            if groups.reshard_group is not None:
+                _all_gather_flat(gathered, own, group=groups.reshard_group)
+            synchronize(self.device)
+            stats.gather_s = time.perf_counter() - t0
+            stats.received_bytes = (R - 1) * n * self._itemsize
+            views: ShardViews = {}
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                blocks = self._blocks[p.name]
+                views[p.name] = [
+                    (b.rect, gathered[r * n + offset : r * n + offset + b.local_numel].view(b.local_shape))
+                    for r, b in enumerate(blocks)
+                    if b.rect is not None
+                ]
+            stats.peak_extra_bytes = tracker.live_bytes
+            yield bucket, views, stats
+            del views, own, gathered
+            tracker.release(stats.gathered_bytes)
+
+    def reshard_local(
+        self, shards: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor], *, version: int
+    ) -> ReshardReport:
+        """Colocated: fill ``out`` (this rank's inference weights) from the train group's shards."""
+        t = self.groups.inference_rank
+        if t is None or self.topology.placement != "colocated":
+            raise LayoutError("reshard_local is the colocated path; this rank holds no local inference rank")
+        self._check_shards(shards)
+        self._check_out(out)
+        tracker = MemoryTracker()
+        report = ReshardReport(version, "colocated", self.config.bucket_bytes)
+        with self._measure(report, tracker):
+            for bucket, views, stats in self._gathered_buckets(shards, tracker, report):
+                t0 = time.perf_counter()
+                for piece in self._pieces[t][bucket.index]:
+                    copied = copy_rect(
+                        out[piece.target], piece.target_origin, piece.source_rect, views[piece.source]
+                    )
+                    stats.sliced_bytes += copied * self._out_itemsize
+                synchronize(self.device)
+                stats.slice_s = time.perf_counter() - t0
+        return report
+
+    def send(self, shards: Mapping[str, torch.Tensor], *, version: int) -> ReshardReport:
+        """Disaggregated train rank: gather bucket by bucket, send each destination its slices."""
+        groups = self.groups
+        if self.topology.placement != "disaggregated":
+            raise LayoutError("send is the disaggregated path; use reshard_local when colocated")
+        self._check_shards(shards)
+        self.send_header(HEADER_WEIGHTS, version)
+        destinations = [(g, self.topology.inference_coords(g)[0]) for g in groups.weight_destinations]
+        tracker = MemoryTracker()
+        report = ReshardReport(version, "sender", self.config.bucket_bytes)
+        with self._measure(report, tracker):
+            for bucket, views, stats in self._gathered_buckets(shards, tracker, report):
+                t0 = time.perf_counter()
+                size = max((self.bucket_slice_numel(t, bucket.index) for _, t in destinations), default=0)
+                if size == 0:
+                    continue
+                staging = torch.empty(size, dtype=self.inference_dtype, device=self.device)
+                stats.staging_bytes = size * self._out_itemsize
+                tracker.allocate(stats.staging_bytes)
+                stats.peak_extra_bytes = tracker.live_bytes
+                for dest, t in destinations:
+                    offset = 0
+                    for piece in self._pieces[t][bucket.index]:
+                        chunk = staging[offset : offset + piece.numel].view(piece.shape)
+                        copy_rect(chunk, (0,) * chunk.dim(), piece.source_rect, views[piece.source])
+                        offset += piece.numel
+                    if offset == 0:
+                        continue
+                    synchronize(self.device)
+                    t1 = time.perf_counter()
+                    dist.send(staging[:offset], dst=dest, group=groups.weight_group)
+                    stats.transfer_s += time.perf_counter() - t1
+                    stats.sent_bytes += offset * self._out_itemsize
+                del staging
+                tracker.release(stats.staging_bytes)
+                stats.slice_s = time.perf_counter() - t0 - stats.transfer_s
+        return report
+
+    def send_header(self, kind: int, version: int) -> None:
+        header = torch.tensor([kind, version], dtype=torch.int64, device=self.device)
+        for dest in self.groups.weight_destinations:
+            dist.send(header, dst=dest, group=self.groups.weight_group)
+
+    # -- generation side (disaggregated) --------------------------------------------------------
+    def receive_header(self) -> tuple[int, int]:
+        """Block until this worker's source announces a version (or closes); (kind, version)."""
+        source = self._source()
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=source, group=self.groups.weight_group)
+        kind, version = (int(x) for x in header.tolist())
+        if kind not in (HEADER_WEIGHTS, HEADER_CLOSE):
+            raise RuntimeError(f"weight channel from rank {source} sent an unknown header kind {kind}")
+        return kind, version
+
+    def receive(self, out: Mapping[str, torch.Tensor], *, version: int) -> ReshardReport:
+        """Receive the buckets of the version announced by :meth:`receive_header` into ``out``."""
+        source, t = self._source(), self.groups.inference_rank
+        assert t is not None
+        self._check_out(out)
+        tracker = MemoryTracker()
+        report = ReshardReport(version, "receiver", self.config.bucket_bytes)
+        with self._measure(report, tracker):
+            for bucket in self.buckets:
+                pieces = self._pieces[t][bucket.index]
+                size = sum(p.numel for p in pieces)
+                if size == 0:
+                    continue
+                stats = BucketStats(bucket.index, len(bucket.params))
+                report.buckets.append(stats)
+                t0 = time.perf_counter()
+                staging = torch.empty(size, dtype=self.inference_dtype, device=self.device)
+                stats.staging_bytes = size * self._out_itemsize
+                tracker.allocate(stats.staging_bytes)
+                stats.peak_extra_bytes = tracker.live_bytes
+                dist.recv(staging, src=source, group=self.groups.weight_group)
+                t1 = time.perf_counter()
+                stats.transfer_s = t1 - t0
+                stats.received_bytes = stats.staging_bytes
+                offset = 0
+                for piece in pieces:
+                    target = out[piece.target]
+                    region = target[tuple(slice(lo, hi) for lo, hi in piece.target_rect())]
+                    region.copy_(staging[offset : offset + piece.numel].view(piece.shape), non_blocking=True)
+                    offset += piece.numel
+                synchronize(self.device)
+                stats.sliced_bytes = stats.staging_bytes
+                stats.slice_s = time.perf_counter() - t1
+                del staging
+                tracker.release(stats.staging_bytes)
+        return report
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _source(self) -> int:
+        source = self.groups.weight_source
+        if source is None:
+            raise LayoutError(f"world rank {self.groups.world_rank} is not a disaggregated generation worker")
+        return source
+
+    def _check_out(self, out: Mapping[str, torch.Tensor]) -> None:
+        for name, shape in self.plan.shapes.items():
+            tensor = out.get(name)
+            if tensor is None:
+                raise KeyError(f"inference weights lack {name!r}")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"inference weight {name!r} is {tuple(tensor.shape)}, the layout needs {shape}"
+                )
+
+    @contextmanager
+    def _measure(self, report: ReshardReport, tracker: MemoryTracker) -> Iterator[None]:
+        accel = _accelerator(self.device)
+        base = 0
+        if accel is not None:
+            accel.synchronize(self.device)
+            base = accel.memory_allocated(self.device)
+            accel.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        yield
+        synchronize(self.device)
+        report.total_s = time.perf_counter() - t0
+        report.peak_extra_bytes = tracker.peak_bytes
+        if accel is not None:
+            report.device_peak_extra_bytes = accel.max_memory_allocated(self.device) - base
