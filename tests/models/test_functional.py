@@ -1,0 +1,119 @@
+"""The functional forward equals the Hugging Face forward (fp32 logits and gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from streamrl.models.build import TinyModelSpec, build_model
+from streamrl.models.functional import FunctionalCausalLM, KVCache, UnsupportedModelError, unsupported_reason
+from streamrl.models.tokenizer import build_char_tokenizer
+
+SPECS = {
+    "qwen2": TinyModelSpec(hidden=32, layers=2, heads=4, intermediate=64, seed=1),
+    "llama-gqa": TinyModelSpec(arch="llama", hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, seed=2),
+}
+ATOL = 1e-5
+
+
+@pytest.fixture(params=sorted(SPECS))
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return build_model(SPECS[request.param], build_char_tokenizer()).eval()
+
+
+def _rows(seed: int, lengths: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 15, (n,), generator=g) for n in lengths]
+
+
+def _hf_logits(model: torch.nn.Module, row: torch.Tensor) -> torch.Tensor:
+    return model(row.unsqueeze(0)).logits[0]
+
+
+def _pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), torch.tensor([len(r) for r in rows])
+
+
+@torch.no_grad()
+def test_packed_forward_equals_hf_logits(model: torch.nn.Module) -> None:
+    fn = FunctionalCausalLM(model)
+    for lengths in ([5, 9, 1, 9], [4, 4, 4]):  # ragged (packed path) and equal (dense path)
+        rows = _rows(0, lengths)
+        ids, lens = _pad(rows)
+        hidden, pack = fn.forward_packed(ids, lens)
+        assert hidden.shape[0] == sum(lengths) == pack.positions.numel()
+        expected = torch.cat([_hf_logits(model, r) for r in rows])
+        torch.testing.assert_close(fn.logits(hidden), expected, atol=ATOL, rtol=1e-5)
+
+
+def test_shared_prompt_forward_equals_plain_values_and_gradients(model: torch.nn.Module) -> None:
+    fn = FunctionalCausalLM(model)
+    prompts = _rows(1, [3, 6])
+    conts = _rows(2, [4, 0, 2, 5, 1])
+    prompt_of = torch.tensor([0, 0, 1, 1, 0])
+    p_ids, p_lens = _pad(prompts)
+    c_ids, c_lens = _pad(conts)
+    hidden, _, _ = fn.forward_shared_prompts(p_ids, p_lens, c_ids, c_lens, prompt_of)
+    logits = fn.logits(hidden)
+    n_p = int(p_lens.sum())
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    # Every continuation uses its prompt; count prompt rows once per continuation for the plain loss.
+    uses = torch.bincount(prompt_of, minlength=len(prompts)).float()
+    p_scale = torch.repeat_interleave(uses, p_lens).unsqueeze(1)
+    (logits[:n_p] * weights[:n_p] * p_scale).sum().add((logits[n_p:] * weights[n_p:]).sum()).backward()
+    shared_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+
+    # Plain: every continuation with its own copy of the prompt.
+    total = torch.zeros(())
+    c_start = torch.cumsum(c_lens, 0) - c_lens
+    p_start = torch.cumsum(p_lens, 0) - p_lens
+    for i, c in enumerate(conts):
+        u = int(prompt_of[i])
+        full = _hf_logits(model, torch.cat([prompts[u], c]))
+        pl = int(p_lens[u])
+        torch.testing.assert_close(full[:pl], logits[p_start[u] : p_start[u] + pl], atol=ATOL, rtol=1e-5)
+        c_rows = slice(n_p + int(c_start[i]), n_p + int(c_start[i]) + len(c))
+        torch.testing.assert_close(full[pl:], logits[c_rows], atol=ATOL, rtol=1e-5)
+        total = total + (full[:pl] * weights[p_start[u] : p_start[u] + pl]).sum() + (full[pl:] * weights[c_rows]).sum()
+    total.backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(shared_grads[k], p.grad, atol=1e-4, rtol=1e-4, msg=k)
+
+
+@torch.no_grad()
+def test_cached_decoding_equals_hf_logits(model: torch.nn.Module) -> None:
+    fn = FunctionalCausalLM(model)
+    prompts = _rows(4, [2, 5, 3])
+    ids, lens = _pad(prompts)
+    steps = 4
+    cache = KVCache(fn.n_layers, fn.n_kv_heads, fn.head_dim, dtype=torch.float32, device=torch.device("cpu"))
+    cache.reserve(3, ids.shape[1] + steps)
+    fn.forward_packed(ids, lens, cache=cache)
+    seqs = [p.clone() for p in prompts]
+    nxt = torch.tensor([7, 8, 9])
+    for t in range(steps):
+        logits = fn.decode_step(nxt, lens + t, cache, n_keys=ids.shape[1] + t + 1)
+        seqs = [torch.cat([s, nxt[i : i + 1]]) for i, s in enumerate(seqs)]
+        expected = torch.stack([_hf_logits(model, s)[-1] for s in seqs])
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-5)
+        nxt = logits.argmax(-1)
+
+
+@torch.no_grad()
+def test_reads_parameters_in_place(model: torch.nn.Module) -> None:
+    fn = FunctionalCausalLM(model)
+    ids, lens = _pad(_rows(5, [4]))
+    before = fn.logits(fn.forward_packed(ids, lens)[0])
+    model.model.layers[0].mlp.down_proj.weight.mul_(2.0)  # what an optimizer step does
+    after = fn.logits(fn.forward_packed(ids, lens)[0])
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, _hf_logits(model, ids[0]), atol=ATOL, rtol=1e-5)
+
+
+def test_unsupported_architecture_is_named() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=15, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+    assert "gpt2" in (unsupported_reason(gpt2) or "")
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        FunctionalCausalLM(gpt2)

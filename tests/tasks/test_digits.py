@@ -1,0 +1,114 @@
+"""Digit tasks: same prompts and scores as the TRL baseline, scoring edge cases."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from streamrl.models.tokenizer import build_char_tokenizer
+from streamrl.tasks import get_task, positional_score
+
+BASELINE = Path("/work/shared/bench/grpo_trl.py")
+EOS = 1
+TOK = build_char_tokenizer()
+
+
+def _ids(text: str) -> list[int]:
+    return TOK(text)["input_ids"]
+
+
+def _baseline(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    # make_dataset imports datasets.Dataset when called; a stand-in keeps the test free of that package.
+    fake = types.ModuleType("datasets")
+    fake.Dataset = types.SimpleNamespace(from_dict=lambda d: d)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    spec = importlib.util.spec_from_file_location("grpo_trl_baseline", BASELINE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not BASELINE.is_file(), reason="baseline script not present")
+@pytest.mark.parametrize(
+    ("name", "options", "trl_task", "trl_kwargs"),
+    [
+        ("digits-max", {}, "max", {}),
+        ("digits-sum", {}, "sum", {}),
+        ("digits-last", {"n_digits": 4}, "last", {"n_digits": 4}),
+        ("digits-reverse", {"min_digits": 2, "max_digits": 24}, "reverse", {"n_digits": 24, "min_digits": 2}),
+    ],
+)
+def test_prompts_and_rewards_match_the_baseline(
+    name: str, options: dict, trl_task: str, trl_kwargs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    baseline = _baseline(monkeypatch)
+    theirs = baseline.make_dataset(50, 7, trl_task, **trl_kwargs)
+    task = get_task(name, **options)
+    ours = task.make_prompts(7, 50)
+    assert [p.text for p in ours] == theirs["prompt"]
+    assert [p.answer for p in ours] == theirs["answer"]
+    # Scores on random completions, EOS anywhere, unknown tokens, empty ones.
+    rng = random.Random(0)
+    completions = [[rng.randrange(15) for _ in range(rng.randrange(0, 8))] for _ in range(50)]
+    completions[0] = []
+    completions[1] = [EOS]
+    recorder = baseline.Recorder(TOK, trl_task)
+    nonempty = [i for i, c in enumerate(completions) if c or trl_task == "reverse"]
+    expected = recorder.reward_fn([], [], [completions[i] for i in nonempty], [ours[i].answer for i in nonempty])
+    got = task.reward_batch(
+        [ours[i].text for i in nonempty], [""] * len(nonempty), [completions[i] for i in nonempty],
+        [ours[i].answer for i in nonempty], [ours[i].metadata for i in nonempty],
+    )
+    assert got == expected
+
+
+def test_first_digit_tasks() -> None:
+    task = get_task("digits-max")
+    assert task.name == "digits-max"
+    assert task.reward("3+5+2=", "", _ids("5"), "5") == 1.0
+    assert task.reward("3+5+2=", "", [*_ids("57"), EOS], "5") == 1.0  # only the first token counts
+    assert task.reward("3+5+2=", "", _ids("45"), "5") == 0.0
+    assert task.reward("3+5+2=", "", [], "5") == 0.0  # empty completion
+    assert task.reward("3+5+2=", "", [EOS], "5") == 0.0  # EOS first
+    assert task.reward("3+5+2=", "5", [], "5") == 1.0  # text only (no ids): the first character
+    assert task.reward("3+5+2=", "<eos>5", [], "5") == 0.0
+    assert get_task("digits-sum").make_prompts(0, 1)[0].answer == str(sum(map(int, "6+6+0=".rstrip("=").split("+"))) % 10)
+
+
+def test_reverse_partial_credit() -> None:
+    task = get_task("digits-reverse", min_digits=2, max_digits=5)
+    assert task.reward("123=", "", [*_ids("321"), EOS], "321") == 1.0
+    assert task.reward("123=", "", _ids("321"), "321") == 1.0  # no EOS (length cut) still scores
+    assert task.reward("123=", "", [*_ids("32"), EOS], "321") == pytest.approx(2 / 3)
+    assert task.reward("123=", "", _ids("32100"), "321") == pytest.approx(3 / 5)  # longer completion
+    assert task.reward("123=", "", [*_ids("3"), EOS, *_ids("21")], "321") == pytest.approx(1 / 3)  # cut at EOS
+    assert task.reward("123=", "", [EOS], "321") == 0.0
+    assert task.reward("123=", "", [], "321") == 0.0
+    assert task.reward("123=", "", [*_ids("3+1"), EOS], "321") == pytest.approx(2 / 3)  # "+" is a wrong char
+    assert task.reward("123=", "32<eos>9", [], "321") == pytest.approx(2 / 3)  # text fallback, cut at EOS
+    assert positional_score("", "") == 0.0
+    prompts = task.make_prompts(random.Random(3), 200)
+    assert all(2 <= p.metadata["n_digits"] == len(p.answer) <= 5 for p in prompts)
+    assert all(p.text[:-1][::-1] == p.answer and p.text.endswith("=") for p in prompts)
+
+
+def test_make_prompts_seed_and_stream() -> None:
+    task = get_task("digits-max")
+    assert task.make_prompts(5, 4) == task.make_prompts(5, 4)
+    rng = random.Random(5)
+    first, second = task.make_prompts(rng, 4), task.make_prompts(rng, 4)
+    assert first + second == task.make_prompts(5, 8)  # a Random continues its stream
+    with pytest.raises(TypeError, match="seed"):
+        task.make_prompts("5", 1)  # type: ignore[arg-type]
+
+
+def test_reward_batch_checks_lengths() -> None:
+    task = get_task("digits-max")
+    with pytest.raises(ValueError, match="answers has 1 entries, prompts has 2"):
+        task.reward_batch(["1=", "2="], ["", ""], [[3], [4]], ["0"])
