@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,6 @@ from streamrl.models.build import (
 )
 from streamrl.models.tokenizer import build_char_tokenizer
 
-BASELINE = Path("/work/shared/bench/grpo_trl.py")
 SMALL = TinyModelSpec(hidden=32, layers=2, heads=4, intermediate=64)
 
 
@@ -63,12 +63,7 @@ def test_build_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert llama.config.model_type == "llama" and llama.config.num_key_value_heads == 2
 
 
-@pytest.mark.skipif(not BASELINE.is_file(), reason="baseline script not present")
-def test_same_weights_as_the_baseline_build() -> None:
-    spec = importlib.util.spec_from_file_location("grpo_trl_baseline", BASELINE)
-    assert spec is not None and spec.loader is not None
-    baseline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(baseline)
+def test_same_weights_as_the_baseline_build(baseline: types.ModuleType) -> None:
     args = argparse.Namespace(hidden=128, intermediate=256, layers=2, heads=4, max_positions=64, seed=0)
     theirs = baseline.build_model(baseline.build_tokenizer(), args)
     assert _same_weights(theirs, build_model(TinyModelSpec(), build_char_tokenizer()))

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import types
 
 import pytest
 
 from streamrl.models.tokenizer import VOCAB_TOKENS, TokenizerConfigError, build_char_tokenizer
-
-BASELINE = Path("/work/shared/bench/grpo_trl.py")
 
 
 def test_ids_are_positions_in_the_vocabulary() -> None:
@@ -34,12 +31,7 @@ def test_bad_extra_chars_are_refused(extra: str, needle: str) -> None:
         build_char_tokenizer(extra)
 
 
-@pytest.mark.skipif(not BASELINE.is_file(), reason="baseline script not present")
-def test_same_as_the_baseline_tokenizer() -> None:
-    spec = importlib.util.spec_from_file_location("grpo_trl_baseline", BASELINE)
-    assert spec is not None and spec.loader is not None
-    baseline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(baseline)
+def test_same_as_the_baseline_tokenizer(baseline: types.ModuleType) -> None:
     theirs, ours = baseline.build_tokenizer(), build_char_tokenizer()
     assert list(baseline.VOCAB_TOKENS) == list(VOCAB_TOKENS)
     assert theirs.get_vocab() == ours.get_vocab()
