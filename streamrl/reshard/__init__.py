@@ -17,7 +17,7 @@ from streamrl.reshard.policy import (
 )
 from streamrl.reshard.resharder import Bucket, ReshardConfig, Resharder, plan_buckets
 from streamrl.reshard.shards import Block, shard_state, shard_tensor, train_block
-from streamrl.reshard.spec import InferencePlan, ModelShardingSpec, ParamSpec, Piece
+from streamrl.reshard.spec import InferencePlan, ModelShardingSpec, ParamSpec, Piece, local_hf_views
 from streamrl.reshard.swap import SwapStateError, TrainStateSwap
 from streamrl.reshard.tp_forward import rope_theta, tensor_parallel_logits
 from streamrl.reshard.train_engine import (
@@ -69,6 +69,7 @@ __all__ = [
     "WeightsStatistics",
     "WeightsUnavailableError",
     "build_rank_groups",
+    "local_hf_views",
     "plan_buckets",
     "rope_theta",
     "shard_state",

@@ -68,6 +68,14 @@ class ReshardReport:
         return sum(b.received_bytes + b.sent_bytes for b in self.buckets)
 
     @property
+    def sent_bytes(self) -> int:
+        return sum(b.sent_bytes for b in self.buckets)
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(b.received_bytes for b in self.buckets)
+
+    @property
     def sliced_bytes(self) -> int:
         return sum(b.sliced_bytes for b in self.buckets)
 
@@ -81,6 +89,8 @@ class ReshardReport:
             "peak_extra_bytes": self.peak_extra_bytes,
             "device_peak_extra_bytes": self.device_peak_extra_bytes,
             "bytes_moved": self.bytes_moved,
+            "sent_bytes": self.sent_bytes,
+            "received_bytes": self.received_bytes,
             "sliced_bytes": self.sliced_bytes,
             "total_s": self.total_s,
         }

@@ -1,15 +1,15 @@
 """The allgather-swap reshard: training shards -> inference TP slices, one bucket at a time.
 
 For each bucket (consecutive training parameters in layer order, at most ``bucket_bytes``
-once gathered):
+once gathered), using one buffer sized for the largest bucket and reused by all of them:
 
-1. allocate the gathered buffer (R x this rank's packed shard bytes) and pack this rank's
-   shards into *its own slot* of it, then all-gather in place over the train group;
+1. pack this rank's shards of the bucket into *its own slot* of the buffer, then all-gather in
+   place over the train group (:func:`~streamrl.reshard.collectives.all_gather_in_place`);
 2. view every rank's slot as that rank's shard of each parameter (no copy);
 3. copy each inference piece (a rectangle of a full tensor, see :mod:`spec`) straight from the
    shards that cover it into the inference weights, or into a staging buffer that is sent to a
    generation worker;
-4. release the gathered buffer.
+4. go on with the next bucket; the buffer is released at the end.
 
 Nothing ever holds a full parameter or the full model, so the peak extra memory per rank is one
 gathered bucket (+ one staging buffer of at most one bucket's slice when sending). The same
@@ -25,19 +25,16 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from streamrl.reshard.accounting import BucketStats, MemoryTracker, ReshardReport
+from streamrl.reshard.collectives import accelerator, all_gather_in_place, synchronize
 from streamrl.reshard.groups import RankGroups
 from streamrl.reshard.layout import LayoutError, TrainLayout
-from streamrl.reshard.shards import copy_rect, local_shape, train_block
+from streamrl.reshard.shards import copy_rect, local_shape, source_blocks
 from streamrl.reshard.spec import ModelShardingSpec, ParamSpec, Piece, Rect
-
-# torch >= 2.13 renames all_gather_into_tensor to all_gather_single; same semantics.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 HEADER_WEIGHTS = 1  # header kind: a new policy version follows, bucket by bucket
 HEADER_CLOSE = 2  # header kind: the sender is shutting down; no more versions
@@ -96,16 +93,6 @@ def plan_buckets(
     return tuple(buckets)
 
 
-def _accelerator(device: torch.device) -> Any:  # torch.cuda / torch.npu, None on CPU
-    return getattr(torch, device.type) if device.type != "cpu" else None
-
-
-def synchronize(device: torch.device) -> None:
-    accel = _accelerator(device)
-    if accel is not None:
-        accel.synchronize(device)
-
-
 ShardViews = dict[str, list[tuple[Rect, torch.Tensor]]]
 
 
@@ -139,10 +126,8 @@ class Resharder:
         self._itemsize = itemsize
         self._out_itemsize = torch.empty((), dtype=self.inference_dtype).element_size()
         self.buckets = plan_buckets(spec.params, self.layout, config.bucket_bytes, itemsize)
-        self._blocks = {
-            p.name: [train_block(p, self.layout, r) for r in range(self.layout.world_size)]
-            for p in spec.params
-        }
+        self._local_shapes = {p.name: local_shape(p, self.layout) for p in spec.params}
+        self._sources = {p.name: source_blocks(p, self.layout) for p in spec.params}
         # pieces[t][bucket index]: the pieces of inference rank t whose source lies in that bucket
         bucket_of = {p.name: b.index for b in self.buckets for p in b.params}
         self._pieces: list[list[list[Piece]]] = []
@@ -168,7 +153,7 @@ class Resharder:
             shard = shards.get(p.name)
             if shard is None:
                 raise KeyError(f"training shards lack {p.name!r}")
-            expected = self._blocks[p.name][0].local_shape
+            expected = self._local_shapes[p.name]
             if tuple(shard.shape) != expected or shard.dtype != self.shard_dtype:
                 raise ValueError(
                     f"{p.name}: shard is {tuple(shard.shape)} {shard.dtype}, the layout needs "
@@ -182,36 +167,45 @@ class Resharder:
         if groups.train is None:
             raise LayoutError(f"world rank {groups.world_rank} is not a train rank; it cannot gather shards")
         rank, R = groups.train.rank, self.layout.world_size
-        for bucket in self.buckets:
-            n = bucket.local_numel
-            stats = BucketStats(bucket.index, len(bucket.params))
-            report.buckets.append(stats)
-            t0 = time.perf_counter()
-            gathered = torch.empty(R * n, dtype=self.shard_dtype, device=self.device)
-            stats.gathered_bytes = gathered.numel() * self._itemsize
-            tracker.allocate(stats.gathered_bytes)
-            own = gathered[rank * n : (rank + 1) * n]
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                own[offset : offset + shards[p.name].numel()].copy_(
-                    shards[p.name].reshape(-1), non_blocking=True
-                )
-            if groups.reshard_group is not None:
-                _all_gather_flat(gathered, own, group=groups.reshard_group)
-            synchronize(self.device)
-            stats.gather_s = time.perf_counter() - t0
-            stats.received_bytes = (R - 1) * n * self._itemsize
-            views: ShardViews = {}
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                blocks = self._blocks[p.name]
-                views[p.name] = [
-                    (b.rect, gathered[r * n + offset : r * n + offset + b.local_numel].view(b.local_shape))
-                    for r, b in enumerate(blocks)
-                    if b.rect is not None
-                ]
-            stats.peak_extra_bytes = tracker.live_bytes
-            yield bucket, views, stats
-            del views, own, gathered
-            tracker.release(stats.gathered_bytes)
+        # One buffer sized for the largest bucket, reused by every bucket: the peak is exactly one
+        # bucket, and the allocator is not asked for (and does not fault in) fresh memory per bucket.
+        buffer = torch.empty(
+            max(b.local_numel for b in self.buckets) * R, dtype=self.shard_dtype, device=self.device
+        )
+        buffer_bytes = buffer.numel() * self._itemsize
+        tracker.allocate(buffer_bytes)
+        try:
+            for bucket in self.buckets:
+                n = bucket.local_numel
+                stats = BucketStats(bucket.index, len(bucket.params))
+                report.buckets.append(stats)
+                t0 = time.perf_counter()
+                gathered = buffer[: R * n]
+                stats.gathered_bytes = gathered.numel() * self._itemsize
+                own = gathered[rank * n : (rank + 1) * n]
+                for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                    own[offset : offset + shards[p.name].numel()].copy_(
+                        shards[p.name].reshape(-1), non_blocking=True
+                    )
+                all_gather_in_place(gathered, groups.reshard_group)
+                synchronize(self.device)
+                stats.gather_s = time.perf_counter() - t0
+                stats.received_bytes = (R - 1) * n * self._itemsize
+                views: ShardViews = {}
+                for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                    views[p.name] = [
+                        (
+                            b.rect,
+                            gathered[r * n + offset : r * n + offset + b.local_numel].view(b.local_shape),
+                        )
+                        for r, b in self._sources[p.name]
+                    ]
+                stats.peak_extra_bytes = tracker.live_bytes
+                yield bucket, views, stats
+                del views, own, gathered
+        finally:
+            del buffer
+            tracker.release(buffer_bytes)
 
     def reshard_local(
         self, shards: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor], *, version: int
@@ -246,15 +240,17 @@ class Resharder:
         destinations = [(g, self.topology.inference_coords(g)[0]) for g in groups.weight_destinations]
         tracker = MemoryTracker()
         report = ReshardReport(version, "sender", self.config.bucket_bytes)
+        staging_numel = max(
+            (self.bucket_slice_numel(t, b.index) for _, t in destinations for b in self.buckets), default=0
+        )
         with self._measure(report, tracker):
+            # one staging buffer for the largest slice any destination gets from any bucket
+            staging = torch.empty(staging_numel, dtype=self.inference_dtype, device=self.device)
+            staging_bytes = staging_numel * self._out_itemsize
+            tracker.allocate(staging_bytes)
             for bucket, views, stats in self._gathered_buckets(shards, tracker, report):
                 t0 = time.perf_counter()
-                size = max((self.bucket_slice_numel(t, bucket.index) for _, t in destinations), default=0)
-                if size == 0:
-                    continue
-                staging = torch.empty(size, dtype=self.inference_dtype, device=self.device)
-                stats.staging_bytes = size * self._out_itemsize
-                tracker.allocate(stats.staging_bytes)
+                stats.staging_bytes = staging_bytes
                 stats.peak_extra_bytes = tracker.live_bytes
                 for dest, t in destinations:
                     offset = 0
@@ -269,9 +265,9 @@ class Resharder:
                     dist.send(staging[:offset], dst=dest, group=groups.weight_group)
                     stats.transfer_s += time.perf_counter() - t1
                     stats.sent_bytes += offset * self._out_itemsize
-                del staging
-                tracker.release(stats.staging_bytes)
                 stats.slice_s = time.perf_counter() - t0 - stats.transfer_s
+            del staging
+            tracker.release(staging_bytes)
         return report
 
     def send_header(self, kind: int, version: int) -> None:
@@ -297,7 +293,11 @@ class Resharder:
         self._check_out(out)
         tracker = MemoryTracker()
         report = ReshardReport(version, "receiver", self.config.bucket_bytes)
+        staging_numel = max(self.bucket_slice_numel(t, b.index) for b in self.buckets)
         with self._measure(report, tracker):
+            staging = torch.empty(staging_numel, dtype=self.inference_dtype, device=self.device)
+            staging_bytes = staging_numel * self._out_itemsize
+            tracker.allocate(staging_bytes)
             for bucket in self.buckets:
                 pieces = self._pieces[t][bucket.index]
                 size = sum(p.numel for p in pieces)
@@ -305,26 +305,23 @@ class Resharder:
                     continue
                 stats = BucketStats(bucket.index, len(bucket.params))
                 report.buckets.append(stats)
-                t0 = time.perf_counter()
-                staging = torch.empty(size, dtype=self.inference_dtype, device=self.device)
-                stats.staging_bytes = size * self._out_itemsize
-                tracker.allocate(stats.staging_bytes)
+                stats.staging_bytes = staging_bytes
                 stats.peak_extra_bytes = tracker.live_bytes
-                dist.recv(staging, src=source, group=self.groups.weight_group)
+                t0 = time.perf_counter()
+                dist.recv(staging[:size], src=source, group=self.groups.weight_group)
                 t1 = time.perf_counter()
                 stats.transfer_s = t1 - t0
-                stats.received_bytes = stats.staging_bytes
+                stats.received_bytes = size * self._out_itemsize
                 offset = 0
                 for piece in pieces:
-                    target = out[piece.target]
-                    region = target[tuple(slice(lo, hi) for lo, hi in piece.target_rect())]
+                    region = out[piece.target][tuple(slice(lo, hi) for lo, hi in piece.target_rect())]
                     region.copy_(staging[offset : offset + piece.numel].view(piece.shape), non_blocking=True)
                     offset += piece.numel
                 synchronize(self.device)
-                stats.sliced_bytes = stats.staging_bytes
+                stats.sliced_bytes = stats.received_bytes
                 stats.slice_s = time.perf_counter() - t1
-                del staging
-                tracker.release(stats.staging_bytes)
+            del staging
+            tracker.release(staging_bytes)
         return report
 
     # -- helpers --------------------------------------------------------------------------------
@@ -346,7 +343,7 @@ class Resharder:
 
     @contextmanager
     def _measure(self, report: ReshardReport, tracker: MemoryTracker) -> Iterator[None]:
-        accel = _accelerator(self.device)
+        accel = accelerator(self.device)
         base = 0
         if accel is not None:
             accel.synchronize(self.device)

@@ -61,6 +61,22 @@ def train_block(param: ParamSpec, layout: TrainLayout, rank: int) -> Block:
     return Block(tuple(rect), shard_shape)
 
 
+def source_blocks(param: ParamSpec, layout: TrainLayout) -> list[tuple[int, Block]]:
+    """(rank, block) of the ranks to read ``param`` from: one per distinct non-empty rectangle.
+
+    A TP-replicated parameter (a norm) is held identically by the P ranks of each TP group;
+    reading it once avoids copying the same bytes P times.
+    """
+    seen: set[Rect] = set()
+    out = []
+    for rank in range(layout.world_size):
+        block = train_block(param, layout, rank)
+        if block.rect is not None and block.rect not in seen:
+            seen.add(block.rect)
+            out.append((rank, block))
+    return out
+
+
 def rect_in(tensor: torch.Tensor, rect: Rect, origin: tuple[int, ...]) -> torch.Tensor:
     """View of ``tensor`` for the full-coordinate ``rect``, where ``tensor[0, 0, ...]`` sits at ``origin``."""
     return tensor[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(rect, origin, strict=True))]

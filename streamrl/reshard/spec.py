@@ -20,10 +20,12 @@ reshard never builds a full tensor: it copies each piece straight out of the gat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
 from typing import Any
+
+import torch
 
 from streamrl.reshard.layout import LayoutError, TrainLayout
 
@@ -57,8 +59,9 @@ def rect_shape(rect: Rect) -> tuple[int, ...]:
 class ParamSpec:
     """One training parameter.
 
-    train_tp_dim: 0 = column-parallel (output features split over the P TP ranks),
-        1 = row-parallel (input features split), None = replicated over the TP ranks.
+    train_tp_dim: 0 = column-parallel (output features split over the P TP ranks; for the
+        embeddings and lm_head: vocab-parallel), 1 = row-parallel (input features split),
+        None = replicated over the TP ranks (norms, a Llama o_proj bias).
     """
 
     name: str
@@ -146,7 +149,8 @@ class ModelShardingSpec:
         V, Im, L = int(config.vocab_size), int(config.intermediate_size), int(config.num_hidden_layers)
         tied = bool(getattr(config, "tie_word_embeddings", False))
 
-        params: list[ParamSpec] = [ParamSpec("model.embed_tokens.weight", (V, H), None)]
+        # embeddings are vocab-parallel in training TP (Megatron): rows split, lookups masked
+        params: list[ParamSpec] = [ParamSpec("model.embed_tokens.weight", (V, H), 0)]
         for i in range(L):
             p = f"model.layers.{i}."
             params.append(ParamSpec(p + "input_layernorm.weight", (H,), None))
@@ -163,7 +167,7 @@ class ModelShardingSpec:
             params.append(ParamSpec(p + "mlp.down_proj.weight", (H, Im), 1))
         params.append(ParamSpec("model.norm.weight", (H,), None))
         if not tied:
-            params.append(ParamSpec("lm_head.weight", (V, H), None))
+            params.append(ParamSpec("lm_head.weight", (V, H), 0))
         return cls(model_type, tuple(params), V, H, Im, L, nh, nkv, d, bias, tied)
 
     # -- lookups --------------------------------------------------------------------------------
@@ -188,12 +192,13 @@ class ModelShardingSpec:
             f"num_attention_heads={self.num_heads}" if self.num_heads % P else "",
             f"num_key_value_heads={self.num_kv_heads}" if self.num_kv_heads % P else "",
             f"intermediate_size={self.intermediate_size}" if self.intermediate_size % P else "",
+            f"vocab_size={self.vocab_size}" if self.vocab_size % P else "",
         ]
         problems = [p for p in problems if p]
         if problems:
             raise LayoutError(
                 f"train tensor_parallel={P} must divide {', '.join(problems)} (training TP splits whole "
-                "heads and equal MLP chunks); pick a train tensor_parallel that divides them"
+                "heads, equal MLP chunks and equal vocab chunks); pick a train tensor_parallel that divides them"
             )
 
     # -- inference layout -----------------------------------------------------------------------
@@ -289,3 +294,22 @@ class ModelShardingSpec:
                 yield Piece(name, f"{module}.{fused}.{kind}", with_range(shape, 0, r0, r1), origin)
             else:  # norms and other replicated vectors
                 yield Piece(name, name, full_rect(shape), (0,) * len(shape))
+
+
+def local_hf_views(
+    tensors: Mapping[str, torch.Tensor], plan: InferencePlan, inference_rank: int
+) -> dict[str, torch.Tensor]:
+    """This rank's fused inference weights seen under the Hugging Face names, as zero-copy views.
+
+    With T = 1 the result is exactly the model's state dict (``q_proj.weight`` is a row view of
+    ``qkv_proj.weight``, padding rows excluded), ready for an engine that loads HF weights; with
+    T > 1 each view is this rank's TP-local part (its heads, its MLP columns, its vocab rows).
+    A tied ``lm_head`` is not listed separately (it is the embedding).
+    """
+    views: dict[str, torch.Tensor] = {}
+    for piece in plan.pieces[inference_rank]:
+        if piece.source == "model.embed_tokens.weight" and piece.target == "lm_head.weight":
+            continue  # tied: the HF state dict has the embedding only
+        region = tuple(slice(lo, hi) for lo, hi in piece.target_rect())
+        views[piece.source] = tensors[piece.target][region]
+    return views

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from streamrl.reshard.accounting import SwapReport
-from streamrl.reshard.resharder import synchronize
+from streamrl.reshard.collectives import synchronize
 
 
 class SwapStateError(RuntimeError):

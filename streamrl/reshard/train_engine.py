@@ -28,14 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from streamrl.reshard.accounting import SwapReport
+from streamrl.reshard.collectives import all_gather_flat, reduce_scatter_flat
 from streamrl.reshard.groups import TrainGroups
 from streamrl.reshard.layout import LayoutError
-from streamrl.reshard.resharder import _all_gather_flat
-from streamrl.reshard.shards import copy_rect, shard_tensor, train_block
+from streamrl.reshard.shards import copy_rect, shard_tensor, source_blocks
 from streamrl.reshard.spec import ModelShardingSpec, full_rect
 from streamrl.reshard.swap import TrainStateSwap
-
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 LossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 
@@ -88,8 +86,48 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-def install_tensor_parallel_hooks(model: nn.Module, num_layers: int, group: dist.ProcessGroup) -> None:
-    """Turn a Llama-style HF module with TP-sliced weights into a correct TP forward/backward."""
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """All-gather along the last dim forward (vocab-parallel logits), keep the local part backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+def install_tensor_parallel_hooks(
+    model: nn.Module, num_layers: int, group: dist.ProcessGroup, vocab_rows: int
+) -> None:
+    """Turn a Llama-style HF module with TP-sliced weights into a correct TP forward/backward.
+
+    vocab_rows: rows of the vocab-parallel embedding / lm_head on this rank (vocab // P).
+    """
+    tp_rank = dist.get_rank(group)
+    vocab_start = tp_rank * vocab_rows
+    masks: dict[str, torch.Tensor] = {}
+
+    def embed_ids(module: nn.Module, args: tuple) -> tuple:
+        # vocab-parallel lookup: ids outside this rank's rows read row 0 and are zeroed after
+        ids = args[0]
+        masks["owned"] = (ids >= vocab_start) & (ids < vocab_start + vocab_rows)
+        return ((ids - vocab_start).clamp(0, vocab_rows - 1), *args[1:])
+
+    def embed_sum(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        output = output * masks.pop("owned").unsqueeze(-1).to(output.dtype)
+        return _ReduceFromTensorParallel.apply(output, group)
+
+    def lm_head_input(module: nn.Module, args: tuple) -> tuple:
+        return (_CopyToTensorParallel.apply(args[0], group), *args[1:])
+
+    def lm_head_gather(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return _GatherFromTensorParallel.apply(output, group)
 
     def copy_args(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if "hidden_states" in kwargs:
@@ -107,6 +145,17 @@ def install_tensor_parallel_hooks(model: nn.Module, num_layers: int, group: dist
         model.get_submodule(prefix + "self_attn.o_proj").register_forward_hook(reduce_output)
         model.get_submodule(prefix + "mlp").register_forward_pre_hook(copy_args, with_kwargs=True)
         model.get_submodule(prefix + "mlp.down_proj").register_forward_hook(reduce_output)
+    embed = model.get_submodule("model.embed_tokens")
+    if getattr(embed, "padding_idx", None) is not None:
+        raise LayoutError(
+            "train tensor_parallel > 1 needs an embedding without padding_idx (the vocab-parallel lookup "
+            "shifts ids); build the model with pad_token_id=None"
+        )
+    embed.register_forward_pre_hook(embed_ids)
+    embed.register_forward_hook(embed_sum)
+    lm_head = model.get_submodule("lm_head")
+    lm_head.register_forward_pre_hook(lm_head_input)
+    lm_head.register_forward_hook(lm_head_gather)
 
 
 class ShardedTrainEngine:
@@ -152,7 +201,12 @@ class ShardedTrainEngine:
             param.data = torch.empty(0, dtype=self.dtype)
         self.model = model.to(self.device)
         if groups.tp_group is not None:
-            install_tensor_parallel_hooks(self.model, spec.num_layers, groups.tp_group)
+            install_tensor_parallel_hooks(
+                self.model,
+                spec.num_layers,
+                groups.tp_group,
+                spec.vocab_size // self.layout.tensor_parallel,
+            )
         self.optim_config = optimizer
         self.optimizer = torch.optim.AdamW(
             list(self.shards.values()),
@@ -179,14 +233,12 @@ class ShardedTrainEngine:
             shard = self.shards[p.name].data
             gathered = torch.empty(R * shard.numel(), dtype=shard.dtype, device=shard.device)
             if self.groups.group is not None:
-                _all_gather_flat(gathered, shard.reshape(-1), group=self.groups.group)
+                all_gather_flat(gathered, shard.reshape(-1), group=self.groups.group)
             else:
                 gathered.copy_(shard.reshape(-1))
-            blocks = [train_block(p, self.layout, r) for r in range(R)]
             views = [
                 (b.rect, gathered[r * shard.numel() : (r + 1) * shard.numel()].view(b.local_shape))
-                for r, b in enumerate(blocks)
-                if b.rect is not None
+                for r, b in source_blocks(p, self.layout)
             ]
             full = torch.empty(p.shape, dtype=shard.dtype, device=shard.device)
             copy_rect(full, (0,) * len(p.shape), full_rect(p.shape), views)
@@ -224,7 +276,7 @@ class ShardedTrainEngine:
                 padded = torch.empty(
                     (dp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device
                 )
-                _all_gather_flat(padded, shard, group=dp_group)
+                all_gather_flat(padded, shard, group=dp_group)
             else:
                 padded = shard.detach()
             padded.requires_grad_(requires_grad)
@@ -265,7 +317,7 @@ class ShardedTrainEngine:
             assert leaf.grad is not None, f"{name} got no gradient"
             if dp_group is not None:
                 grad = torch.empty_like(shard.data)
-                _reduce_scatter_flat(grad, leaf.grad, group=dp_group)
+                reduce_scatter_flat(grad, leaf.grad, group=dp_group)
                 grad.div_(dp)
             else:
                 grad = leaf.grad

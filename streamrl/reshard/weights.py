@@ -109,12 +109,16 @@ class InferenceWeights:
         self._version = None
 
     # -- blocking -------------------------------------------------------------------------------
-    async def wait_version(self, version: int) -> int:
-        """Wait until a version >= ``version`` is published; returns the published version."""
-        async with self._changed:
-            while self._version is None or self._version < version:
-                await self._changed.wait()
-            return self._version
+    async def wait_version(self, version: int, timeout_s: float | None = None) -> int:
+        """Wait until a version >= ``version`` is published; returns the published version.
+
+        Raises TimeoutError after ``timeout_s`` seconds (None: wait as long as it takes).
+        """
+        with anyio.fail_after(timeout_s):
+            async with self._changed:
+                while self._version is None or self._version < version:
+                    await self._changed.wait()
+                return self._version
 
     @asynccontextmanager
     async def use(self, min_version: int) -> AsyncIterator[Mapping[str, torch.Tensor]]:
