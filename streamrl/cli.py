@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
-    # SIGTERM behaves like Ctrl-C: the launcher stops every process it started before exiting
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM behaves like Ctrl-C: re-raised as SIGINT, which the event loop turns into a clean
+    # cancellation (raising inside the handler could land in the middle of a cancel scope)
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

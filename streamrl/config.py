@@ -55,8 +55,10 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # ("rollout", no extra forward) or a no-grad forward in the trainer ("recompute").
     old_logprobs: Literal["rollout", "recompute"] = "rollout"
     # 0: synchronous on-policy (step s is generated with the weights of step s). k >= 1:
-    # generation runs up to k policy versions ahead of training; older samples are corrected
-    # with truncated importance ratios (loss.tis_cap) and anything older still is dropped.
+    # generation runs up to k policy versions ahead of training; the trainer drops anything
+    # older. Off-policy samples are corrected against their rollout logprobs: by the clipped
+    # ratio pi/pi_rollout (old_logprobs: rollout), or with old_logprobs: recompute by the
+    # truncated importance weight min(pi_old/pi_rollout, loss.tis_cap).
     max_staleness: int = 0
     stop_reward: float | None = None  # stop early once a step's mean reward >= this
 

@@ -138,6 +138,9 @@ class DockClient:
             hello = p.Hello(self._next_id(), self.client_id, p.PROTOCOL_VERSION, self.lease_ttl_s)
             reply, _ = await self._request(self._ctl, hello, timeout=self.connect_timeout_s)
             assert isinstance(reply, p.HelloReply)
+            if reply.protocol != p.PROTOCOL_VERSION:
+                raise DockError(f"the dock speaks protocol {reply.protocol}, this client {p.PROTOCOL_VERSION}: "
+                                "upgrade one side")
             self.consumers, self.capacity = reply.consumers, reply.capacity
             self._warehouses = [self._open(f"warehouse {i} ({ep})", ep) for i, ep in enumerate(reply.warehouses)]
             self._tg.start_soon(self._heartbeat)
@@ -405,7 +408,8 @@ class DockClient:
         """Done with (some of) the lease's samples: they are never delivered to this consumer again."""
         assert self._ctl is not None
         await self._request(
-            self._ctl, p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices else None)
+            self._ctl,
+            p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices is not None else None),
         )
         if indices is None or set(indices) >= set(lease.indices):
             self._leases.pop(lease.lease_id, None)

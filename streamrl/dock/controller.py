@@ -18,6 +18,7 @@ has less per-message overhead than an event loop.
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import itertools
 import logging
@@ -71,7 +72,8 @@ class _View:
     reads: list[str]
     whole_groups: bool
     queue: deque[int] = field(default_factory=deque)
-    queued_groups: set[int] = field(default_factory=set)
+    queued_groups: dict[int, int] = field(default_factory=dict)  # queued group start -> group size
+    queued_pending: int = 0  # whole-group views: PENDING members of the queued groups (ready_count in O(1))
 
 
 @dataclass
@@ -158,6 +160,9 @@ class ControllerState:
                 self.samples[i] = _Sample(i, g, start, group_size, nc)
                 indices.append(i)
                 groups.append(g)
+                for view in self.views:  # a consumer that reads nothing may claim it at once
+                    if view is not None and view.reads_mask == 0:
+                        self._enqueue(view, self.samples[i], front=False)
         self.next_index += n
         self.counters["reserved"] += n
         return indices, groups
@@ -209,27 +214,29 @@ class ControllerState:
             (view.queue.appendleft if front else view.queue.append)(s.index)
             return True
         g = s.group_start
-        if g in view.queued_groups or not self._group_claimable(view, g):
+        if g in view.queued_groups:
             return False
-        view.queued_groups.add(g)
+        pending = self._group_claimable(view, g, s.group_size)
+        if not pending:
+            return False
+        view.queued_groups[g] = s.group_size
+        view.queued_pending += pending
         (view.queue.appendleft if front else view.queue.append)(g)
         return True
 
-    def _group_claimable(self, view: _View, start: int) -> bool:
-        """Every member is DONE for this consumer or (PENDING and ready), and at least one PENDING."""
-        any_pending = False
+    def _group_claimable(self, view: _View, start: int, size: int) -> int:
+        """PENDING members if every member is DONE for this consumer or (PENDING and ready), else 0."""
+        pending = 0
         rm = view.reads_mask
-        first = self.samples.get(start)
-        size = first.group_size if first is not None else 0
         for i in range(start, start + size):
             s = self.samples.get(i)
             if s is None:
                 continue  # freed members were DONE for everyone
             st = s.state[view.consumer]
             if st == CLAIMED or (st == PENDING and (s.ready & rm) != rm):
-                return False
-            any_pending |= st == PENDING
-        return any_pending
+                return 0
+            pending += st == PENDING
+        return pending
 
     def _view_for(self, req: p.Claim) -> _View:
         cid = self.consumer_ids.get(req.consumer)
@@ -257,19 +264,7 @@ class ControllerState:
         return view
 
     def ready_count(self, view: _View) -> int:
-        if not view.whole_groups:
-            return len(view.queue)
-        return sum(self._pending_members(view, g) for g in view.queue)
-
-    def _pending_members(self, view: _View, start: int) -> int:
-        first = self.samples.get(start)
-        if first is None:
-            return 0
-        return sum(
-            1
-            for i in range(start, start + first.group_size)
-            if (s := self.samples.get(i)) is not None and s.state[view.consumer] == PENDING
-        )
+        return view.queued_pending if view.whole_groups else len(view.queue)
 
     def outstanding(self, consumer: int) -> int:
         """Samples reserved so far that this consumer has neither done nor currently claimed."""
@@ -329,39 +324,44 @@ class ControllerState:
             start = view.queue[0]
             members = [
                 i
-                for i in range(start, start + self.samples[start].group_size)
+                for i in range(start, start + view.queued_groups[start])
                 if i in self.samples and self.samples[i].state[view.consumer] == PENDING
-            ] if start in self.samples else []
+            ]
             if picked and len(picked) + len(members) > n:
                 break  # whole groups only: the next group would overflow the micro-batch
             view.queue.popleft()
-            view.queued_groups.discard(start)
+            del view.queued_groups[start]
+            view.queued_pending -= len(members)
             picked.extend(members)
             if len(picked) >= n:
                 break
         return picked
 
     def _drop_stale(self, view: _View, min_version: int) -> int:
-        """Samples too old for this consumer are DONE for it without being delivered."""
+        """Samples too old for this consumer are DONE for it without being delivered.
+
+        Versions only grow along a queue in a pipeline (the generator tags increasing
+        versions), so stale samples sit at the front: pop them until the head is fresh. That
+        costs O(dropped), not O(queue); a stale sample behind a fresh one is dropped when it
+        reaches the front.
+        """
         dropped = 0
-        kept: deque[int] = deque()
         while view.queue:
-            head = view.queue.popleft()
-            s = self.samples.get(head)
-            if s is not None and s.version < min_version:
-                group = (
-                    range(head, head + s.group_size) if view.whole_groups else range(head, head + 1)
-                )
-                if view.whole_groups:
-                    view.queued_groups.discard(head)
-                for i in group:
-                    m = self.samples.get(i)
-                    if m is not None and m.state[view.consumer] == PENDING:
-                        self._mark_done(m, view.consumer)
-                        dropped += 1
-            else:
-                kept.append(head)
-        view.queue = kept
+            head = view.queue[0]
+            size = view.queued_groups.get(head, 1) if view.whole_groups else 1
+            members = [self.samples.get(i) for i in range(head, head + size)]
+            versions = [m.version for m in members if m is not None]
+            if not versions or min(versions) >= min_version:
+                break
+            view.queue.popleft()
+            if view.whole_groups:
+                del view.queued_groups[head]
+            for m in members:
+                if m is not None and m.state[view.consumer] == PENDING:
+                    if view.whole_groups:
+                        view.queued_pending -= 1
+                    self._mark_done(m, view.consumer)
+                    dropped += 1
         self.counters["dropped_stale"] += dropped
         return dropped
 
@@ -374,7 +374,8 @@ class ControllerState:
             self.to_free.append(s.index)
             self.counters["samples_freed"] += 1
 
-    def ack(self, client_id: str, lease_id: int, indices: list[int] | None) -> None:
+    def ack(self, client_id: str, lease_id: int, indices: list[int] | None) -> int:
+        """Mark (some of) a lease's samples DONE; returns the lease's consumer id."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.client_id != client_id:
             raise ProtocolViolation(
@@ -382,7 +383,7 @@ class ControllerState:
                 f"lease {lease_id} is not held by client {client_id!r} (expired after the lease TTL, "
                 "already acked, or released)",
             )
-        targets = list(lease.indices) if indices is None else indices
+        targets = list(lease.indices) if indices is None else list(dict.fromkeys(indices))  # no duplicates
         stray = [i for i in targets if i not in lease.indices]
         if stray:
             raise ProtocolViolation("bad_field", f"indices {stray[:8]} are not in lease {lease_id}")
@@ -393,6 +394,7 @@ class ControllerState:
         self.counters["samples_acked"] += len(targets)
         if not lease.indices:
             self._drop_lease(lease)
+        return lease.consumer
 
     def release(self, client_id: str, lease_id: int) -> int:
         """Give a lease's unacked samples back (front of the queue). Returns the consumer id."""
@@ -481,6 +483,7 @@ class ControllerServer:
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, never blocks
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of workers connect at once at start-up
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.warehouses: dict[int, tuple[bytes, str]] = {}
@@ -593,9 +596,10 @@ class ControllerServer:
                     heapq.heappush(self.deadlines, (item.deadline, next(self.seq), item))
             case p.Ack(client_id=cid, lease_id=lid, indices=idx):
                 self._touch(cid)
-                st.ack(cid, lid, idx)
+                consumer = st.ack(cid, lid, idx)
                 self._send(identity, p.Ok(msg.req_id))
                 self._serve_reserves()
+                self._serve_claims(consumer)  # this ack may be the one that ends the stream
             case p.ColumnsReady(indices=idx, columns=cols, versions=vers, lengths=lens):
                 n = len(idx)
                 if (vers is not None and len(vers) != n) or (lens is not None and len(lens) != n):
@@ -626,6 +630,10 @@ class ControllerServer:
                 self.pending_hellos.append((identity, msg))
                 self._answer_hellos()
             case p.WarehouseHello(warehouse_id=wid, endpoint=ep):
+                if msg.protocol != p.PROTOCOL_VERSION:
+                    log.error("warehouse %d speaks protocol %d, controller %d: ignored", wid, msg.protocol,
+                              p.PROTOCOL_VERSION)
+                    return
                 if not 0 <= wid < st.n_warehouses:
                     log.warning("warehouse id %d out of range [0, %d): ignored", wid, st.n_warehouses)
                     return
@@ -760,6 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"READY {server.endpoint}", flush=True)
+    gc.freeze()  # start-up objects never die: keep the collector from rescanning them on every claim
     server.serve_forever()
     return 0
 

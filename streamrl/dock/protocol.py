@@ -57,14 +57,14 @@ class SampleInfo(msgspec.Struct, array_like=True):
 class Hello(_Msg, tag="hello"):
     req_id: int
     client_id: str
-    protocol: int = PROTOCOL_VERSION
+    protocol: int  # no default: always on the wire, so a newer controller can tell versions apart
     lease_ttl_s: float = 10.0  # leases of this client expire this long after its last message
 
 
 class WarehouseHello(_Msg, tag="warehouse_hello"):
     warehouse_id: int
     endpoint: str
-    protocol: int = PROTOCOL_VERSION
+    protocol: int  # no default: always on the wire
 
 
 class Heartbeat(_Msg, tag="heartbeat"):

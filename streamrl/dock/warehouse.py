@@ -113,12 +113,13 @@ class WarehouseServer:
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of clients connect at once at start-up
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.connect(controller)
-        self.ctl.send(p.encoder.encode(p.WarehouseHello(warehouse_id, self.endpoint)))
+        self.ctl.send(p.encoder.encode(p.WarehouseHello(warehouse_id, self.endpoint, p.PROTOCOL_VERSION)))
         self._stop = False
         self.parent_pid = 0  # when set: stop once that process is gone (no orphans)
         self._parent_check = 0.0
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"READY {server.endpoint}", flush=True)
+    torch.set_num_threads(1)  # the warehouse only copies bytes; a thread pool adds ms-scale wake-ups
     server.serve_forever()
     return 0
 

@@ -196,9 +196,7 @@ class TorchTrainEngine:
         p_lens = torch.tensor([p.numel() for p in prompts], device=device)
         c_lens = torch.tensor([c.numel() for c in conts], device=device)
         p_pad = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).to(device)
-        c_pad = torch.nn.utils.rnn.pad_sequence(
-            [c if c.numel() else c.new_zeros(0) for c in conts], batch_first=True
-        ).to(device)
+        c_pad = torch.nn.utils.rnn.pad_sequence(conts, batch_first=True).to(device)
         prompt_of = torch.tensor(prompt_of_host, device=device)
         hidden, _, _ = self.fn.forward_shared_prompts(p_pad, p_lens, c_pad, c_lens, prompt_of)
         n_p = int(p_lens.sum())

@@ -154,7 +154,10 @@ class ControlServer:
 
     async def recv(self) -> WorkerEvent | None:
         """The next event; None for a message that is not a valid event (logged by the caller)."""
-        identity, payload = await self.sock.recv_multipart()
+        frames = await self.sock.recv_multipart()
+        if len(frames) != 2:
+            return None  # not [identity, event]: ignore it, the launcher serves everyone else
+        identity, payload = frames
         try:
             event = event_decoder.decode(payload)
         except msgspec.DecodeError:

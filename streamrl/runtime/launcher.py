@@ -148,6 +148,8 @@ class _Launch:
         self.failure: c.Failed | None = None
         self.death: str | None = None
         self.stop_reason = ""
+        self.t_end: float | None = None
+        self.dock: LocalDock | ThreadDock | None = None
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -159,6 +161,7 @@ class _Launch:
                              cfg.resources.dock.transport, start_timeout_s=cfg.resources.start_timeout_s)
         else:
             dock = ThreadDock(self.pipeline.consumers, cfg.dock_capacity, cfg.resources.dock.warehouses)
+        self.dock = dock
         server: c.ControlServer | None = None
         try:
             self.progress.message(f"streamrl: run dir {self.run_dir}")
@@ -176,6 +179,7 @@ class _Launch:
                     else:
                         tg.start_soon(run_worker, spec)
                 await self._supervise(server)
+                self.t_end = time.monotonic()  # training ends here; shutdown is not training time
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -201,6 +205,8 @@ class _Launch:
         w.proc.start()
 
     def _check_processes(self) -> None:
+        if isinstance(self.dock, LocalDock) and not self.dock.alive() and self.death is None:
+            self.death = "a dock server process died (controller or warehouse); the run cannot continue"
         for w in self.workers:
             if w.proc is not None and w.proc.exitcode not in (None, 0) and self.death is None:
                 code = w.proc.exitcode
@@ -294,7 +300,7 @@ class _Launch:
                 p.close()
 
     def _result(self) -> RunResult:
-        now = time.monotonic()
+        now = self.t_end or time.monotonic()
         logs = {f"{w.stage}-{w.index}": w.log_path for w in self.workers if w.log_path is not None}
         if self.failure is not None:
             f = self.failure
@@ -314,6 +320,7 @@ class _Launch:
         )
         return RunResult(
             run_dir=self.run_dir, metrics=rows, steps=len(rows), stop_reason=self.stop_reason, setup_s=setup,
-            train_s=now - (self.t_go or now), total_s=now - self.t_launch, time_to_target_s=self.time_to_target,
+            train_s=now - (self.t_go or now), total_s=time.monotonic() - self.t_launch,
+            time_to_target_s=self.time_to_target,
             checkpoint=ckpt if ckpt.is_dir() else None, worker_logs=logs,
         )

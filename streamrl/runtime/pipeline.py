@@ -187,6 +187,9 @@ def _check_class(s: StageSpec, at: str) -> None:
         raise ConfigError(f"{at}: {exc}") from None
     if not inspect.isclass(cls):
         raise ConfigError(f"{at}: {s.cls!r} is not a class")
+    limit = getattr(cls, "max_workers", None)
+    if isinstance(limit, int) and s.workers > limit:
+        raise ConfigError(f"{at}: {s.cls!r} runs at most {limit} worker(s), got workers={s.workers}")
     needed = ["setup", "close", "produce" if s.is_source else "process"]
     missing = [m for m in needed if not callable(getattr(cls, m, None))]
     if missing:

@@ -101,7 +101,11 @@ class PolicyPublisher:
         """Answer requests forever (run it as a background task)."""
         while True:
             with anyio.move_on_after(self._next_timeout()):
-                identity, payload = await self.sock.recv_multipart()
+                frames = await self.sock.recv_multipart()
+                if len(frames) != 2:
+                    log.warning("dropping a weights request of %d frames", len(frames))
+                    continue
+                identity, payload = frames
                 try:
                     req = _request_decoder.decode(payload)
                 except msgspec.DecodeError as exc:

@@ -17,7 +17,8 @@ A *source* stage (no ``reads``) has ``async def produce(self) -> Output | None``
 call returns the columns of new samples (``Output.group_size`` consecutive samples form a group),
 None when it has no more.
 
-Optional: ``def claim_size(self) -> ClaimSize`` to change how many samples the next claim asks
+Optional: a class attribute ``max_workers = N`` (the pipeline check refuses more workers),
+and ``def claim_size(self) -> ClaimSize`` to change how many samples the next claim asks
 for and the oldest policy version it accepts (the trainer uses it to fill exactly one step).
 Raise :class:`StopRun` from ``process`` to end the whole run successfully (e.g. target reached).
 """
@@ -124,7 +125,7 @@ class StageContext:
 
     def report_metrics(self, metrics: dict[str, float]) -> None:
         """This stage's own figures (e.g. reward-server latency); they join every later step's
-        row in metrics.jsonl as ``<stage>/<name>`` (summed over workers for counters)."""
+        row in metrics.jsonl as ``<stage>/<name>`` (``<stage>/<worker>/<name>`` with several workers)."""
         self.control.stage_metrics(metrics)
 
     def report_step(self, step: int, metrics: dict[str, float]) -> None:

@@ -93,6 +93,8 @@ async def run_worker(spec: WorkerSpec) -> int:
             ctx = StageContext(cfg, sspec, spec.worker, Path(spec.run_dir), device, policy, control,
                                spec.weights_endpoint, logging.getLogger(f"streamrl.stage.{sspec.name}"))
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
+            if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
+                tg.start_soon(_watch_parent, spec.parent_pid, tg)
             await stage.setup(ctx)
             control.ready()
             if not await control.wait_go(cfg.resources.start_timeout_s + 60):
@@ -104,8 +106,6 @@ async def run_worker(spec: WorkerSpec) -> int:
                 tg.cancel_scope.cancel()
 
             tg.start_soon(stop_watch)
-            if spec.parent_pid:
-                tg.start_soon(_watch_parent, spec.parent_pid, tg)
             meter = _Meter(control)
             async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
                                   lease_ttl_s=cfg.resources.dock.lease_ttl_s) as dock:

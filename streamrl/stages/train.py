@@ -22,6 +22,10 @@ from streamrl.stages.common import build_policy
 
 
 class TrainStage:
+    # One trainer process holds the policy and publishes its versions; data-parallel training
+    # across processes is the reshard's train group (streamrl.reshard), not more workers here.
+    max_workers = 1
+
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         a = ctx.config.algo

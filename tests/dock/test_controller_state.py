@@ -167,3 +167,52 @@ def test_constructor_validates() -> None:
         ControllerState(["a", "a"], 8, 1)
     with pytest.raises(ValueError, match="capacity"):
         ControllerState(["a"], 0, 1)
+
+
+def test_ack_with_duplicate_indices_counts_each_sample_once() -> None:
+    state = ControllerState(["a"], capacity=4, n_warehouses=1)
+    idx, _ = state.reserve(2, 1)
+    state.columns_ready(idx, ["x"], None, None)
+    reply = claim(state, "a", 2)
+    assert reply is not None
+    state.ack("c1", reply.lease_id, [idx[0], idx[0], idx[1]])
+    assert state.done_count == [2] and state.claimed_count == [0] and not state.samples
+
+
+def test_group_members_released_after_the_first_member_was_freed_are_claimable() -> None:
+    """The group's size must not come from its first member, which may be gone."""
+    state = ControllerState(["adv"], capacity=8, n_warehouses=1)
+    idx, _ = state.reserve(4, 4)
+    state.columns_ready(idx, ["x"], None, None)
+    reply = claim(state, "adv", 4, whole_groups=True)
+    assert reply is not None and len(reply.samples) == 4
+    state.ack("c1", reply.lease_id, [idx[0]])  # frees sample 0 (the only consumer acked it)
+    assert idx[0] not in state.samples
+    state.release("c1", reply.lease_id)
+    again = claim(state, "adv", 4, whole_groups=True)
+    assert again is not None and sorted(s.index for s in again.samples) == idx[1:]
+
+
+def test_a_consumer_that_reads_nothing_sees_samples_reserved_after_its_first_claim() -> None:
+    state = ControllerState(["counter"], capacity=8, n_warehouses=1)
+    state.reserve(1, 1)
+    req = p.Claim(1, "c", "counter", [], 8)
+    first = state.try_claim(req, state.validate_claim(req), force=True)
+    assert first is not None and len(first.samples) == 1
+    state.reserve(2, 1)
+    later = state.try_claim(req, state.validate_claim(req), force=True)
+    assert later is not None and len(later.samples) == 2
+
+
+def test_stale_dropping_is_proportional_to_what_it_drops() -> None:
+    import time
+
+    state = ControllerState(["train"], capacity=60_000, n_warehouses=1)
+    idx, _ = state.reserve(50_000, 1)
+    state.columns_ready(idx, ["x"], [5] * 50_000, None)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        reply = claim(state, "train", 8, min_version=3)
+        assert reply is not None and reply.dropped_stale == 0
+        state.ack("c1", reply.lease_id, None)
+    assert (time.perf_counter() - t0) / 200 < 1e-3

@@ -76,7 +76,7 @@ STRUCTURED = [
     msgpack.packb({"req_id": 8}),
     b"\xc1",  # never-used msgpack byte
     msgpack.packb({"type": "hello", "req_id": 9, "client_id": "z", "protocol": 999}),
-    msgpack.packb({"type": "hello", "req_id": 10, "client_id": "z", "lease_ttl_s": -1.0}),
+    msgpack.packb({"type": "hello", "req_id": 10, "client_id": "z", "protocol": 1, "lease_ttl_s": -1.0}),
 ]
 
 
