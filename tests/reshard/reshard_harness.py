@@ -8,6 +8,7 @@ rank's traceback; a world that overruns its deadline is killed, never left behin
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 import tempfile
 import time
 import traceback
@@ -84,7 +85,9 @@ def run_world(fn: WorkerFn, world_size: int, *args: Any, timeout_s: float = 90.0
         # that clean, single-threaded process; plain spawn would re-import them in every rank (~10 s
         # per world on a loaded 2-core machine). Python 3.11's forkserver ignores the parent's
         # sys.path for preloading, so only installed packages are preloaded here.
-        mp.set_forkserver_preload(PRELOAD)
+        # The forkserver is one per process: keep what other tests (the runtime's launcher) asked for.
+        current = list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", None) or [])
+        mp.set_forkserver_preload(current + [m for m in PRELOAD if m not in current])
         context = mp.start_processes(
             _entry,
             args=(fn, world_size, workdir, args),
