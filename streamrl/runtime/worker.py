@@ -26,7 +26,7 @@ from streamrl.dock.errors import EndOfStream
 from streamrl.runtime.control import ControlClient
 from streamrl.runtime.pipeline import StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
-from streamrl.runtime.stage import Batch, ClaimSize, Output, StageContext, StageError, StopRun
+from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun
 
 log = logging.getLogger("streamrl.worker")
 
@@ -175,8 +175,12 @@ async def _source_loop(stage: Any, dock: DockClient, meter: _Meter) -> None:
 
 async def _stage_loop(stage: Any, spec: StageSpec, dock: DockClient, meter: _Meter, indices: list[int]) -> None:
     claim_size = getattr(stage, "claim_size", None)
+    if claim_size is None:
+        await _prefetching_loop(stage, spec, dock, meter, indices)
+        return
+    # the stage sizes each claim from its state after the previous batch: no prefetch
     while True:
-        size = claim_size() if claim_size is not None else ClaimSize(spec.micro_batch)
+        size = claim_size()
         try:
             lease = await dock.claim(spec.name, spec.reads, size.n, min_n=size.min_n,
                                      whole_groups=spec.whole_groups, balance_by_length=spec.balance_by_length,
@@ -184,19 +188,61 @@ async def _stage_loop(stage: Any, spec: StageSpec, dock: DockClient, meter: _Met
         except EndOfStream:
             return
         indices[:] = lease.indices
-        try:
-            await _process_lease(stage, spec, dock, lease, meter)
-        except StopRun:
-            raise  # the lease was acked: the stage consumed its samples
-        except BaseException:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                await dock.release(lease)  # nothing lost: the samples go back to the pool
-            raise
+        await _guarded(stage, spec, dock, lease, None, meter)
         indices.clear()
 
 
-async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease, meter: _Meter) -> None:
-    columns = await dock.fetch(lease.indices, spec.reads)
+async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter: _Meter,
+                            indices: list[int]) -> None:
+    """Claim and fetch micro-batch i+1 while micro-batch i is processed (hides one round trip
+    per hop when the pipeline streams). At most one lease waits; if the loop stops, the waiting
+    lease is released so another worker gets its samples."""
+    send, receive = anyio.create_memory_object_stream[tuple[Lease, dict[str, list[Any]]]](0)
+
+    async def fetcher() -> None:
+        async with send:
+            while True:
+                try:
+                    lease = await dock.claim(spec.name, spec.reads, spec.micro_batch,
+                                             whole_groups=spec.whole_groups,
+                                             balance_by_length=spec.balance_by_length)
+                except EndOfStream:
+                    return
+                handed = False
+                try:
+                    columns = await dock.fetch(lease.indices, spec.reads)
+                    await send.send((lease, columns))
+                    handed = True
+                finally:
+                    if not handed:
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                            await dock.release(lease)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(fetcher)
+        async with receive:
+            async for lease, columns in receive:
+                indices[:] = lease.indices
+                await _guarded(stage, spec, dock, lease, columns, meter)
+                indices.clear()
+
+
+async def _guarded(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease,
+                   columns: dict[str, list[Any]] | None, meter: _Meter) -> None:
+    try:
+        await _process_lease(stage, spec, dock, lease, columns, meter)
+    except StopRun:
+        raise  # the lease was acked: the stage consumed its samples
+    except BaseException:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await dock.release(lease)  # nothing lost: the samples go back to the pool
+        raise
+
+
+async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease,
+                         columns: dict[str, list[Any]] | None, meter: _Meter) -> None:
+    if columns is None:
+        columns = await dock.fetch(lease.indices, spec.reads)
     t0 = time.perf_counter()
     try:
         result = await stage.process(Batch(lease.samples, columns))
