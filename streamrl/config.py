@@ -9,6 +9,7 @@ field from the command line (values parse as YAML: ``true``, ``3e-4``, ``[1, 2]`
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +22,25 @@ from streamrl.models.build import TinyModelSpec
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message names the file, the field and the fix."""
+
+
+class YamlLoader(yaml.SafeLoader):
+    """Safe YAML with YAML 1.2 floats: ``3e-4`` is a number (YAML 1.1 wants ``3.0e-4``)."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=YamlLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -156,8 +176,20 @@ def _explain(exc: msgspec.ValidationError, raw: dict[str, Any], where: str) -> C
     if text.startswith("Object contains unknown field"):
         field = text.split("`")[1]
         path = text.split("at `$")[-1].rstrip("`") if "at `$" in text else ""
+        if path.startswith(".stages[...]"):
+            # msgspec does not name the dict key: find the stage override that fails on its own
+            stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
+            for name, value in stages.items():
+                try:
+                    msgspec.convert(value, StageOverride)
+                except msgspec.ValidationError:
+                    path = f".stages.{name}" + path[len(".stages[...]"):]
+                    break
         struct_type: Any = RunConfig
-        for part in [p for p in path.strip(".").split(".") if p]:
+        parts = [p for p in path.strip(".").split(".") if p]
+        if len(parts) >= 2 and parts[0] == "stages":
+            struct_type, parts = StageOverride, parts[2:]  # stages.<name>: a dict of overrides
+        for part in parts:
             if "[" in part:
                 struct_type = None
                 break
@@ -184,7 +216,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} conflicts with another override of {part!r}")
-        node[parts[-1]] = yaml.safe_load(value) if value else ""
+        node[parts[-1]] = load_yaml(value) if value else ""
     return out
 
 
@@ -208,7 +240,7 @@ def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list
         if not path.is_file():
             raise ConfigError(f"{where}: no such config file")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = load_yaml(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{where}: not valid YAML: {exc}") from exc
         if not isinstance(loaded, dict):

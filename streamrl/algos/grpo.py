@@ -26,7 +26,7 @@ LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-s
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
-class LossConfig(msgspec.Struct, frozen=True, kw_only=True):
+class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Hyper-parameters of the GRPO / PPO-clip objective (validated at construction).
 
     Defaults are TRL GRPOTrainer's (loss_type "dapo" = token-mean, epsilon 0.2, beta 0).
@@ -63,7 +63,9 @@ def group_advantages(
     """GRPO advantages: reward minus its group's mean, divided by the group's std (+ eps).
 
     ``rewards`` [N] float, ``group_ids`` [N] int (any values; equal id = same prompt). The std is
-    the unbiased one (as TRL); a group of one sample has advantage 0.
+    the unbiased one (as TRL); a group of one sample has advantage 0. A group whose rewards are
+    all equal gets exactly 0: its float mean can miss the common value by an ulp, and dividing
+    that residue by a tiny std + eps would invent an advantage (e.g. 0.03 for eight 0.3s).
     """
     if rewards.shape != group_ids.shape or rewards.dim() != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D")
@@ -72,7 +74,9 @@ def group_advantages(
     n_groups = counts.numel()
     sums = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
     means = sums / counts
-    centred = rewards - means[inverse]
+    lowest = torch.full_like(sums, float("inf")).scatter_reduce_(0, inverse, rewards, "amin")
+    highest = torch.full_like(sums, float("-inf")).scatter_reduce_(0, inverse, rewards, "amax")
+    centred = torch.where((highest == lowest)[inverse], 0.0, rewards - means[inverse])
     if not normalize_std:
         return centred
     sq = torch.zeros_like(sums).index_add_(0, inverse, centred * centred)

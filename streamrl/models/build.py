@@ -34,7 +34,7 @@ class DeviceUnavailableError(RuntimeError):
     """The requested device does not exist on this machine."""
 
 
-class TinyModelSpec(msgspec.Struct, frozen=True, kw_only=True):
+class TinyModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Shape of a tiny decoder-only model built from a config (random init).
 
     Defaults are the baseline's workload W1 model (about 0.4 M parameters).

@@ -13,7 +13,14 @@ stages:
     threads: 1            # torch intra-op threads per worker
     whole_groups: false   # claim complete groups only (e.g. group-normalised advantages)
     options: {}           # passed to the stage as ctx.options
+    colocate_with: train  # run worker k of this stage in the process of worker k of `train`
 ```
+
+``placement`` (pipeline level) says how policy weights reach generation: ``separate`` (default:
+the trainer publishes full state snapshots that every generator fetches), ``colocated`` (the
+train stage's R workers form a torch.distributed group and hand weights to the generate stage
+in the same processes through the allgather-swap reshard; see docs/reshard.md §8) or
+``disaggregated`` (buckets sent to separate generation workers; refused: not built yet).
 
 The checks: names unique; every read column has exactly one writer stage; no column is
 written twice; the column graph has no cycle (policy versions are the only way back); classes
@@ -23,15 +30,17 @@ Each error names the file, the stage and the field.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import yaml
 
-from streamrl.config import ConfigError, RunConfig, StageOverride, resolve_path
+from streamrl.config import ConfigError, RunConfig, StageOverride, load_yaml, resolve_path
 
 
 class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename={"cls": "class"}):
@@ -46,15 +55,23 @@ class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename
     whole_groups: bool = False
     balance_by_length: bool = False
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    # name of a stage whose worker k hosts this stage's worker k in one process (shared memory:
+    # ctx.shared); both need the same number of workers
+    colocate_with: str | None = None
 
     @property
     def is_source(self) -> bool:
         return not self.reads
 
 
+PLACEMENTS = ("separate", "colocated", "disaggregated")
+
+
 class PipelineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     stages: list[StageSpec]
+    # how weights reach generation: separate | colocated | disaggregated (see the module doc)
+    placement: str = "separate"
     path: str = ""
 
     def stage(self, name: str) -> StageSpec:
@@ -67,6 +84,39 @@ class PipelineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def consumers(self) -> list[str]:
         """Stages that claim samples: each must ack every sample before it is freed."""
         return [s.name for s in self.stages if not s.is_source]
+
+    def process_groups(self) -> list[list[tuple[StageSpec, int]]]:
+        """The worker processes to start: each a list of (stage, worker index) run together.
+
+        A stage with ``colocate_with: X`` puts its worker k into the process of X's worker k."""
+        hosted: dict[tuple[str, int], list[tuple[StageSpec, int]]] = {}
+        for s in self.stages:
+            if s.colocate_with is None:
+                for k in range(s.workers):
+                    hosted[(s.name, k)] = [(s, k)]
+        for s in self.stages:
+            if s.colocate_with is not None:
+                for k in range(s.workers):
+                    hosted[(s.colocate_with, k)].append((s, k))
+        return list(hosted.values())
+
+
+def _explain_stage_error(text: str, raw: Any) -> str:
+    """msgspec says ``at `$.stages[2].micro_batch```: name the stage, and suggest a field name."""
+    m = re.search(r"\$\.stages\[(\d+)\](?:\.(\w+))?", text)
+    if not m or not isinstance(raw, dict) or not isinstance(raw.get("stages"), list):
+        return text.replace("$.", "")
+    k = int(m.group(1))
+    stage = raw["stages"][k] if k < len(raw["stages"]) else {}
+    name = stage.get("name", "?") if isinstance(stage, dict) else "?"
+    field = m.group(2)
+    if text.startswith("Object contains unknown field"):
+        field = text.split("`")[1]
+        known = [f.encode_name for f in msgspec.structs.fields(StageSpec)]
+        close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+        return f"stage {name!r} (stages[{k}]): unknown field {field!r}{hint}"
+    return f"stage {name!r} (stages[{k}]): field {field!r}: {text.split(' - at ')[0]}"
 
 
 def import_object(spec: str, what: str) -> Any:
@@ -98,12 +148,12 @@ def load_pipeline(cfg: RunConfig) -> PipelineSpec:
         raise ConfigError(f"pipeline {cfg.pipeline!r}: no such file (looked relative to {cfg.config_dir}, the cwd "
                           "and the streamrl checkout)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
         spec = msgspec.convert({**raw, "path": where}, PipelineSpec)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: not valid YAML: {exc}") from exc
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{where}: {str(exc).replace('$.', '')}") from None
+        raise ConfigError(f"{where}: {_explain_stage_error(str(exc), raw)}") from None
     names = [s.name for s in spec.stages]
     for name in cfg.stages:
         if name not in names:
@@ -142,6 +192,10 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
             writer[col] = s.name
         if s.device is not None:
             _check_device(s.device, f"{at}: device")
+    _check_placement(spec, where)
+    if spec.placement != "separate" and cfg.resources.launch != "processes":
+        raise ConfigError(f"{where}: placement {spec.placement!r} joins a torch.distributed group per worker "
+                          "process; it needs resources.launch: processes (not inprocess)")
     sources = [s.name for s in spec.stages if s.is_source]
     if len(sources) != 1:
         raise ConfigError(f"{where}: exactly one stage must have no reads (the source); found {sources or 'none'}")
@@ -156,8 +210,37 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
                           "(use pipelines/grpo_kl.yaml, which has the reference stage)")
     if import_classes:
         for s in spec.stages:
-            _check_class(s, f"{where}: stage {s.name!r} class")
+            _check_class(s, f"{where}: stage {s.name!r} class", spec)
     _check_device(cfg.resources.device, "run config: resources.device")
+
+
+def _check_placement(spec: PipelineSpec, where: str) -> None:
+    if spec.placement not in PLACEMENTS:
+        raise ConfigError(f"{where}: placement {spec.placement!r} is not one of {list(PLACEMENTS)}")
+    if spec.placement == "disaggregated":
+        raise ConfigError(f"{where}: placement 'disaggregated' (train group sending reshard buckets to separate "
+                          "generation workers) is not built into the runtime yet; use 'colocated' or 'separate'")
+    names = {s.name: s for s in spec.stages}
+    for s in spec.stages:
+        if s.colocate_with is None:
+            continue
+        at = f"{where}: stage {s.name!r} colocate_with"
+        host = names.get(s.colocate_with)
+        if host is None:
+            raise ConfigError(f"{at}: no stage named {s.colocate_with!r} (stages: {list(names)})")
+        if host.name == s.name:
+            raise ConfigError(f"{at}: a stage cannot be colocated with itself")
+        if host.colocate_with is not None:
+            raise ConfigError(f"{at}: {host.name!r} is itself colocated with {host.colocate_with!r}; "
+                              f"name the host stage {host.colocate_with!r} instead")
+        if s.is_source or host.is_source:
+            raise ConfigError(f"{at}: the source stage cannot be colocated")
+        if host.workers != s.workers:
+            raise ConfigError(f"{at}: {s.name!r} has workers={s.workers} but {host.name!r} has "
+                              f"workers={host.workers}; colocated stages need the same number of workers")
+    if spec.placement == "colocated" and not any(s.colocate_with for s in spec.stages):
+        raise ConfigError(f"{where}: placement 'colocated' needs a stage with colocate_with (e.g. the generate "
+                          "stage with `colocate_with: train`)")
 
 
 def _check_acyclic(spec: PipelineSpec, writer: dict[str, str], where: str) -> None:
@@ -180,7 +263,7 @@ def _check_acyclic(spec: PipelineSpec, writer: dict[str, str], where: str) -> No
         visit(name, [])
 
 
-def _check_class(s: StageSpec, at: str) -> None:
+def _check_class(s: StageSpec, at: str, pipeline: PipelineSpec) -> None:
     try:
         cls = import_object(s.cls, "class")
     except ValueError as exc:
@@ -190,6 +273,10 @@ def _check_class(s: StageSpec, at: str) -> None:
     limit = getattr(cls, "max_workers", None)
     if isinstance(limit, int) and s.workers > limit:
         raise ConfigError(f"{at}: {s.cls!r} runs at most {limit} worker(s), got workers={s.workers}")
+    placement = getattr(cls, "placement", None)  # a stage built for one weight path says so
+    if isinstance(placement, str) and placement != pipeline.placement:
+        raise ConfigError(f"{at}: {s.cls!r} works only with `placement: {placement}` at the top of the pipeline, "
+                          f"which says {pipeline.placement!r}")
     needed = ["setup", "close", "produce" if s.is_source else "process"]
     missing = [m for m in needed if not callable(getattr(cls, m, None))]
     if missing:

@@ -51,8 +51,10 @@ class WeightsRequest(_Msg, tag="weights_request"):
 class WeightsReply(_Msg, tag="weights_reply"):
     req_id: int
     version: int  # the newest version; < need means the long-poll timed out
-    names: list[str] | None = None  # parameter names; None = no weights in this reply
-    weights: TensorColumn | None = None
+    # One column per dtype (a state dict may mix fp32 weights, bf16 and int64 buffers);
+    # names[i] are the parameter names of weights[i], in order. None = no weights in this reply.
+    names: list[list[str]] | None = None
+    weights: list[TensorColumn] | None = None
 
 
 _request_decoder = msgspec.msgpack.Decoder(WeightsRequest)
@@ -133,9 +135,19 @@ class PolicyPublisher:
         frames: list[object] = []
         reply = WeightsReply(req.req_id, self.version)
         if req.want_weights and self.version > req.have and self.version >= req.need and self._tensors:
-            cols, frames = encode_columns({"w": self._tensors}, len(self._tensors))
-            assert isinstance(cols[0], TensorColumn)
-            reply = WeightsReply(req.req_id, self.version, self._names, cols[0])
+            by_dtype: dict[str, list[int]] = {}
+            for i, t in enumerate(self._tensors):
+                by_dtype.setdefault(str(t.dtype), []).append(i)
+            names, cols, frames = [], [], []
+            for positions in by_dtype.values():
+                part_cols, part_frames = encode_columns({"w": [self._tensors[i] for i in positions]}, len(positions))
+                col = part_cols[0]
+                assert isinstance(col, TensorColumn)
+                # frame numbers are per message: shift this column's past the frames before it
+                cols.append(msgspec.structs.replace(col, frames=[f + len(frames) for f in col.frames]))
+                frames.extend(part_frames)
+                names.append([self._names[i] for i in positions])
+            reply = WeightsReply(req.req_id, self.version, names, cols)
             self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
         try:
             await self.sock.send_multipart([identity, _encoder.encode(reply), *frames], copy=False,
@@ -212,9 +224,12 @@ class PolicySubscriber:
             if reply.version >= need or need <= have:
                 if reply.weights is None or reply.names is None:
                     return have, None
-                values = decode_columns([reply.weights], frames, len(reply.names))["w"]
+                state: dict[str, torch.Tensor] = {}
+                for names, col in zip(reply.names, reply.weights, strict=True):
+                    values = decode_columns([col], frames, len(names))["w"]
+                    state.update(zip(names, values, strict=True))
                 self.bytes_received += sum(len(f) for f in frames)
-                return reply.version, dict(zip(reply.names, values, strict=True))
+                return reply.version, state
             if time.monotonic() >= deadline:
                 raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
                                     f"(newest: {reply.version}; is the trainer running?)")
