@@ -119,6 +119,8 @@ class _Sums:
     kl_tokens: int = 0
     is_weight: float = 0.0
     is_tokens: int = 0
+    skipped_tokens: int = 0  # zero-advantage samples: counted in the denominators, not computed
+    skipped_sequences: int = 0
     mode: str | None = None
 
 
@@ -245,6 +247,9 @@ class TorchTrainEngine:
     def accumulate(self, batch: Sequence[TrainSample], loss_config: LossConfig) -> dict[str, float]:
         """Forward + backward of one micro-batch; gradients are summed until ``step``.
 
+        Samples with advantage exactly 0 are only counted when ``kl_coef`` is 0 (their gradient
+        is exactly zero), which makes uniform-reward GRPO groups free.
+
         Returns this micro-batch's statistics (loss normalised within the micro-batch, for
         display only: the step normalises by the global denominator).
         """
@@ -260,6 +265,23 @@ class TorchTrainEngine:
             present = [getattr(s, field) is not None for s in batch]
             if any(present) and not all(present):
                 raise TrainBatchError(f"{field} is given for some samples of the micro-batch but not all")
+        sums = self._sums
+        sums.mode = loss_config.loss_agg
+        sums.micro_batches += 1
+        all_tokens = sum(s.response_ids.numel() for s in batch)
+        all_seqs = len(batch)
+        local_denominator = max(loss_denominator(loss_config.loss_agg, all_tokens, all_seqs), 1)
+        if loss_config.kl_coef == 0.0:
+            # A zero advantage makes every per-token loss 0·(...) = 0 with zero gradient (no KL
+            # term): skip their forward/backward and only count them in the denominators. GRPO
+            # groups whose completions all scored the same are exactly such samples.
+            active = [s for s in batch if s.advantage != 0.0]
+            sums.skipped_tokens += all_tokens - sum(s.response_ids.numel() for s in active)
+            sums.skipped_sequences += all_seqs - len(active)
+            if not active:
+                return {"loss": 0.0, "tokens": float(all_tokens), "sequences": float(all_seqs),
+                        "skipped_sequences": float(all_seqs)}
+            batch = active
         device = self.device
         self.model.train()
         logp, entropy, seq_index = self._response_logprobs(
@@ -281,12 +303,9 @@ class TorchTrainEngine:
         loss_sum = unnormalized_loss(per_token, seq_index, n_seqs, loss_config.loss_agg)
         loss_sum.backward()
 
-        sums = self._sums
-        sums.mode = loss_config.loss_agg
         sums.loss += float(loss_sum.detach())
         sums.tokens += n_tokens
         sums.sequences += n_seqs
-        sums.micro_batches += 1
         sums.clipped += float(stats["clipped"].sum())
         sums.approx_kl += float(stats["approx_kl"].sum())
         if entropy is not None:
@@ -297,11 +316,11 @@ class TorchTrainEngine:
         if "is_weight" in stats:
             sums.is_weight += float(stats["is_weight"].sum())
             sums.is_tokens += n_tokens
-        local = loss_denominator(loss_config.loss_agg, n_tokens, n_seqs)
         out = {
-            "loss": float(loss_sum.detach()) / max(local, 1),
-            "tokens": float(n_tokens),
-            "sequences": float(n_seqs),
+            "loss": float(loss_sum.detach()) / local_denominator,
+            "tokens": float(all_tokens),
+            "sequences": float(all_seqs),
+            "skipped_sequences": float(all_seqs - n_seqs),
             "clip_fraction": float(stats["clipped"].mean()) if n_tokens else 0.0,
         }
         if entropy is not None and n_tokens:
@@ -309,9 +328,10 @@ class TorchTrainEngine:
         return out
 
     def pending(self) -> dict[str, int]:
-        """Tokens, sequences and micro-batches accumulated since the last step."""
+        """Tokens, sequences and micro-batches accumulated since the last step (skipped ones included)."""
         s = self._sums
-        return {"tokens": s.tokens, "sequences": s.sequences, "micro_batches": s.micro_batches}
+        return {"tokens": s.tokens + s.skipped_tokens, "sequences": s.sequences + s.skipped_sequences,
+                "micro_batches": s.micro_batches}
 
     def step(self, *, global_tokens: int | None = None, global_sequences: int | None = None) -> dict[str, float]:
         """Normalise the summed gradients, clip, AdamW step, zero gradients.
@@ -322,8 +342,8 @@ class TorchTrainEngine:
         sums = self._sums
         if sums.micro_batches == 0 or sums.mode is None:
             raise NothingAccumulatedError("step() called before any accumulate() since the last step")
-        tokens = sums.tokens if global_tokens is None else global_tokens
-        sequences = sums.sequences if global_sequences is None else global_sequences
+        tokens = sums.tokens + sums.skipped_tokens if global_tokens is None else global_tokens
+        sequences = sums.sequences + sums.skipped_sequences if global_sequences is None else global_sequences
         denominator = loss_denominator(sums.mode, tokens, sequences)  # type: ignore[arg-type]
         grads = [p.grad for p in self.params if p.grad is not None]
         if denominator > 0 and grads:
@@ -340,9 +360,11 @@ class TorchTrainEngine:
             "loss": sums.loss / max(denominator, 1),
             "grad_norm": float(grad_norm),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "tokens": float(sums.tokens),
-            "sequences": float(sums.sequences),
+            "tokens": float(sums.tokens + sums.skipped_tokens),
+            "sequences": float(sums.sequences + sums.skipped_sequences),
+            "skipped_sequences": float(sums.skipped_sequences),  # zero advantage, no forward/backward
             "micro_batches": float(sums.micro_batches),
+            # Averages over the computed tokens (skipped samples have no logprobs here).
             "clip_fraction": sums.clipped / max(sums.tokens, 1),
             "approx_kl": sums.approx_kl / max(sums.tokens, 1),
             "entropy": sums.entropy / max(sums.tokens, 1),

@@ -33,6 +33,10 @@ def test_group_advantages_hand_computed() -> None:
     # group 0: [1, 2] -> centred -/+0.5, std sqrt(0.5); group 1: [3, 5] -> -/+1, std sqrt(2)
     h = math.sqrt(0.5)
     torch.testing.assert_close(interleaved, torch.tensor([-h, -h, h, h]))
+    # Equal rewards: exactly 0, even where the float mean misses the common value by an ulp.
+    for value in (0.3, 0.1, 1 / 3, 0.7):
+        same = group_advantages(torch.full((8,), value), torch.zeros(8, dtype=torch.long))
+        assert torch.equal(same, torch.zeros(8))
     with pytest.raises(ValueError, match="equal 1-D"):
         group_advantages(torch.zeros(3), torch.zeros(2, dtype=torch.long))
 

@@ -226,3 +226,22 @@ def test_samples_from_columns(tok: PreTrainedTokenizerFast) -> None:
         samples_from_columns({k: v for k, v in cols.items() if k != "advantage"})
     with pytest.raises(TrainBatchError, match="column 'advantage' has 1 values"):
         samples_from_columns({**cols, "advantage": [1.0]})
+
+
+def test_zero_advantage_samples_are_counted_not_computed(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
+    """Without KL, a zero advantage has zero gradient: skipping it keeps the exact whole-batch gradient."""
+    batch = [TrainSample(s.prompt_ids, s.response_ids, 0.0 if i in (0, 1, 4) else s.advantage, s.rollout_logprobs,
+                         s.old_logprobs, None) for i, s in enumerate(_batch(tok))]
+    for mode in MODES:
+        cfg = LossConfig(loss_agg=mode)  # type: ignore[arg-type]
+        expected = _reference_grads(model, batch, cfg)
+        engine = TorchTrainEngine(copy.deepcopy(model), lr=1e-3, max_grad_norm=None, device="cpu")
+        grads = _captured_grads(engine)
+        first = engine.accumulate(batch[:2], cfg)  # both zero: nothing to compute
+        assert first["skipped_sequences"] == 2 and first["tokens"] == 5
+        engine.accumulate(batch[2:], cfg)
+        assert engine.pending() == {"tokens": 19, "sequences": 6, "micro_batches": 2}
+        stats = engine.step()
+        assert stats["skipped_sequences"] == 3 and stats["tokens"] == 19 and stats["sequences"] == 6
+        for name, g in expected.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=f"{mode} {name}")
