@@ -36,7 +36,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_spread, print_json_line, print_table, spread  # noqa: E402
+from _common import fmt_spread, print_json_line, print_table, spread
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_BENCH = ROOT.parent / "shared" / "bench"
@@ -103,6 +103,20 @@ def run_trl(args: list[str], seed: int) -> dict[str, Any]:
     return json.loads(line.split(" ", 1)[1])
 
 
+def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace,
+                tmp: Path) -> tuple[dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """Repetition r runs TRL, then streamrl k=0, then k=1, all with seed r: load drift hits both sides."""
+    ours: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    trl: list[dict[str, Any]] = []
+    for seed in range(args.reps):
+        if not args.skip_trl:
+            trl.append(run_trl(trl_args, seed))
+        for k in (0, 1):
+            ours[k].append(run_streamrl(workload, seed, k, tmp))
+        print(f"{workload} repetition {seed + 1}/{args.reps} done (load average {os.getloadavg()[0]:.1f})", flush=True)
+    return ours, trl
+
+
 def matmul_ceiling_gflops(threads: int = 2, n: int = 1024, reps: int = 30) -> float:
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -140,8 +154,7 @@ def main() -> None:
         tmp = Path(tmpdir)
         rows = []
         if args.workload in ("W1", "all"):
-            ours = {k: [run_streamrl("W1", s, k, tmp) for s in range(args.reps)] for k in (0, 1)}
-            trl = [] if args.skip_trl else [run_trl(W1_TRL, s) for s in range(args.reps)]
+            ours, trl = interleaved("W1", W1_TRL, args, tmp)
             for k in (0, 1):
                 ttt = spread(r["time_to_target_s"] for r in ours[k] if r["time_to_target_s"] is not None)
                 steps = spread(r["first_step_ge_0.9"] for r in ours[k] if r["first_step_ge_0.9"])
@@ -161,8 +174,7 @@ def main() -> None:
             params = w2_params()
             figures["matmul_ceiling_gflops"] = ceiling
             rows.append(["fp32 matmul ceiling, 2 threads (GFLOP/s)", f"{ceiling:.0f}"])
-            ours = {k: [run_streamrl("W2", s, k, tmp) for s in range(args.reps)] for k in (0, 1)}
-            trl = [] if args.skip_trl else [run_trl(W2_TRL, s) for s in range(args.reps)]
+            ours, trl = interleaved("W2", W2_TRL, args, tmp)
             for k in (0, 1):
                 cps = spread(r["completions_per_s"] for r in ours[k])
                 tps = spread(r["gen_tokens_per_s"] for r in ours[k])
