@@ -75,9 +75,9 @@ def sample_tokens(
 class _Decoder(Protocol):
     """A model with a per-row KV cache: prefill prompts, then one token per row at a time."""
 
-    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, capacity: int) -> Tensor: ...
+    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, max_new_tokens: int) -> Tensor: ...
 
-    def step(self, tokens: Tensor, positions: Tensor, n_keys: int) -> Tensor: ...
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor: ...
 
     def keep(self, slots: Tensor) -> None: ...
 
@@ -86,21 +86,23 @@ class _FunctionalDecoder:
     def __init__(self, fn: FunctionalCausalLM, cache: KVCache) -> None:
         self.fn = fn
         self.cache = cache
-        self.columns = 0  # columns written so far (prompt width + decoded tokens)
+        self.step_index = 0  # generated tokens fed so far = generated columns written
 
-    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, capacity: int) -> Tensor:
-        self.cache.reserve(expand.numel(), capacity)
-        self.columns = input_ids.shape[1]
-        hidden, _ = self.fn.forward_packed(input_ids, lengths, cache=self.cache, cache_rows=expand)
+    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, max_new_tokens: int) -> Tensor:
+        kv: list[tuple[Tensor, Tensor]] = []
+        hidden, _ = self.fn.forward_packed(input_ids, lengths, kv_out=kv)
+        self.cache.start(kv, lengths, expand.tolist(), columns=max_new_tokens - 1)  # the last token is never fed
+        self.step_index = 0
         last = lengths.cumsum(0) - 1  # packed index of each prompt's last token
         return self.fn.logits(hidden.index_select(0, last)).index_select(0, expand)
 
-    def step(self, tokens: Tensor, positions: Tensor, n_keys: int) -> Tensor:
-        self.columns = n_keys
-        return self.fn.decode_step(tokens, positions, self.cache, n_keys)
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        logits = self.fn.decode_step(tokens, positions, self.cache, self.step_index)
+        self.step_index += 1
+        return logits
 
     def keep(self, slots: Tensor) -> None:
-        self.cache.select_rows(slots, self.columns)
+        self.cache.select_rows(slots.tolist(), self.step_index)
 
 
 class _HFDecoder:
@@ -111,7 +113,7 @@ class _HFDecoder:
         self.cache: DynamicCache | None = None
         self.mask: Tensor | None = None  # [B, columns] 1 = real key
 
-    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, capacity: int) -> Tensor:
+    def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, max_new_tokens: int) -> Tensor:
         batch, length = input_ids.shape
         columns = torch.arange(length, device=input_ids.device)
         mask = (columns.unsqueeze(0) < lengths.unsqueeze(1)).long()
@@ -125,7 +127,7 @@ class _HFDecoder:
         last = out.logits[torch.arange(batch, device=input_ids.device), lengths - 1]
         return last.index_select(0, expand)
 
-    def step(self, tokens: Tensor, positions: Tensor, n_keys: int) -> Tensor:
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         assert self.mask is not None
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
         out = self.model(
@@ -181,7 +183,10 @@ class TorchRolloutEngine:
             return _HFDecoder(self.model)
         fn = FunctionalCausalLM(self.model)
         weight = self.model.get_input_embeddings().weight
-        if self._cache is None or self._cache.dtype != weight.dtype or self._cache.device != weight.device:
+        if (
+            self._cache is None or self._cache.dtype != weight.dtype or self._cache.device != weight.device
+            or self._cache.n_layers != fn.n_layers or self._cache.kv_heads != fn.n_kv_heads
+        ):
             self._cache = KVCache(fn.n_layers, fn.n_kv_heads, fn.head_dim, dtype=weight.dtype, device=weight.device)
         return _FunctionalDecoder(fn, self._cache)
 
@@ -247,10 +252,10 @@ class TorchRolloutEngine:
         try:
             decoder = self._decoder()
             logits = decoder.prefill(
-                padded.to(device), lengths.to(device), expand, capacity=width + max_new_tokens - 1
+                padded.to(device), lengths.to(device), expand, max_new_tokens
             )
             generations = self._sample_loop(
-                decoder, logits, lengths.to(device).index_select(0, expand), width, max_new_tokens,
+                decoder, logits, lengths.to(device).index_select(0, expand), max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
             )
             ok = True
@@ -265,7 +270,6 @@ class TorchRolloutEngine:
         decoder: _Decoder,
         logits: Tensor,
         positions: Tensor,
-        width: int,
         max_new_tokens: int,
         *,
         temperature: float,
@@ -304,8 +308,7 @@ class TorchRolloutEngine:
                 slot_rows, positions, tokens = slot_rows[keep], positions[keep], tokens[keep]
                 rows_host = [rows_host[slot] for slot in keep_host]
                 alive = [True] * len(keep_host)
-            # Token t sits at position prompt_len + t <= width + t: read columns 0..width+t.
-            logits = decoder.step(tokens, positions + t, n_keys=width + t + 1)
+            logits = decoder.step(tokens, positions + t)  # token t sits at position prompt_len + t
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()
         return [

@@ -95,47 +95,77 @@ class Packing:
 
 
 class KVCache:
-    """Per-layer key/value buffers [rows, kv_heads, columns, head_dim], reused across calls.
+    """Keys/values of sequences that continue a few distinct prompts (GRPO: n samples per prompt).
 
-    Rows are sequences; a sequence's tokens sit at columns 0..n-1 (its RoPE positions), so
-    columns beyond a row's length are masked in attention, never read as real keys.
-    Why reuse: first-touching a fresh multi-MB buffer (page faults + zero fill) cost more than
-    a whole decode step on CPU. Columns left over from an earlier call hold finite keys/values
-    of that call (buffers start zeroed), and the mask gives them weight exactly 0.
+    Each distinct prompt's keys/values are kept once ([U, kv_heads, Lp, head_dim] per layer) and
+    each sequence's generated ones apart ([rows, kv_heads, T, head_dim], column t = its t-th
+    generated token, so all rows write the same column at each step). Why: decoding is bound
+    by reading the cache; with one copy of the prompt per group instead of one per row, a
+    step reads n-fold less prompt keys.
+
+    The generated-token buffers are reused across calls: first-touching a fresh multi-MB
+    buffer (page faults, zero fill) costs more than a decode step on CPU. Columns are only
+    read once written in the current call.
     """
 
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device):
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
-        self.rows = 0  # rows in use: 0..rows-1
+        self.prompt_keys: list[Tensor] = []  # per layer [U, kv_heads, Lp, d]
+        self.prompt_values: list[Tensor] = []
+        self.prompt_mask = torch.zeros(0)  # [U, Lp] additive: 0 = real key, -inf = padding
+        self.gen_keys: list[Tensor] = []  # per layer [capacity rows, kv_heads, capacity columns, d]
+        self.gen_values: list[Tensor] = []
+        self.rows = 0
+        self.row_prompt = torch.zeros(0, dtype=torch.int64)  # [rows] prompt of each row
+        self.group_slot = torch.zeros(0, dtype=torch.int64)  # [rows] rank of the row among its prompt's rows
+        self.group_width = 0  # most rows sharing one prompt
+        self._row_prompt_host: list[int] = []
 
-    def reserve(self, rows: int, columns: int) -> None:
-        """Make room for ``rows`` sequences of ``columns`` tokens; rows in use = ``rows``."""
-        have_rows = self.keys[0].shape[0] if self.keys else 0
-        have_cols = self.keys[0].shape[2] if self.keys else 0
-        if rows > have_rows or columns > have_cols or self.keys[0].dtype != self.dtype:
-            shape = (max(rows, have_rows), self.kv_heads, max(columns, have_cols), self.head_dim)
-            self.release()
-            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-        self.rows = rows
+    def start(
+        self, prompt_kv: list[tuple[Tensor, Tensor]], prompt_lengths: Tensor, row_prompt: list[int], columns: int
+    ) -> None:
+        """Begin a call: prompt keys/values per layer ([U, kv_heads, Lp, d]), rows -> prompt, T columns."""
+        self.prompt_keys = [k for k, _ in prompt_kv]
+        self.prompt_values = [v for _, v in prompt_kv]
+        width = self.prompt_keys[0].shape[2]
+        hidden = torch.arange(width, device=self.device).unsqueeze(0) >= prompt_lengths.unsqueeze(1)
+        self.prompt_mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            hidden, float("-inf")
+        )
+        rows = len(row_prompt)
+        have_rows = self.gen_keys[0].shape[0] if self.gen_keys else 0
+        have_cols = self.gen_keys[0].shape[2] if self.gen_keys else 0
+        if rows > have_rows or columns > have_cols:
+            shape = (max(rows, have_rows), self.kv_heads, max(columns, have_cols, 1), self.head_dim)
+            self.gen_keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+            self.gen_values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+        self._set_rows(row_prompt)
+
+    def _set_rows(self, row_prompt: list[int]) -> None:
+        seen: dict[int, int] = {}
+        slots = []
+        for u in row_prompt:
+            slots.append(seen.get(u, 0))
+            seen[u] = slots[-1] + 1
+        self._row_prompt_host = row_prompt
+        self.rows = len(row_prompt)
+        self.group_width = max(seen.values(), default=0)
+        self.row_prompt = torch.tensor(row_prompt, dtype=torch.int64, device=self.device)
+        self.group_slot = torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def select_rows(self, keep: list[int], columns: int) -> None:
+        """Keep only rows ``keep`` (ascending), moved to the front; copies ``columns`` generated columns."""
+        index = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        m = len(keep)
+        for buf in (*self.gen_keys, *self.gen_values):
+            buf[:m, :, :columns] = buf[index, :, :columns]
+        self._set_rows([self._row_prompt_host[r] for r in keep])
 
     def release(self) -> None:
         """Free the buffers (e.g. before handing device memory to training)."""
-        self.keys, self.values, self.rows = [], [], 0
-
-    def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        """Views [rows, kv_heads, all columns, head_dim] of layer ``i``."""
-        return self.keys[i][: self.rows], self.values[i][: self.rows]
-
-    def select_rows(self, keep: Tensor, columns: int) -> None:
-        """Keep only rows ``keep`` (ascending), moved to the front; copies only ``columns`` columns."""
-        m = keep.numel()
-        for buf in (*self.keys, *self.values):
-            buf[:m, :, :columns] = buf[keep, :, :columns]
-        self.rows = m
+        self.prompt_keys, self.prompt_values, self.gen_keys, self.gen_values = [], [], [], []
+        self.rows = 0
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -220,15 +250,13 @@ class FunctionalCausalLM:
         input_ids: Tensor,
         lengths: Tensor,
         *,
-        cache: KVCache | None = None,
-        cache_rows: Tensor | None = None,
+        kv_out: list[tuple[Tensor, Tensor]] | None = None,
     ) -> tuple[Tensor, Packing]:
         """Pre-norm hidden states [T, hidden] of every real token of a right-padded batch.
 
         ``input_ids`` [B, L] right-padded, ``lengths`` [B] real tokens per row (≥ 1). Each row
-        starts at RoPE position 0. With ``cache``, the keys/values of the B rows are written to
-        cache rows ``cache_rows[j]`` for cache row j (a row may feed several cache rows: prompt
-        sharing); columns 0..L-1. The cache must have ``reserve``d len(cache_rows) (or B) rows.
+        starts at RoPE position 0. With ``kv_out``, each layer's keys and values are appended to
+        it as [B, kv_heads, L, head_dim] (padding positions hold zeros), for a KV cache.
         """
         model = self.module
         length = input_ids.shape[1]
@@ -236,18 +264,12 @@ class FunctionalCausalLM:
         ids = input_ids.reshape(-1) if pack.flat_index is None else input_ids.reshape(-1)[pack.flat_index]
         x = self._embed(ids)
         cos, sin = self.rope_tables(pack.positions, x.dtype)
-        for i, layer in enumerate(model.model.layers):
+        for layer in model.model.layers:
             h = self._norm(x, layer.input_layernorm)
             q, k, v = self._qkv(layer, h, cos, sin)
             kp, vp = pack.pad(k), pack.pad(v)  # [B, L, kv_heads, d]
-            if cache is not None:
-                keys, values = cache.layer(i)
-                if cache_rows is None:
-                    keys[:, :, :length] = kp.transpose(1, 2)
-                    values[:, :, :length] = vp.transpose(1, 2)
-                else:
-                    keys[:, :, :length] = kp.index_select(0, cache_rows).transpose(1, 2)
-                    values[:, :, :length] = vp.index_select(0, cache_rows).transpose(1, 2)
+            if kv_out is not None:
+                kv_out.append((kp.transpose(1, 2).contiguous(), vp.transpose(1, 2).contiguous()))
             # Right padding + causal mask: a real query only ever sees real keys before it.
             out = self._sdpa(pack.pad(q).transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), is_causal=True)
             attn_out = pack.unpad(out.transpose(1, 2)).reshape(-1, self.n_heads * self.head_dim)
@@ -313,34 +335,52 @@ class FunctionalCausalLM:
         return x, p_pack, c_pack
 
     # --- one new token per row (decoding) ------------------------------------------------------
-    def decode_step(self, token_ids: Tensor, positions: Tensor, cache: KVCache, n_keys: int) -> Tensor:
-        """Logits [B, vocab] for one new token per cache row (B = cache.rows).
+    def decode_step(self, token_ids: Tensor, positions: Tensor, cache: KVCache, step: int) -> Tensor:
+        """Logits [B, vocab] for the ``step``-th generated token of each cache row (B = cache.rows).
 
-        ``token_ids`` [B], ``positions`` [B] (the column each row writes, = its RoPE position),
-        ``n_keys`` > max(positions): the columns attention reads (later ones are not filled yet).
+        ``token_ids`` [B], ``positions`` [B] their RoPE positions (prompt length + step). The
+        cache holds generated columns 0..step-1; this call writes column ``step``.
         """
         model = self.module
         batch = token_ids.shape[0]
+        n_prompts = cache.prompt_mask.shape[0]
+        width = cache.group_width
         rep = self.n_heads // self.n_kv_heads
+        kvh, d = self.n_kv_heads, self.head_dim
         x = self._embed(token_ids)
         cos, sin = self.rope_tables(positions, x.dtype)
-        rows = torch.arange(batch, device=x.device)
-        columns = torch.arange(n_keys, device=x.device)
-        # Additive mask [B, 1, 1, n_keys]: 0 for a row's own columns 0..position, -inf beyond.
-        hidden_key = columns.unsqueeze(0) > positions.unsqueeze(1)
-        mask = torch.zeros(hidden_key.shape, dtype=x.dtype, device=x.device).masked_fill_(hidden_key, float("-inf"))
-        mask = mask.view(batch, 1, 1, n_keys)
-        scale = self.head_dim**-0.5
+        p_len = cache.prompt_mask.shape[1]
+        # Additive mask [B, 1, 1, Lp + step + 1]: the row's prompt padding is -inf, its tokens 0.
+        mask = torch.cat(
+            [cache.prompt_mask.index_select(0, cache.row_prompt), cache.prompt_mask.new_zeros(batch, step + 1)], dim=1
+        ).view(batch, 1, 1, -1)
+        where = (cache.row_prompt, cache.group_slot)
+        scale = d**-0.5
+
+        def by_prompt(t: Tensor) -> Tensor:
+            """[B, kvh, rep, n] -> [U, kvh, width*rep, n]: each prompt's rows side by side."""
+            grouped = t.new_zeros(n_prompts, width, kvh, rep, t.shape[-1])
+            grouped[where] = t
+            return grouped.permute(0, 2, 1, 3, 4).reshape(n_prompts, kvh, width * rep, t.shape[-1])
+
+        def by_row(t: Tensor) -> Tensor:
+            """Inverse of by_prompt."""
+            return t.view(n_prompts, kvh, width, rep, t.shape[-1]).permute(0, 2, 1, 3, 4)[where]
+
         for i, layer in enumerate(model.model.layers):
             h = self._norm(x, layer.input_layernorm)
             q, k, v = self._qkv(layer, h, cos, sin)
-            keys, values = cache.layer(i)
-            keys[rows, :, positions] = k
-            values[rows, :, positions] = v
-            # One query per row: plain matmuls beat the SDPA kernel here (measured), and grouping
-            # the query heads per kv head does GQA without repeating keys.
-            q = q.view(batch, self.n_kv_heads, rep, self.head_dim)
-            scores = torch.matmul(q, keys[:, :, :n_keys].transpose(-1, -2)) * scale + mask
-            out = torch.matmul(torch.softmax(scores, dim=-1), values[:, :, :n_keys])
-            x = self._mlp_and_out(layer, x, out.reshape(batch, self.n_heads * self.head_dim))
+            gen_k, gen_v = cache.gen_keys[i][:batch], cache.gen_values[i][:batch]
+            gen_k[:, :, step] = k
+            gen_v[:, :, step] = v
+            gen_k, gen_v = gen_k[:, :, : step + 1], gen_v[:, :, : step + 1]
+            # Query heads grouped per kv head (GQA without repeating keys); plain matmuls beat
+            # the SDPA kernel for one query per row (measured).
+            q = q.view(batch, kvh, rep, d)
+            s_prompt = by_row(torch.matmul(by_prompt(q), cache.prompt_keys[i].transpose(-1, -2)))
+            s_gen = torch.matmul(q, gen_k.transpose(-1, -2))
+            p = torch.softmax(torch.cat([s_prompt, s_gen], dim=-1) * scale + mask, dim=-1)
+            p_prompt, p_gen = p.split([p_len, step + 1], dim=-1)
+            out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + torch.matmul(p_gen, gen_v)
+            x = self._mlp_and_out(layer, x, out.reshape(batch, self.n_heads * d))
         return self.logits(x)

@@ -87,14 +87,21 @@ def test_cached_decoding_equals_hf_logits(model: torch.nn.Module) -> None:
     fn = FunctionalCausalLM(model)
     prompts = _rows(4, [2, 5, 3])
     ids, lens = _pad(prompts)
-    steps = 4
+    row_prompt = [1, 0, 2, 1, 1, 0]  # rows continue shared prompts, in any order
+    steps = 5
     cache = KVCache(fn.n_layers, fn.n_kv_heads, fn.head_dim, dtype=torch.float32, device=torch.device("cpu"))
-    cache.reserve(3, ids.shape[1] + steps)
-    fn.forward_packed(ids, lens, cache=cache)
-    seqs = [p.clone() for p in prompts]
-    nxt = torch.tensor([7, 8, 9])
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    fn.forward_packed(ids, lens, kv_out=kv)
+    cache.start(kv, lens, row_prompt, columns=steps)
+    seqs = [prompts[u].clone() for u in row_prompt]
+    nxt = torch.tensor([7, 8, 9, 10, 11, 12])
+    positions = lens[torch.tensor(row_prompt)]
     for t in range(steps):
-        logits = fn.decode_step(nxt, lens + t, cache, n_keys=ids.shape[1] + t + 1)
+        if t == 3:  # drop rows 1 and 4 (finished sequences leave the batch)
+            keep = [0, 2, 3, 5]
+            cache.select_rows(keep, columns=t)
+            seqs, nxt, positions = [seqs[k] for k in keep], nxt[keep], positions[keep]
+        logits = fn.decode_step(nxt, positions + t, cache, step=t)
         seqs = [torch.cat([s, nxt[i : i + 1]]) for i, s in enumerate(seqs)]
         expected = torch.stack([_hf_logits(model, s)[-1] for s in seqs])
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-5)
