@@ -3,6 +3,7 @@
 from streamrl.engines.rollout import GenerateArgumentError, Generation, TorchRolloutEngine, sample_tokens
 from streamrl.engines.train import (
     NothingAccumulatedError,
+    TorchLogprobEngine,
     TorchTrainEngine,
     TrainBatchError,
     TrainSample,
@@ -13,6 +14,7 @@ __all__ = [
     "GenerateArgumentError",
     "Generation",
     "NothingAccumulatedError",
+    "TorchLogprobEngine",
     "TorchRolloutEngine",
     "TorchTrainEngine",
     "TrainBatchError",

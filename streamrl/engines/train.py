@@ -124,40 +124,29 @@ class _Sums:
     mode: str | None = None
 
 
-class TorchTrainEngine:
-    """Trains a Hugging Face causal LM held in this process (shared with a rollout engine or not)."""
+class TorchLogprobEngine:
+    """Response-token logprobs of a causal LM held in this process, no gradient.
+
+    For a frozen reference policy, or a trainer's old-policy recompute (``TorchTrainEngine``
+    is one of these plus an optimizer).
+    """
 
     def __init__(
-        self,
-        model: nn.Module,
-        *,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        eps: float = 1e-8,
-        max_grad_norm: float | None = 1.0,
-        device: str | torch.device = "auto",
-        use_functional: bool | None = None,
+        self, model: nn.Module, *, device: str | torch.device = "auto", use_functional: bool | None = None
     ) -> None:
-        """AdamW hyper-parameters as torch's; ``max_grad_norm`` None = no clipping.
-        ``use_functional``: None = functional forward when the architecture allows, else HF."""
-        if not lr > 0.0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        if max_grad_norm is not None and not max_grad_norm > 0.0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        """``use_functional``: None = functional forward when the architecture allows, else HF."""
         self.device = resolve_device(device)
         self.model = model.to(self.device)
-        self.max_grad_norm = max_grad_norm
         reason = unsupported_reason(model)
         if use_functional and reason is not None:
             raise ValueError(f"use_functional=True but {reason}; pass use_functional=None")
         if getattr(model.config, "attention_dropout", 0.0):
             reason = "attention dropout"  # the functional forward has none; keep HF's training maths
         self.fn = FunctionalCausalLM(model) if (reason is None and use_functional is not False) else None
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.steps = 0  # optimizer steps taken = policy version of the current weights
-        self._sums = _Sums()
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Replace the model weights (strict: every name must match)."""
+        self.model.load_state_dict(dict(state), strict=True)
 
     # --- forward ------------------------------------------------------------------------------
     def _response_logprobs(
@@ -243,6 +232,42 @@ class TorchTrainEngine:
             self.model.train(was_training)
         return list(logp.cpu().split([r.numel() for r in response_ids]))
 
+
+
+class TorchTrainEngine(TorchLogprobEngine):
+    """Trains a Hugging Face causal LM held in this process (shared with a rollout engine or not)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        max_grad_norm: float | None = 1.0,
+        device: str | torch.device = "auto",
+        use_functional: bool | None = None,
+    ) -> None:
+        """AdamW hyper-parameters as torch's; ``max_grad_norm`` None = no clipping.
+
+        A model without trainable parameters still serves ``logprobs`` (``accumulate`` then
+        says so); ``TorchLogprobEngine`` is the plain form of that.
+        """
+        if not lr > 0.0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if max_grad_norm is not None and not max_grad_norm > 0.0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        super().__init__(model, device=device, use_functional=use_functional)
+        self.max_grad_norm = max_grad_norm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # AdamW refuses an empty parameter list; keep a placeholder so a frozen model can still score.
+        self.optimizer = torch.optim.AdamW(
+            self.params or [torch.zeros(0, requires_grad=True)], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+        self.steps = 0  # optimizer steps taken = policy version of the current weights
+        self._sums = _Sums()
+
     # --- training -----------------------------------------------------------------------------
     def accumulate(self, batch: Sequence[TrainSample], loss_config: LossConfig) -> dict[str, float]:
         """Forward + backward of one micro-batch; gradients are summed until ``step``.
@@ -255,6 +280,11 @@ class TorchTrainEngine:
         """
         if not batch:
             raise TrainBatchError("empty micro-batch")
+        if not self.params:
+            raise ValueError(
+                "the model has no trainable parameters (requires_grad is False everywhere); "
+                "unfreeze it to train, or use TorchLogprobEngine to only score"
+            )
         for i, s in enumerate(batch):
             _check_sample(i, s)
         if self._sums.mode not in (None, loss_config.loss_agg):
@@ -385,10 +415,6 @@ class TorchTrainEngine:
     def state_dict(self, *, copy: bool = True) -> dict[str, Tensor]:
         """Model weights to publish to generators (detached; copies unless ``copy=False``)."""
         return {k: (v.detach().clone() if copy else v.detach()) for k, v in self.model.state_dict().items()}
-
-    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        """Replace the model weights (strict: every name must match)."""
-        self.model.load_state_dict(dict(state), strict=True)
 
     def save_checkpoint(self, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
         """Write a ``from_pretrained``-loadable directory (safetensors + config + tokenizer)."""

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from streamrl.algos.grpo import LossConfig, aggregate_loss, per_token_loss
 from streamrl.engines.train import (
     NothingAccumulatedError,
+    TorchLogprobEngine,
     TorchTrainEngine,
     TrainBatchError,
     TrainSample,
@@ -245,3 +246,16 @@ def test_zero_advantage_samples_are_counted_not_computed(model: torch.nn.Module,
         assert stats["skipped_sequences"] == 3 and stats["tokens"] == 19 and stats["sequences"] == 6
         for name, g in expected.items():
             torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=f"{mode} {name}")
+
+
+def test_frozen_model_scores_but_does_not_train(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
+    """The reference stage's case: a frozen policy only gives logprobs."""
+    batch = _batch(tok)
+    prompts, responses = [s.prompt_ids for s in batch], [s.response_ids for s in batch]
+    expected = TorchTrainEngine(model, lr=1e-3, device="cpu").logprobs(prompts, responses)
+    model.requires_grad_(False)
+    for engine in (TorchLogprobEngine(model, device="cpu"), TorchTrainEngine(model, lr=1.0, device="cpu")):
+        for got, want in zip(engine.logprobs(prompts, responses), expected, strict=True):
+            torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        TorchTrainEngine(model, lr=1.0, device="cpu").accumulate(batch, LossConfig())
