@@ -1,0 +1,139 @@
+"""A user's own stage classes, plugged into pipeline YAML files by ``module:Class`` like built-in ones.
+
+They follow the protocol of :mod:`streamrl.runtime.stage` and nothing else (no base class).
+What they see is written to JSON-lines files in the run dir so that a test can check it after
+the run, whether the stage ran in a worker process or in the test's own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+import torch
+
+from streamrl.runtime.stage import Batch, Output, StageContext
+
+
+def _record(ctx: StageContext, name: str, row: dict[str, Any]) -> None:
+    with (ctx.run_dir / f"{name}.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+class CountingSource:
+    """Writes ``x`` = 0, 1, 2, ... and ``tag`` = "item-<x>", in groups of ``options.group_size``.
+
+    options: ``n`` samples in all (default 16), ``group_size`` (default 4), ``rewards``: an
+    optional list of ``n`` values written as the ``reward`` column (if ``reward`` is in writes)."""
+
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.n = int(ctx.options.get("n", 16))
+        self.group = int(ctx.options.get("group_size", 4))
+        self.rewards = ctx.options.get("rewards")
+        self.next = 0
+
+    async def produce(self) -> Output | None:
+        if self.next >= self.n:
+            return None
+        xs = list(range(self.next, min(self.next + self.group, self.n)))
+        self.next += len(xs)
+        cols: dict[str, list[Any]] = {"x": xs, "tag": [f"item-{x}" for x in xs]}
+        if "reward" in self.ctx.spec.writes:
+            assert self.rewards is not None, "options.rewards is needed to write 'reward'"
+            cols["reward"] = [float(self.rewards[x]) for x in xs]
+        return Output(cols, group_size=len(xs))
+
+    async def close(self) -> None:
+        pass
+
+
+class OracleGenerator:
+    """A rule-based "generator" in place of the built-in model one: even samples answer right
+    (the answer digit, then EOS), odd samples answer wrong with 1-3 repeats of another digit.
+    Writes ``response_ids`` (int64 tensors) like the built-in generate stage does."""
+
+    async def setup(self, ctx: StageContext) -> None:
+        from streamrl.stages.common import build_tokenizer
+
+        self.ctx = ctx
+        self.tok = build_tokenizer(ctx.config)
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        out = []
+        for s, answer in zip(batch.samples, batch.columns["answer"], strict=True):
+            if s.index % 2 == 0:
+                text = answer
+                ids = [*self.tok.convert_tokens_to_ids(list(text)), self.tok.eos_token_id]
+            else:
+                text = str((int(answer) + 1) % 10) * (1 + s.index % 3)
+                ids = self.tok.convert_tokens_to_ids(list(text))
+            out.append(torch.tensor(ids, dtype=torch.int64))
+        return {"response_ids": out}
+
+    async def close(self) -> None:
+        pass
+
+
+class ResponseLength:
+    """A user stage that derives a new column from a built-in one: ``response_len`` (tokens)."""
+
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        return {"response_len": [int(t.numel()) for t in batch.columns["response_ids"]]}
+
+    async def close(self) -> None:
+        pass
+
+
+class Recorder:
+    """A sink: writes nothing, records every column it reads for every sample to
+    ``<run_dir>/<options.file or stage name>.jsonl`` (tensors as lists)."""
+
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.file = str(ctx.options.get("file", ctx.spec.name))
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        for i, s in enumerate(batch.samples):
+            row: dict[str, Any] = {"index": s.index, "group": s.group, "version": s.version,
+                                   "worker": self.ctx.worker, "pid": os.getpid()}
+            for name, values in batch.columns.items():
+                v = values[i]
+                row[name] = v.tolist() if hasattr(v, "tolist") else v
+            _record(self.ctx, self.file, row)
+        return {}
+
+    async def close(self) -> None:
+        _record(self.ctx, self.file + ".closed", {"worker": self.ctx.worker})
+
+
+class Doubler:
+    """Writes ``y`` = 2 * ``x``; fails on samples whose ``x`` is in ``options.fail_on`` (a
+    ValueError) and kills its own process on those in ``options.die_on`` (``options.how``:
+    "exit" = os._exit(3), "kill" = SIGKILL). Records each batch it got before acting."""
+
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.fail_on = set(ctx.options.get("fail_on", []))
+        self.die_on = set(ctx.options.get("die_on", []))
+        self.how = str(ctx.options.get("how", "exit"))
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        xs = [int(x) for x in batch.columns["x"]]
+        _record(self.ctx, f"{self.ctx.spec.name}-batches",
+                {"worker": self.ctx.worker, "pid": os.getpid(), "indices": batch.indices, "x": xs})
+        if self.fail_on & set(xs):
+            raise ValueError(f"user stage refuses x in {sorted(self.fail_on & set(xs))}")
+        if self.die_on & set(xs):
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3)
+        return {"y": [2 * x for x in xs]}
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,106 @@
+"""The ``streamrl`` command line: ``validate`` prints the resolved config, config errors exit 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from streamrl.cli import main
+from streamrl.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DIGITS = REPO / "configs" / "grpo_digits.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _keep_sigterm_handler() -> Iterator[None]:
+    """cli.main installs a SIGTERM handler for the process; give pytest its own back."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_validate_prints_the_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["validate", str(DIGITS), "algo.steps=12", "resources.launch=inprocess", "algo.lr=0.0005"])
+    out = capsys.readouterr().out
+    assert code == 0
+    body, _, pipeline_line = out.rstrip("\n").rpartition("\n")
+    resolved = yaml.safe_load(body)
+    assert resolved["algo"]["steps"] == 12
+    assert resolved["algo"]["lr"] == pytest.approx(5e-4)
+    assert resolved["resources"]["launch"] == "inprocess"
+    assert resolved["algo"]["group_size"] == 8  # from the file
+    assert resolved["output"]["checkpoint"] is True  # a default the file does not set
+    # the printout is a complete config: loading it gives the same run config
+    assert load_config(resolved) == load_config(DIGITS, ["algo.steps=12", "resources.launch=inprocess",
+                                                        "algo.lr=0.0005"])
+    assert pipeline_line.startswith("# pipeline grpo (")
+    assert "source -> generate -> score -> advantage -> train" in pipeline_line
+
+
+def test_validate_the_kl_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["validate", str(DIGITS), "pipeline=../pipelines/grpo_kl.yaml", "algo.loss.kl_coef=0.05"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "source -> generate -> reference -> score -> advantage -> train" in out
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["algo.lrr=1"], "did you mean 'lr'"),
+        (["algo.steps=0"], "algo.steps must be >= 1"),
+        (["algo.loss.kl_coef=0.1"], "ref_logprobs"),  # the grpo pipeline has no reference stage
+        (["stages.traine.workers=2"], "stages.traine"),
+        (["pipeline=nope.yaml"], "no such file"),
+    ],
+)
+def test_validate_config_errors_exit_2(overrides: list[str], expected: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["validate", str(DIGITS), *overrides])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.out == ""
+    assert captured.err.startswith("streamrl: config error: ")
+    assert expected in captured.err
+
+
+def test_run_with_a_config_error_exits_2_with_the_message(tmp_path: Path) -> None:
+    """The real command, in its own process: nothing starts, the message names the bad key."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamrl.cli", "run", str(DIGITS), "algo.lrr=1",
+         f"output.run_dir={tmp_path}", "output.progress=none"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "streamrl: config error:" in proc.stderr
+    assert "unknown key 'algo.lrr' (did you mean 'lr'?)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no run dir was made for a config that never ran
+
+
+def test_run_with_a_pipeline_error_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nstages:\n  - name: source\n    class: streamrl.stages.source:SourceStage\n"
+                   "    writes: [prompt_ids]\n  - name: train\n    class: streamrl.stages.train:TrainStage\n"
+                   "    reads: [prompt_ids, advantage]\n")
+    code = main(["run", str(DIGITS), f"pipeline={bad}", f"output.run_dir={tmp_path / 'runs'}",
+                 "output.progress=none"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert str(bad) in err and "'train'" in err and "'advantage'" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_usage_errors() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
