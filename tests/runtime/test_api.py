@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -80,3 +83,48 @@ def test_run_refuses_a_bad_config_before_starting_anything(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match="did you mean 'steps'"):
         streamrl.run(_digits_dict(tmp_path) | {"algo": {"stepz": 3}})
     assert list(tmp_path.iterdir()) == []
+
+
+UNGUARDED_SCRIPT = """
+import streamrl
+
+# no `if __name__ == "__main__":` guard, as in a notebook export or a quick script
+result = streamrl.run({{
+    "pipeline": {pipeline!r},
+    "algo": {{"steps": 1, "prompts_per_step": 2, "group_size": 2}},
+    "resources": {{"launch": "processes"}},
+    "output": {{"run_dir": {runs!r}, "progress": "none"}},
+}})
+print("RESULT", result.stop_reason)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
+    """Bug found: the launcher forks workers from a multiprocessing forkserver, which imports the
+    user's script (``__main__``) again: a top-level ``streamrl.run(...)`` then starts nested runs
+    inside the forkserver (several run dirs) and the real run fails ('worker ... exited with code 1').
+    Either it runs once, or it is refused with a message that says to add the guard."""
+    pipeline = tmp_path / "pipe.yaml"
+    pipeline.write_text("""
+name: tiny
+stages:
+  - name: source
+    class: tests.runtime.user_stages:CountingSource
+    writes: [x, tag]
+    options: {n: 4, group_size: 2}
+  - name: sink
+    class: tests.runtime.user_stages:Recorder
+    reads: [x]
+""")
+    script = tmp_path / "train_it.py"
+    script.write_text(UNGUARDED_SCRIPT.format(pipeline=str(pipeline), runs=str(tmp_path / "runs")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=140, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir()) if (tmp_path / "runs").exists() else []
+    if proc.returncode == 0:
+        assert "RESULT all stages finished" in proc.stdout
+        assert len(runs) == 1, runs
+    else:
+        assert "__main__" in proc.stderr, proc.stderr[-2000:]
+        assert len(runs) <= 1, runs
