@@ -127,6 +127,9 @@ class DockClient:
         self.consumers: list[str] = []
         self.capacity = 0
         self._leases: dict[int, Lease] = {}
+        # claims this client stopped waiting for (cancelled, timed out): if the controller grants
+        # one anyway, the late reply is released at once instead of holding samples until the TTL
+        self._abandoned_claims: set[int] = set()
         self._counters = dict.fromkeys(("requests", "timeouts", "errors", "bytes_sent", "bytes_received"), 0)
 
     # ------------------------------------------------------------------ lifecycle
@@ -153,6 +156,11 @@ class DockClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._tg is not None and self._abandoned_claims:
+            # give granted-but-abandoned claims a moment to come back, so they are released now
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                while self._abandoned_claims:
+                    await anyio.sleep(0.005)
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
             tg, self._tg = self._tg, None
@@ -161,7 +169,9 @@ class DockClient:
             for fut in conn.pending.values():
                 if not fut.done():
                     fut.set_exception(DockError("client closed"))
-            conn.sock.close(linger=0)
+            # a short linger: the last messages queued (a release of an abandoned claim) still leave;
+            # the close itself never blocks (libzmq flushes in its I/O thread)
+            conn.sock.close(linger=500)
         self._conns.clear()
 
     def _open(self, name: str, endpoint: str) -> _Conn:
@@ -188,7 +198,13 @@ class DockClient:
             fut = conn.pending.pop(msg.req_id, None)
             if fut is not None and not fut.done():
                 fut.set_result((msg, frames[1:]))
-            # else: a late reply to a request that already timed out; dropped
+                continue
+            # nobody waits for this reply any more (the request timed out or was cancelled)
+            self._abandoned_claims.discard(msg.req_id)
+            if isinstance(msg, p.Claimed) and msg.samples:
+                # granted after its requester gave up: give the samples back now, not at the TTL
+                release = p.Release(self._next_id(), self.client_id, msg.lease_id)
+                await conn.sock.send(p.encoder.encode(release))  # its own reply is dropped here too
 
     async def _heartbeat(self) -> None:
         assert self._ctl is not None
@@ -215,7 +231,18 @@ class DockClient:
                     await conn.sock.send_multipart([p.encoder.encode(msg), *frames], copy=False)
                     self._counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
                     reply, data = await fut
-            except TimeoutError:
+            except BaseException as exc:
+                if isinstance(msg, p.Claim):
+                    if fut.done() and not fut.cancelled() and fut.exception() is None:
+                        # granted, but this task was cancelled before it could take the lease
+                        granted = fut.result()[0]
+                        if isinstance(granted, p.Claimed) and granted.samples:
+                            release = p.Release(self._next_id(), self.client_id, granted.lease_id)
+                            conn.sock.send(p.encoder.encode(release))  # non-blocking; reply dropped
+                    elif rid in conn.pending:
+                        self._abandoned_claims.add(rid)  # reply still to come: the reader releases it
+                if not isinstance(exc, TimeoutError):
+                    raise
                 self._counters["timeouts"] += 1
                 raise DockTimeout(
                     f"{conn.name} did not answer {type(msg).__name__} within {timeout:.1f} s "
