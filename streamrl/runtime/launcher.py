@@ -45,7 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # (the server only imports), which is what makes fork safe here.
 _PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.stages.source", "streamrl.stages.generate",
             "streamrl.stages.score", "streamrl.stages.advantage", "streamrl.stages.reference",
-            "streamrl.stages.train"]
+            "streamrl.stages.train", "streamrl.stages.colocated"]
 _mp = multiprocessing.get_context("forkserver")
 _mp.set_forkserver_preload(_PRELOAD)
 
@@ -65,6 +65,9 @@ def _worker_process(spec_path: str, log_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     raise SystemExit(code)  # multiprocessing's bootstrap turns this into the exit code, with cleanup
+
+
+STOP_GRACE_S = 15.0  # after a stop request, how long workers get to close (checkpoint) before SIGTERM
 
 
 class RunFailed(RuntimeError):
@@ -168,17 +171,26 @@ class _Launch:
             dock.start()
             server = c.ControlServer(f"ipc://{tmp}/control")
             weights = f"ipc://{tmp}/weights"
+            # colocated stages (e.g. train + generate) join torch.distributed through FileStores here
+            (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:
-                for w in self.workers:
-                    spec = WorkerSpec(config=cfg, stage=self.pipeline.stage(w.stage), worker=w.index,
+                for group in self.pipeline.process_groups():
+                    (host, k), rest = group[0], group[1:]
+                    spec = WorkerSpec(config=cfg, stage=host, worker=k, colocated=[s for s, _ in rest],
                                       dock_endpoint=dock.controller_endpoint, control_endpoint=server.endpoint,
                                       weights_endpoint=weights, run_dir=str(self.run_dir),
                                       parent_pid=os.getpid() if cfg.resources.launch == "processes" else 0)
+                    members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     if cfg.resources.launch == "processes":
-                        self._spawn(w, spec)
+                        self._spawn(members, spec)
                     else:
                         tg.start_soon(run_worker, spec)
-                await self._supervise(server)
+                # One task owns the socket's receive: a recv cancelled by the supervisor's poll timeout
+                # could drop a message that had just arrived (e.g. the last Finished: the run would
+                # then wait forever); a memory stream's receive loses nothing when cancelled.
+                events_in, events = anyio.create_memory_object_stream[c.WorkerEvent | None](10_000)
+                tg.start_soon(self._pump_events, server, events_in)
+                await self._supervise(server, events)
                 self.t_end = time.monotonic()  # training ends here; shutdown is not training time
                 tg.cancel_scope.cancel()
         finally:
@@ -190,19 +202,24 @@ class _Launch:
                     server.close()
                 dock.stop()
                 shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(self.run_dir / "rendezvous", ignore_errors=True)
                 self.progress.close()
                 self.metrics.close()
         return self._result()
 
-    def _spawn(self, w: _Worker, spec: WorkerSpec) -> None:
+    def _spawn(self, members: list[_Worker], spec: WorkerSpec) -> None:
+        """One process for ``members`` (a stage's worker and the workers colocated with it)."""
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        spec_path = logs / f"{w.stage}-{w.index}.spec.json"
+        name = "+".join(f"{w.stage}-{w.index}" for w in members)
+        spec_path = logs / f"{name}.spec.json"
         write_spec(spec, spec_path)
-        w.log_path = logs / f"{w.stage}-{w.index}.log"
-        w.proc = _mp.Process(target=_worker_process, args=(str(spec_path), str(w.log_path)),
-                             name=f"streamrl-{w.stage}-{w.index}", daemon=False)
-        w.proc.start()
+        log_path = logs / f"{name}.log"
+        proc = _mp.Process(target=_worker_process, args=(str(spec_path), str(log_path)),
+                           name=f"streamrl-{name}", daemon=False)
+        for w in members:
+            w.log_path, w.proc = log_path, proc
+        proc.start()
 
     def _check_processes(self) -> None:
         if isinstance(self.dock, LocalDock) and not self.dock.alive() and self.death is None:
@@ -213,7 +230,15 @@ class _Launch:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 self.death = f"stage {w.stage!r} worker {w.index} {how}; its log: {w.log_path}"
 
-    async def _supervise(self, server: c.ControlServer) -> None:
+    @staticmethod
+    async def _pump_events(server: c.ControlServer,
+                           events: anyio.abc.ObjectSendStream[c.WorkerEvent | None]) -> None:
+        async with events:
+            while True:
+                await events.send(await server.recv())
+
+    async def _supervise(self, server: c.ControlServer,
+                         events: anyio.abc.ObjectReceiveStream[c.WorkerEvent | None]) -> None:
         expected = {(w.stage, w.index) for w in self.workers}
         ready: set[tuple[str, int]] = set()
         finished: set[tuple[str, int]] = set()
@@ -223,7 +248,7 @@ class _Launch:
         while True:
             event = None
             with anyio.move_on_after(0.2):
-                event = await server.recv()
+                event = await events.receive()
             self._check_processes()
             match event:
                 case c.Ready(stage=s, worker=k):
@@ -239,9 +264,11 @@ class _Launch:
                 case c.StopRequest(reason=reason):
                     self.stop_reason = reason
                     await server.broadcast(c.Stop(reason))
-                    stop_deadline = time.monotonic() + 60
+                    stop_deadline = time.monotonic() + STOP_GRACE_S
                 case c.Finished(stage=s, worker=k):
                     finished.add((s, k))
+            if self.death is not None and self.failure is None:
+                await self._drain_for_failure(events)
             if self.failure is not None or self.death is not None:
                 return
             if not went and ready == expected:
@@ -258,7 +285,21 @@ class _Launch:
                 self.stop_reason = self.stop_reason or "all stages finished"
                 return
             if stop_deadline is not None and time.monotonic() > stop_deadline:
-                return  # stop requested; stragglers are reaped below
+                late = sorted(expected - finished)
+                log.warning("workers %s did not finish within %.0f s of Stop; stopping them", late, STOP_GRACE_S)
+                self.progress.message(f"streamrl: workers {late} did not finish within {STOP_GRACE_S:.0f} s of "
+                                      "Stop; stopping them (see their logs)")
+                return  # stragglers are reaped below
+
+    async def _drain_for_failure(self, events: anyio.abc.ObjectReceiveStream[c.WorkerEvent | None],
+                                 wait_s: float = 1.0) -> None:
+        """A worker process ended badly: its ``Failed`` (sent just before it exited) may still be
+        queued. Read what is there, so the run reports the stage's own error, not only the exit code."""
+        with anyio.move_on_after(wait_s):
+            while self.failure is None:
+                event = await events.receive()
+                if isinstance(event, c.Failed):
+                    self.failure = event
 
     def _on_step(self, step: int, metrics: dict[str, float]) -> None:
         now = time.monotonic()
@@ -281,7 +322,7 @@ class _Launch:
 
     def _reap(self) -> None:
         """Wait for workers to exit after Stop; SIGTERM, then SIGKILL, whoever lingers."""
-        procs = [w.proc for w in self.workers if w.proc is not None]
+        procs = list({id(w.proc): w.proc for w in self.workers if w.proc is not None}.values())
         for sig, wait in ((None, 30.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             alive = [p for p in procs if p.is_alive()]
             if not alive:

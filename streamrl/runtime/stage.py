@@ -114,6 +114,8 @@ class StageContext:
     control: ControlClient
     weights_endpoint: str
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("streamrl.stage"))
+    # one dict per worker process, shared by the stages colocated in it (pipeline `colocate_with`)
+    shared: dict[str, Any] = field(default_factory=dict)
 
     @property
     def options(self) -> dict[str, Any]:

@@ -1,13 +1,19 @@
 """One stage worker: set up the stage, wait for Go, then loop claim -> fetch -> process -> put -> ack.
 
 Runs as its own process (``python -m streamrl.runtime.worker SPEC.json``, the default) or as a
-task inside the launcher's process (``resources.launch: inprocess``). On failure the leased
-samples are released back to the dock (another worker, or a rerun, gets them), the launcher
-gets a ``Failed`` event naming the stage, worker and samples, and the process exits non-zero.
+task inside the launcher's process (``resources.launch: inprocess``). A process can host several
+stages' worker k (``colocate_with`` in the pipeline, ``WorkerSpec.colocated``): each runs its own
+loop as a task of one event loop, with its own dock and control clients, and they share
+``ctx.shared`` (a dict, one per process), e.g. the colocated policy of the train and generate stages.
+
+On failure the leased samples are released back to the dock (another worker, or a rerun, gets
+them), the launcher gets a ``Failed`` event naming the stage, worker and samples, and the
+process exits non-zero.
 """
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import sys
@@ -19,10 +25,11 @@ from typing import Any
 import anyio
 import msgspec
 import torch
+import zmq.asyncio
 
 from streamrl.config import RunConfig
 from streamrl.dock.client import DockClient, Lease
-from streamrl.dock.errors import EndOfStream
+from streamrl.dock.errors import DockError, EndOfStream
 from streamrl.runtime.control import ControlClient
 from streamrl.runtime.pipeline import StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
@@ -42,6 +49,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     weights_endpoint: str
     run_dir: str
     parent_pid: int = 0  # the launcher: exit once it is gone (no orphans if it is killed)
+    colocated: list[StageSpec] = msgspec.field(default_factory=list)  # more stages' worker k in this process
 
 
 def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
@@ -79,8 +87,25 @@ class _Meter:
 
 
 async def run_worker(spec: WorkerSpec) -> int:
-    """Run one worker to completion. Returns the process exit code (0 ok, 1 stage failure)."""
-    cfg, sspec = spec.config, spec.stage
+    """Run one worker process to completion: its stage's worker and those colocated with it.
+
+    Returns the process exit code (0 ok, 1 if any of its stages failed)."""
+    shared: dict[str, Any] = {}
+    if not spec.colocated:
+        return await _run_stage_worker(spec, spec.stage, shared)
+    codes: list[int] = []
+
+    async def one(sspec: StageSpec) -> None:
+        codes.append(await _run_stage_worker(spec, sspec, shared))
+
+    async with anyio.create_task_group() as tg:
+        for sspec in [spec.stage, *spec.colocated]:
+            tg.start_soon(one, sspec)
+    return max(codes, default=0)
+
+
+async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str, Any]) -> int:
+    cfg = spec.config
     control = ControlClient(spec.control_endpoint, sspec.name, spec.worker)
     policy = PolicySubscriber(spec.weights_endpoint)
     device = sspec.device or cfg.resources.device
@@ -91,7 +116,8 @@ async def run_worker(spec: WorkerSpec) -> int:
         stage = cls()
         async with anyio.create_task_group() as tg:
             ctx = StageContext(cfg, sspec, spec.worker, Path(spec.run_dir), device, policy, control,
-                               spec.weights_endpoint, logging.getLogger(f"streamrl.stage.{sspec.name}"))
+                               spec.weights_endpoint, logging.getLogger(f"streamrl.stage.{sspec.name}"),
+                               shared=shared)
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
                 tg.start_soon(_watch_parent, spec.parent_pid, tg)
@@ -101,27 +127,37 @@ async def run_worker(spec: WorkerSpec) -> int:
                 tg.cancel_scope.cancel()
                 return 0
 
+            # Stop cancels the loop only, not the dock client: its reply reader must keep running
+            # so that the shielded release of a lease held at that moment gets its answer.
+            loop_scope = anyio.CancelScope()
+
             async def stop_watch() -> None:
-                await control.wait_stop()
-                tg.cancel_scope.cancel()
+                reason = await control.wait_stop()
+                log.info("%s[%d]: stop received (%s)", sspec.name, spec.worker, reason)
+                loop_scope.cancel()
 
             tg.start_soon(stop_watch)
             meter = _Meter(control)
             async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
                                   lease_ttl_s=cfg.resources.dock.lease_ttl_s) as dock:
-                try:
-                    if sspec.is_source:
-                        await _source_loop(stage, dock, meter)
-                    else:
-                        await _stage_loop(stage, sspec, dock, meter, indices)
-                except StopRun as stop:
-                    control.stop_request(stop.reason)
+                with loop_scope:
+                    try:
+                        if sspec.is_source:
+                            await _source_loop(stage, dock, meter)
+                        else:
+                            await _stage_loop(stage, sspec, dock, meter, indices)
+                    except StopRun as stop:
+                        control.stop_request(stop.reason)
                 meter.flush()
+                log.info("%s[%d]: stage loop ended", sspec.name, spec.worker)
+            log.info("%s[%d]: dock client closed", sspec.name, spec.worker)
             tg.cancel_scope.cancel()
         await stage.close()
         control.finished()
+        log.info("%s[%d]: finished", sspec.name, spec.worker)
         return 0
     except Exception as exc:
+        exc = _root_cause(exc)
         err = StageError(sspec.name, spec.worker, indices, f"{type(exc).__name__}: {exc}")
         log.error("%s", err)
         control.failed(indices, str(err), traceback.format_exc())
@@ -134,6 +170,19 @@ async def run_worker(spec: WorkerSpec) -> int:
     finally:
         policy.close()
         control.close()
+
+
+_EXCEPTION_GROUPS: tuple[type, ...] = tuple(
+    t for t in (getattr(builtins, "BaseExceptionGroup", None),) if t is not None
+) or (anyio.get_cancelled_exc_class(),)  # Python 3.10 has no exception groups in builtins
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The stage's own exception, not the task groups' ExceptionGroup around it."""
+    while isinstance(exc, _EXCEPTION_GROUPS) and exc.exceptions:
+        real = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+        exc = (real or list(exc.exceptions))[0]
+    return exc
 
 
 def process_alive(pid: int) -> bool:
@@ -215,8 +264,7 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
                     handed = True
                 finally:
                     if not handed:
-                        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                            await dock.release(lease)
+                        await _release_quietly(dock, lease)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(fetcher)
@@ -234,9 +282,18 @@ async def _guarded(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease,
     except StopRun:
         raise  # the lease was acked: the stage consumed its samples
     except BaseException:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            await dock.release(lease)  # nothing lost: the samples go back to the pool
+        await _release_quietly(dock, lease)  # nothing lost: the samples go back to the pool
         raise
+
+
+async def _release_quietly(dock: DockClient, lease: Lease) -> None:
+    """Give a lease back on the way out (shielded, at most 5 s). The dock may not know it any more
+    (e.g. a Stop cancelled the ack after the controller had taken it): that is not a new error."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+        try:
+            await dock.release(lease)
+        except DockError as exc:
+            log.warning("could not release lease %d on the way out: %s", lease.lease_id, exc)
 
 
 async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease,
@@ -262,10 +319,15 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m streamrl.runtime.worker SPEC.json", file=sys.stderr)
         return 2
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=WorkerSpec)
-    logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"),
+    logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "INFO"),  # the worker's own log file
                         format=f"%(asctime)s {spec.stage.name}[{spec.worker}] %(name)s: %(message)s")
-    torch.set_num_threads(spec.stage.threads)
-    return anyio.run(run_worker, spec)
+    torch.set_num_threads(max(s.threads for s in [spec.stage, *spec.colocated]))
+    code = anyio.run(run_worker, spec)
+    # The process ends with os._exit (multiprocessing), which kills zmq's I/O thread at once: the
+    # last Finished/Failed could still sit in its queue and never reach the launcher, which then
+    # waits for it. Closing the context flushes what is queued (sockets linger at most 2 s).
+    zmq.asyncio.Context.instance().destroy(linger=2000)
+    return code
 
 
 def write_spec(spec: WorkerSpec, path: Path) -> None:

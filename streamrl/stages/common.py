@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -10,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.config import RunConfig, resolve_path
 from streamrl.models.build import build_model, load_model
 from streamrl.models.tokenizer import build_char_tokenizer
+from streamrl.runtime.stage import Batch, ClaimSize
 from streamrl.tasks.base import Task
 from streamrl.tasks.registry import get_task
 
@@ -37,3 +40,32 @@ def build_task(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None)
     if cfg.task.name.startswith("digits") and tokenizer is not None:
         options.setdefault("tokenizer", tokenizer)
     return get_task(cfg.task.name, **options)
+
+
+def step_claim(micro_batch: int, remaining: int, version: int, max_staleness: int) -> ClaimSize:
+    """A trainer's next claim: exactly what completes its share of the step (never more, so every
+    sample lands in one step), no sample older than ``version - max_staleness``."""
+    n = min(micro_batch, remaining)
+    oldest = version - max_staleness
+    return ClaimSize(n=n, min_n=n, min_version=oldest if oldest > 0 else None)
+
+
+@dataclass
+class StepTally:
+    """What a trainer counts over the samples of one optimizer step, for its metrics."""
+
+    consumed: int = 0
+    rewards: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # trainer version - sample version
+    response_tokens: int = 0
+    sequence_tokens: int = 0  # prompt + response tokens trained on (for FLOP accounting)
+
+    def add(self, batch: Batch, version: int) -> None:
+        cols = batch.columns
+        responses: Sequence[Any] = cols["response_ids"]
+        self.consumed += len(batch)
+        self.rewards.extend(float(r) for r in cols.get("reward", []))
+        self.staleness.extend(version - v for v in batch.versions)
+        self.response_tokens += sum(int(t.numel()) for t in responses)
+        self.sequence_tokens += sum(int(p.numel()) + int(r.numel())
+                                    for p, r in zip(cols["prompt_ids"], responses, strict=True))

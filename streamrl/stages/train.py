@@ -18,7 +18,7 @@ import torch
 from streamrl.engines.train import TorchTrainEngine, samples_from_columns
 from streamrl.runtime.policy import PolicyPublisher
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
-from streamrl.stages.common import build_policy
+from streamrl.stages.common import StepTally, build_policy, step_claim
 
 
 class TrainStage:
@@ -41,17 +41,12 @@ class TrainStage:
         self.t_step = time.monotonic()
 
     def _reset(self) -> None:
-        self.consumed = 0
-        self.rewards: list[float] = []
-        self.staleness: list[int] = []
-        self.response_tokens = 0
-        self.sequence_tokens = 0  # prompt + response tokens trained on (for FLOP accounting)
+        self.tally = StepTally()
         self.micro: list[dict[str, float]] = []
 
     def claim_size(self) -> ClaimSize:
-        k = self.ctx.config.algo.max_staleness
-        n = min(self.ctx.spec.micro_batch, self.batch_size - self.consumed)
-        return ClaimSize(n=n, min_n=n, min_version=self.version - k if self.version - k > 0 else None)
+        return step_claim(self.ctx.spec.micro_batch, self.batch_size - self.tally.consumed, self.version,
+                          self.ctx.config.algo.max_staleness)
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         a = self.ctx.config.algo
@@ -61,13 +56,8 @@ class TrainStage:
                                                            cols["response_ids"], a.temperature)
         samples = samples_from_columns(cols)
         self.micro.append(await self.ctx.run_sync(self.engine.accumulate, samples, self.loss_config))
-        self.consumed += len(batch)
-        self.rewards.extend(float(r) for r in cols.get("reward", []))
-        self.staleness.extend(self.version - v for v in batch.versions)
-        self.response_tokens += sum(int(t.numel()) for t in cols["response_ids"])
-        self.sequence_tokens += sum(
-            int(p.numel()) + int(r.numel()) for p, r in zip(cols["prompt_ids"], cols["response_ids"], strict=True))
-        if self.consumed >= self.batch_size:
+        self.tally.add(batch, self.version)
+        if self.tally.consumed >= self.batch_size:
             await self._step()
         return {}
 
@@ -79,7 +69,7 @@ class TrainStage:
         now = time.monotonic()
         wall = max(now - self.t_step, 1e-9)
         self.t_step = now
-        r = torch.tensor(self.rewards) if self.rewards else torch.zeros(1)
+        r = torch.tensor(self.tally.rewards) if self.tally.rewards else torch.zeros(1)
         metrics = {
             "reward_mean": float(r.mean()),
             "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
@@ -88,13 +78,13 @@ class TrainStage:
             "clip_fraction": stats["clip_fraction"],
             "entropy": stats["entropy"],
             "grad_norm": stats["grad_norm"],
-            "samples_per_s": self.consumed / wall,
-            "tokens_per_s": self.response_tokens / wall,
-            "response_len_mean": self.response_tokens / max(self.consumed, 1),
-            "response_tokens": float(self.response_tokens),
-            "sequence_tokens": float(self.sequence_tokens),
-            "staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
-            "staleness_max": float(max(self.staleness, default=0)),
+            "samples_per_s": self.tally.consumed / wall,
+            "tokens_per_s": self.tally.response_tokens / wall,
+            "response_len_mean": self.tally.response_tokens / max(self.tally.consumed, 1),
+            "response_tokens": float(self.tally.response_tokens),
+            "sequence_tokens": float(self.tally.sequence_tokens),
+            "staleness_mean": sum(self.tally.staleness) / max(len(self.tally.staleness), 1),
+            "staleness_max": float(max(self.tally.staleness, default=0)),
             "micro_batches": stats["micro_batches"],
             "step_time_s": wall,
         }
