@@ -170,6 +170,7 @@ class PolicySubscriber:
         self.sock: zmq.asyncio.Socket | None = None
         self.poll_s = poll_s
         self.known_version = 0
+        self._quiet_until = 0.0  # no opportunistic version checks before this (monotonic s)
         self._ids = itertools.count(1)
         self.bytes_received = 0
 
@@ -180,12 +181,13 @@ class PolicySubscriber:
             self.sock.connect(self.endpoint)
         return self.sock
 
-    async def _ask(self, have: int, need: int, want: bool, wait_s: float) -> tuple[WeightsReply, list[zmq.Frame]]:
+    async def _ask(self, have: int, need: int, want: bool, wait_s: float, reply_timeout_s: float = 30.0
+                   ) -> tuple[WeightsReply, list[zmq.Frame]]:
         sock = self._socket()
         rid = next(self._ids)
         await sock.send(_encoder.encode(WeightsRequest(rid, have, need, want, wait_s)))
         try:
-            with anyio.fail_after(wait_s + 30.0):
+            with anyio.fail_after(wait_s + reply_timeout_s):
                 while True:
                     frames = await sock.recv_multipart(copy=False)
                     reply = _reply_decoder.decode(frames[0].bytes)
@@ -194,7 +196,7 @@ class PolicySubscriber:
                         return reply, frames[1:]
         except TimeoutError:
             raise PolicyTimeout(f"the policy publisher at {self.endpoint} did not answer within "
-                                f"{wait_s + 30.0:.0f} s (is the trainer running?)") from None
+                                f"{wait_s + reply_timeout_s:.0f} s (is the trainer running?)") from None
 
     async def wait_version(self, need: int, timeout_s: float | None = None) -> int:
         """Wait until version >= ``need`` exists; returns the newest version known."""
@@ -217,22 +219,38 @@ class PolicySubscriber:
 
         Returns (version, state) with state None when ``have`` is already the newest.
         """
+        if need <= have:
+            # Only asking whether something newer exists: never wait long for an answer (a
+            # pipeline may have no trainer), and after a silence do not ask again for a while.
+            if time.monotonic() < self._quiet_until:
+                return have, None
+            try:
+                reply, frames = await self._ask(have, need, True, 0.0, reply_timeout_s=1.0)
+            except PolicyTimeout:
+                self._quiet_until = time.monotonic() + 10.0
+                self.close()  # drop the unanswered request with its socket
+                return have, None
+            return self._unpack(have, reply, frames)
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else math.inf)
         while True:
-            wait = min(self.poll_s, max(0.0, deadline - time.monotonic())) if need > have else 0.0
+            wait = min(self.poll_s, max(0.0, deadline - time.monotonic()))
             reply, frames = await self._ask(have, need, True, wait)
-            if reply.version >= need or need <= have:
-                if reply.weights is None or reply.names is None:
-                    return have, None
-                state: dict[str, torch.Tensor] = {}
-                for names, col in zip(reply.names, reply.weights, strict=True):
-                    values = decode_columns([col], frames, len(names))["w"]
-                    state.update(zip(names, values, strict=True))
-                self.bytes_received += sum(len(f) for f in frames)
-                return reply.version, state
+            if reply.version >= need:
+                return self._unpack(have, reply, frames)
             if time.monotonic() >= deadline:
                 raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
                                     f"(newest: {reply.version}; is the trainer running?)")
+
+    def _unpack(self, have: int, reply: WeightsReply, frames: list[zmq.Frame]
+                ) -> tuple[int, dict[str, torch.Tensor] | None]:
+        if reply.weights is None or reply.names is None:
+            return have, None
+        state: dict[str, torch.Tensor] = {}
+        for names, col in zip(reply.names, reply.weights, strict=True):
+            values = decode_columns([col], frames, len(names))["w"]
+            state.update(zip(names, values, strict=True))
+        self.bytes_received += sum(len(f) for f in frames)
+        return reply.version, state
 
     def close(self) -> None:
         if self.sock is not None:
