@@ -9,6 +9,7 @@ dock servers threads, for stepping through with a debugger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,28 @@ _PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.stages
             "streamrl.stages.train", "streamrl.stages.colocated"]
 _mp = multiprocessing.get_context("forkserver")
 _mp.set_forkserver_preload(_PRELOAD)
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a worker without re-importing the user's ``__main__`` in it.
+
+    multiprocessing re-imports the parent's main script in every child (as ``__mp_main__``),
+    which re-runs a script's top-level ``streamrl.run(...)`` when it lacks an
+    ``if __name__ == "__main__":`` guard: nested runs. Workers never need the main module
+    (stage classes are imported by ``module:Class``), so it is hidden while a child starts.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 def _worker_process(spec_path: str, log_path: str) -> None:
@@ -219,7 +243,8 @@ class _Launch:
                            name=f"streamrl-{name}", daemon=False)
         for w in members:
             w.log_path, w.proc = log_path, proc
-        proc.start()
+        with _main_module_hidden():
+            proc.start()
 
     def _check_processes(self) -> None:
         if isinstance(self.dock, LocalDock) and not self.dock.alive() and self.death is None:
@@ -281,6 +306,9 @@ class _Launch:
                 missing = sorted(expected - ready)
                 raise RunFailed(f"workers {missing} did not finish setup within resources.start_timeout_s="
                                 f"{self.cfg.resources.start_timeout_s} s; see {self.run_dir / 'logs'}")
+            for w in self.workers:  # a clean exit counts as finished even if its message was lost
+                if w.proc is not None and w.proc.exitcode == 0:
+                    finished.add((w.stage, w.index))
             if finished == expected:
                 self.stop_reason = self.stop_reason or "all stages finished"
                 return
