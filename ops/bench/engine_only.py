@@ -21,6 +21,8 @@ printed. The LAST line is one JSON object: name, figures, baseline, ratio, targe
   python ops/bench/engine_only.py                    # W1 + W2, 3 repeats each side
   python ops/bench/engine_only.py --workload W2 --repeats 2 --no-trl
   python ops/bench/engine_only.py --workload W1 --learn-seeds 0 1 2 3 --no-trl
+  python ops/bench/engine_only.py --threads 1         # robust on a busy shared machine
+  python ops/bench/engine_only.py --omp-passive       # idem, keeping 2 threads
 """
 
 from __future__ import annotations
@@ -175,8 +177,14 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=0, help="samples per accumulate() (0 = whole batch)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads on both sides (0 = torch default); 1 is robust on a busy machine")
+    p.add_argument("--omp-passive", action="store_true",
+                   help="OMP_WAIT_POLICY=PASSIVE on both sides (re-executes this script): on a busy machine, "
+                        "spinning OpenMP threads wait for descheduled partners at every op")
     p.add_argument("--log-every", type=int, default=0)
     args = p.parse_args()
+    if args.omp_passive and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read when OpenMP starts: start afresh; TRL inherits it
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     if args.threads:
         torch.set_num_threads(args.threads)
     use_trl = not args.no_trl and TRL_PYTHON.exists() and TRL_SCRIPT.exists()
@@ -245,6 +253,7 @@ def main() -> None:
         ratio,
         {"W2_completions_per_s": ">= 2.0 (x TRL)", "W1": "mean reward >= 0.9 (TRL: step 72)"},
         threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
     )
 
 
