@@ -34,6 +34,7 @@ import msgspec
 import zmq
 
 from streamrl.dock import protocol as p
+from streamrl.dock.watch import ParentWatch
 
 log = logging.getLogger("streamrl.dock.controller")
 
@@ -495,8 +496,7 @@ class ControllerServer:
         self.client_ttl: dict[str, float] = {}
         self.client_seen: dict[str, float] = {}
         self._stop = False
-        self.parent_pid = 0  # when set: stop once that process is gone (no orphans)
-        self._parent_check = 0.0
+        self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
         self._next_expiry_scan = 0.0
 
     # ------------------------------------------------------------------ replies
@@ -514,19 +514,12 @@ class ControllerServer:
     def stop(self) -> None:
         self._stop = True
 
-    def _check_parent(self) -> None:
-        now = time.monotonic()
-        if self.parent_pid and now >= self._parent_check:
-            self._parent_check = now + 1.0
-            if os.getppid() != self.parent_pid:
-                log.error("parent process %d is gone: stopping", self.parent_pid)
-                self._stop = True
-
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop:
-            self._check_parent()
+            if self.parent.gone():
+                break
             timeout_ms = self._poll_timeout_ms()
             events = dict(poller.poll(timeout_ms))
             if self.sock in events:
@@ -764,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, zmq.ZMQError) as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
-    server.parent_pid = args.parent_pid
+    server.parent.pid = args.parent_pid
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"READY {server.endpoint}", flush=True)

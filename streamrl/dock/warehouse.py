@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 import msgspec
@@ -28,6 +27,7 @@ import zmq
 from streamrl.dock import protocol as p
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.errors import WireFormatError
+from streamrl.dock.watch import ParentWatch
 
 log = logging.getLogger("streamrl.dock.warehouse")
 
@@ -121,26 +121,18 @@ class WarehouseServer:
         self.ctl.connect(controller)
         self.ctl.send(p.encoder.encode(p.WarehouseHello(warehouse_id, self.endpoint, p.PROTOCOL_VERSION)))
         self._stop = False
-        self.parent_pid = 0  # when set: stop once that process is gone (no orphans)
-        self._parent_check = 0.0
+        self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
 
     def stop(self) -> None:
         self._stop = True
-
-    def _check_parent(self) -> None:
-        now = time.monotonic()
-        if self.parent_pid and now >= self._parent_check:
-            self._parent_check = now + 1.0
-            if os.getppid() != self.parent_pid:
-                log.error("parent process %d is gone: stopping", self.parent_pid)
-                self._stop = True
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.ctl, zmq.POLLIN)
         while not self._stop:
-            self._check_parent()
+            if self.parent.gone():
+                break
             events = dict(poller.poll(100))
             if self.ctl in events:
                 while True:
@@ -246,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as exc:
         print(f"warehouse: {exc}", file=sys.stderr)
         return 2
-    server.parent_pid = args.parent_pid
+    server.parent.pid = args.parent_pid
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"READY {server.endpoint}", flush=True)
