@@ -46,14 +46,10 @@ from streamrl.dock.errors import (
 LONG_POLL_S = 1.0  # a waiting claim re-asks this often, so no single request outlives its timeout
 
 
-@dataclass
-class Lease:
-    """Samples claimed for one consumer. Ack them (or release them) before the lease TTL runs out."""
+class SampleList:
+    """Per-sample views over ``self.samples`` (SampleInfo), shared by leases and stage batches."""
 
-    lease_id: int
-    consumer: str
     samples: list[p.SampleInfo]
-    dropped_stale: int = 0
 
     @property
     def indices(self) -> list[int]:
@@ -73,6 +69,16 @@ class Lease:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+
+@dataclass
+class Lease(SampleList):
+    """Samples claimed for one consumer. Ack them (or release them) before the lease TTL runs out."""
+
+    lease_id: int
+    consumer: str
+    samples: list[p.SampleInfo]
+    dropped_stale: int = 0
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import anyio.to_thread
 
+from streamrl.dock.client import SampleList
 from streamrl.dock.protocol import SampleInfo
 
 if TYPE_CHECKING:
@@ -81,26 +82,12 @@ class ClaimSize:
 
 
 @dataclass
-class Batch:
-    """One claimed micro-batch: sample metadata plus the columns the stage reads."""
+class Batch(SampleList):
+    """One claimed micro-batch: sample metadata (``indices``, ``groups``, ``versions``,
+    ``lengths``) plus the columns the stage reads."""
 
     samples: list[SampleInfo]
     columns: dict[str, list[Any]]
-
-    @property
-    def indices(self) -> list[int]:
-        return [s.index for s in self.samples]
-
-    @property
-    def groups(self) -> list[int]:
-        return [s.group for s in self.samples]
-
-    @property
-    def versions(self) -> list[int]:
-        return [s.version for s in self.samples]
-
-    def __len__(self) -> int:
-        return len(self.samples)
 
 
 @dataclass
