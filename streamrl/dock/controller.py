@@ -551,13 +551,11 @@ class ControllerServer:
             if rid is not None:
                 self._error(identity, rid, "bad_frames", "controller messages carry no tensor frames")
             return
-        try:
-            msg = p.controller_request_decoder.decode(header)
-        except msgspec.DecodeError as exc:
-            rid = p.salvage_req_id(header)
-            log.warning("undecodable controller message from %r: %s", identity, exc)
-            if rid is not None:
-                self._error(identity, rid, "malformed", f"could not decode request: {exc}")
+        msg, error = p.decode_request(p.controller_request_decoder, header)
+        if msg is None:
+            log.warning("undecodable controller message from %r", identity)
+            if error is not None:
+                self._error(identity, error.req_id, error.code, error.message)
             return
         try:
             self._dispatch(identity, msg)

@@ -204,6 +204,16 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 _req_id_probe = msgspec.msgpack.Decoder(dict[str, Any])
 
 
+def decode_request(decoder: msgspec.msgpack.Decoder, header: bytes) -> tuple[Any, ErrorReply | None]:
+    """(request, None), or (None, the ``malformed`` error to answer with; None when no request id
+    can be read, so the sender cannot be answered and the message is only dropped)."""
+    try:
+        return decoder.decode(header), None
+    except msgspec.DecodeError as exc:
+        rid = salvage_req_id(header)
+        return None, None if rid is None else ErrorReply(rid, "malformed", f"could not decode request: {exc}")
+
+
 def salvage_req_id(header: bytes) -> int | None:
     """Best-effort request id of a header that failed typed decoding, so the error can be answered."""
     try:

@@ -179,13 +179,11 @@ class WarehouseServer:
             log.warning("dropping message with %d frames", len(frames))
             return
         identity, header = frames[0].bytes, frames[1].bytes
-        try:
-            msg = p.warehouse_request_decoder.decode(header)
-        except msgspec.DecodeError as exc:
-            rid = p.salvage_req_id(header)
-            log.warning("undecodable warehouse request from %r: %s", identity, exc)
-            if rid is not None:
-                self._error(identity, rid, "malformed", f"could not decode request: {exc}")
+        msg, error = p.decode_request(p.warehouse_request_decoder, header)
+        if msg is None:
+            log.warning("undecodable warehouse request from %r", identity)
+            if error is not None:
+                self._error(identity, error.req_id, error.code, error.message)
             return
         try:
             self._dispatch(identity, msg, frames[2:])
