@@ -19,6 +19,9 @@ What it does per call:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -27,7 +30,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from streamrl.models.build import resolve_device
-from streamrl.models.functional import FunctionalCausalLM, KVCache, unsupported_reason
+from streamrl.models.functional import FunctionalCausalLM, FunctionalForward, KVCache, unsupported_reason
 
 FinishReason = Literal["eos", "length"]
 
@@ -83,7 +86,7 @@ class _Decoder(Protocol):
 
 
 class _FunctionalDecoder:
-    def __init__(self, fn: FunctionalCausalLM, cache: KVCache) -> None:
+    def __init__(self, fn: FunctionalForward, cache: KVCache) -> None:
         self.fn = fn
         self.cache = cache
         self.step_index = 0  # generated tokens fed so far = generated columns written
@@ -142,52 +145,46 @@ class _HFDecoder:
         self.mask = self.mask.index_select(0, slots)
 
 
-class TorchRolloutEngine:
-    """Sample completions from a Hugging Face causal LM held in this process.
+class BatchedRolloutEngine(ABC):
+    """``generate``: shared-prompt prefill, the sampling loop, EOS stop and compaction, over a decoder.
 
-    ``model`` is used in place (moved to ``device``): weights updated elsewhere in the process
-    (a train engine sharing the module, ``load_state_dict``) are used by the next ``generate``.
+    A subclass says where the model is (``_decoder``); ``TorchRolloutEngine`` holds a Hugging
+    Face module, ``streamrl.engines.tp_rollout.TensorParallelRolloutEngine`` one tensor-parallel
+    rank of the fused inference layout. Both share this loop, so their semantics cannot drift.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        eos_token_id: int,
-        pad_token_id: int,
-        device: str | torch.device = "auto",
-        *,
-        use_functional: bool | None = None,
-        compact_below: float = 0.75,
-    ) -> None:
-        """``use_functional``: None = functional forward when the architecture allows, else HF.
-        ``compact_below``: drop finished rows from the cache when the live fraction falls below this."""
-        self.device = resolve_device(device)
-        self.model = model.to(self.device)
+    def __init__(self, eos_token_id: int, pad_token_id: int, device: torch.device, compact_below: float) -> None:
+        """``compact_below``: drop finished rows from the cache when the live fraction falls below this."""
+        self.device = device
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
-        reason = unsupported_reason(model)
-        if use_functional and reason is not None:
-            raise GenerateArgumentError(f"use_functional=True but {reason}; pass use_functional=None")
-        self.use_functional = reason is None if use_functional is None else use_functional
         if not 0.0 <= compact_below <= 1.0:
             raise GenerateArgumentError(f"compact_below must be in [0, 1], got {compact_below}")
         self.compact_below = compact_below
         self._cache: KVCache | None = None  # reused across generate calls (see KVCache)
 
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Take new policy weights (e.g. a published version from the trainer)."""
-        self.model.load_state_dict(state, strict=True)
-
+    @abstractmethod
     def _decoder(self) -> _Decoder:
-        if not self.use_functional:
-            return _HFDecoder(self.model)
-        fn = FunctionalCausalLM(self.model)
-        weight = self.model.get_input_embeddings().weight
+        """A decoder over the current weights, for one ``generate`` call."""
+
+    def _generation_scope(self) -> AbstractContextManager[None]:
+        """Entered around the decoding of one ``generate`` call (e.g. a module's eval mode)."""
+        return nullcontext()
+
+    def _sample(
+        self, logits: Tensor, *, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+    ) -> tuple[Tensor, Tensor]:
+        """Tokens [B] and their logprobs [B] for the logits [B, V] of one step."""
+        return sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+
+    def _functional_decoder(self, fn: FunctionalForward, dtype: torch.dtype, device: torch.device) -> _Decoder:
+        """A decoder over ``fn`` with this engine's KV cache, rebuilt when its shape or dtype changed."""
         if (
-            self._cache is None or self._cache.dtype != weight.dtype or self._cache.device != weight.device
+            self._cache is None or self._cache.dtype != dtype or self._cache.device != device
             or self._cache.n_layers != fn.n_layers or self._cache.kv_heads != fn.n_kv_heads
+            or self._cache.head_dim != fn.head_dim
         ):
-            self._cache = KVCache(fn.n_layers, fn.n_kv_heads, fn.head_dim, dtype=weight.dtype, device=weight.device)
+            self._cache = KVCache(fn.n_layers, fn.n_kv_heads, fn.head_dim, dtype=dtype, device=device)
         return _FunctionalDecoder(fn, self._cache)
 
     def release_cache(self) -> None:
@@ -246,22 +243,20 @@ class TorchRolloutEngine:
         lengths = torch.tensor(lengths_host, dtype=torch.int64)
         expand = torch.tensor(expand_host, dtype=torch.int64, device=device)
 
-        was_training = self.model.training
-        self.model.eval()
         ok = False
         try:
-            decoder = self._decoder()
-            logits = decoder.prefill(
-                padded.to(device), lengths.to(device), expand, max_new_tokens
-            )
-            generations = self._sample_loop(
-                decoder, logits, lengths.to(device).index_select(0, expand), max_new_tokens,
-                temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-            )
+            with self._generation_scope():
+                decoder = self._decoder()
+                logits = decoder.prefill(
+                    padded.to(device), lengths.to(device), expand, max_new_tokens
+                )
+                generations = self._sample_loop(
+                    decoder, logits, lengths.to(device).index_select(0, expand), max_new_tokens,
+                    temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                )
             ok = True
             return generations
         finally:
-            self.model.train(was_training)
             if not ok:
                 self._cache = None  # never reuse buffers a failed call may have left non-finite
 
@@ -287,7 +282,7 @@ class TorchRolloutEngine:
         finish: list[FinishReason] = ["length"] * n
         length = [max_new_tokens] * n
         for t in range(max_new_tokens):
-            tokens, logprobs = sample_tokens(
+            tokens, logprobs = self._sample(
                 logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
             )
             out_tokens[slot_rows, t] = tokens
@@ -315,3 +310,49 @@ class TorchRolloutEngine:
             Generation(tokens_cpu[row, : length[row]].clone(), logprobs_cpu[row, : length[row]].clone(), finish[row])
             for row in range(n)
         ]
+
+
+class TorchRolloutEngine(BatchedRolloutEngine):
+    """Sample completions from a Hugging Face causal LM held in this process.
+
+    ``model`` is used in place (moved to ``device``): weights updated elsewhere in the process
+    (a train engine sharing the module, ``load_state_dict``) are used by the next ``generate``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        eos_token_id: int,
+        pad_token_id: int,
+        device: str | torch.device = "auto",
+        *,
+        use_functional: bool | None = None,
+        compact_below: float = 0.75,
+    ) -> None:
+        """``use_functional``: None = functional forward when the architecture allows, else HF.
+        ``compact_below``: drop finished rows from the cache when the live fraction falls below this."""
+        super().__init__(eos_token_id, pad_token_id, resolve_device(device), compact_below)
+        self.model = model.to(self.device)
+        reason = unsupported_reason(model)
+        if use_functional and reason is not None:
+            raise GenerateArgumentError(f"use_functional=True but {reason}; pass use_functional=None")
+        self.use_functional = reason is None if use_functional is None else use_functional
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Take new policy weights (e.g. a published version from the trainer)."""
+        self.model.load_state_dict(state, strict=True)
+
+    def _decoder(self) -> _Decoder:
+        if not self.use_functional:
+            return _HFDecoder(self.model)
+        weight = self.model.get_input_embeddings().weight
+        return self._functional_decoder(FunctionalCausalLM(self.model), weight.dtype, weight.device)
+
+    @contextmanager
+    def _generation_scope(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()  # no dropout while sampling; the caller's mode comes back afterwards
+        try:
+            yield
+        finally:
+            self.model.train(was_training)

@@ -9,13 +9,21 @@ from streamrl.models.build import (
     resolve_device,
     save_pretrained_dir,
 )
-from streamrl.models.functional import FunctionalCausalLM, KVCache, UnsupportedModelError, unsupported_reason
+from streamrl.models.functional import (
+    FunctionalCausalLM,
+    FunctionalForward,
+    KVCache,
+    UnsupportedModelError,
+    unsupported_config_reason,
+    unsupported_reason,
+)
 from streamrl.models.tokenizer import VOCAB_TOKENS, build_char_tokenizer
 
 __all__ = [
     "VOCAB_TOKENS",
     "DeviceUnavailableError",
     "FunctionalCausalLM",
+    "FunctionalForward",
     "KVCache",
     "ModelLoadError",
     "TinyModelSpec",
@@ -25,5 +33,6 @@ __all__ = [
     "load_model",
     "resolve_device",
     "save_pretrained_dir",
+    "unsupported_config_reason",
     "unsupported_reason",
 ]

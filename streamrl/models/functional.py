@@ -15,6 +15,7 @@ the engines fall back to it. Equivalence with the HF logits is checked in
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -31,20 +32,31 @@ class UnsupportedModelError(ValueError):
     """The functional forward cannot run this model; use the Hugging Face forward."""
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why ``FunctionalCausalLM`` cannot run ``model``, or None when it can."""
-    config = getattr(model, "config", None)
+def unsupported_config_reason(config: object) -> str | None:
+    """Why the functional forward cannot run a model of this transformers config, or None.
+
+    The checks that need only the config; ``unsupported_reason`` adds those that need the module.
+    """
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} (only silu/SwiGLU)"
+    hidden_act = getattr(config, "hidden_act", "silu")
+    if hidden_act != "silu":
+        return f"hidden_act {hidden_act!r} (only silu/SwiGLU)"
     layer_types = getattr(config, "layer_types", None) or []
     windowed = bool(getattr(config, "sliding_window", None)) and (
         model_type == "mistral" or bool(getattr(config, "use_sliding_window", False))
     )
     if windowed or any(t != "full_attention" for t in layer_types):
         return "sliding-window attention"
+    return None
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why ``FunctionalCausalLM`` cannot run ``model``, or None when it can."""
+    reason = unsupported_config_reason(getattr(model, "config", None))
+    if reason is not None:
+        return reason
     inner = getattr(model, "model", None)
     rotary = getattr(inner, "rotary_emb", None)
     if rotary is None or not hasattr(rotary, "inv_freq"):
@@ -173,63 +185,63 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class FunctionalCausalLM:
-    """Forward passes for a Hugging Face Llama-family ``*ForCausalLM`` module, read in place."""
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on [N, heads, head_dim] with tables [N, 1, head_dim] (the HF formula)."""
+    return x * cos + rotate_half(x) * sin
 
-    def __init__(self, model: nn.Module) -> None:
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise UnsupportedModelError(f"functional forward cannot run this model: {reason}")
-        self.module = model
-        config = model.config
-        self.n_heads: int = config.num_attention_heads
-        self.n_kv_heads: int = config.num_key_value_heads or self.n_heads
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
-        self.hidden: int = config.hidden_size
-        self.eps: float = config.rms_norm_eps
-        self.n_layers: int = len(model.model.layers)
-        self._rotary = model.model.rotary_emb
+
+class FunctionalForward(ABC):
+    """The forward passes (packed, shared-prompt, cached decoding) over a few building blocks.
+
+    Why a base: the passes are the same whoever holds the weights; a subclass says where the
+    weights are and how a block uses them. ``FunctionalCausalLM`` reads a Hugging Face module;
+    ``streamrl.engines.tp_rollout.TensorParallelFunctionalLM`` reads one tensor-parallel rank's
+    fused inference weights and adds the collectives. The passes only see the head counts below,
+    which for a TP rank are its local ones.
+    """
+
+    n_heads: int  # query heads this forward computes
+    n_kv_heads: int  # key/value heads this forward computes (and caches)
+    head_dim: int
+    hidden: int
+    eps: float  # RMSNorm epsilon
+    n_layers: int
 
     # --- building blocks -------------------------------------------------------------------
+    @abstractmethod
+    def _rope_frequencies(self) -> tuple[Tensor, float]:
+        """RoPE inverse frequencies [head_dim / 2] and the attention scaling of cos/sin."""
+
+    @abstractmethod
+    def _embed(self, ids: Tensor) -> Tensor:
+        """Token ids [N] -> embeddings [N, hidden]."""
+
+    @abstractmethod
+    def _qkv(self, i: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer ``i``: input RMSNorm of the residual stream [N, hidden], then q [N, heads, d],
+        k, v [N, kv_heads, d], RoPE applied to q and k."""
+
+    @abstractmethod
+    def _mlp_and_out(self, i: int, x: Tensor, attn_out: Tensor) -> Tensor:
+        """Layer ``i``: residual add of the projected attention output [N, heads*d], then the MLP block."""
+
+    @abstractmethod
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm + lm_head on pre-norm hidden states [N, hidden] -> [N, vocab]."""
+
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [N, 1, head_dim] for integer ``positions`` [N] (same formula as HF)."""
-        inv_freq = self._rotary.inv_freq.to(device=positions.device, dtype=torch.float32)
+        inv_freq, scale = self._rope_frequencies()
+        inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
         freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        scale = float(getattr(self._rotary, "attention_scaling", 1.0))
         cos, sin = emb.cos(), emb.sin()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
-    def _embed(self, ids: Tensor) -> Tensor:
-        embed = self.module.model.embed_tokens
-        # padding_idx as nn.Embedding: the pad row gets no gradient, as in the HF forward.
-        return F.embedding(ids, embed.weight, padding_idx=embed.padding_idx)
-
-    def _norm(self, x: Tensor, norm: nn.Module) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-
-    def _qkv(self, layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """[N, hidden] -> q [N, heads, d], k, v [N, kv_heads, d], RoPE applied to q and k."""
-        attn = layer.self_attn
-        n = h.shape[0]
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, self.n_heads, self.head_dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k, v
-
-    def _mlp_and_out(self, layer: nn.Module, x: Tensor, attn_out: Tensor) -> Tensor:
-        """Residual add of the attention output, then the SwiGLU MLP block."""
-        attn = layer.self_attn
-        x = x + F.linear(attn_out, attn.o_proj.weight, attn.o_proj.bias)
-        mlp = layer.mlp
-        h = self._norm(x, layer.post_attention_layernorm)
-        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        return x + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Tensor:
         if self.n_kv_heads != self.n_heads:
@@ -237,12 +249,6 @@ class FunctionalCausalLM:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Final norm + lm_head on pre-norm hidden states [N, hidden] -> [N, vocab]."""
-        model = self.module
-        h = self._norm(hidden, model.model.norm)
-        return F.linear(h, model.lm_head.weight, getattr(model.lm_head, "bias", None))
 
     # --- whole sequences (training, prefill) -------------------------------------------------
     def forward_packed(
@@ -258,22 +264,20 @@ class FunctionalCausalLM:
         starts at RoPE position 0. With ``kv_out``, each layer's keys and values are appended to
         it as [B, kv_heads, L, head_dim] (padding positions hold zeros), for a KV cache.
         """
-        model = self.module
         length = input_ids.shape[1]
         pack = Packing.from_lengths(lengths, length)
         ids = input_ids.reshape(-1) if pack.flat_index is None else input_ids.reshape(-1)[pack.flat_index]
         x = self._embed(ids)
         cos, sin = self.rope_tables(pack.positions, x.dtype)
-        for layer in model.model.layers:
-            h = self._norm(x, layer.input_layernorm)
-            q, k, v = self._qkv(layer, h, cos, sin)
+        for i in range(self.n_layers):
+            q, k, v = self._qkv(i, x, cos, sin)
             kp, vp = pack.pad(k), pack.pad(v)  # [B, L, kv_heads, d]
             if kv_out is not None:
                 kv_out.append((kp.transpose(1, 2).contiguous(), vp.transpose(1, 2).contiguous()))
             # Right padding + causal mask: a real query only ever sees real keys before it.
             out = self._sdpa(pack.pad(q).transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), is_causal=True)
             attn_out = pack.unpad(out.transpose(1, 2)).reshape(-1, self.n_heads * self.head_dim)
-            x = self._mlp_and_out(layer, x, attn_out)
+            x = self._mlp_and_out(i, x, attn_out)
         return x, pack
 
     # --- prompts shared by several continuations (GRPO groups) --------------------------------
@@ -297,7 +301,6 @@ class FunctionalCausalLM:
         Returns pre-norm hidden [T_p + T_c, hidden] (prompt tokens first, then continuation
         tokens, each packed row by row) and the two packings.
         """
-        model = self.module
         _n_prompts, p_len = prompt_ids.shape
         batch, c_len = cont_ids.shape
         p_pack = Packing.from_lengths(prompt_lengths, p_len)
@@ -319,9 +322,8 @@ class FunctionalCausalLM:
             dim=2,
         ).unsqueeze(1)  # [B, 1, Lc, Lp + Lc]
         width = self.n_heads * self.head_dim
-        for layer in model.model.layers:
-            h = self._norm(x, layer.input_layernorm)
-            q, k, v = self._qkv(layer, h, cos, sin)
+        for i in range(self.n_layers):
+            q, k, v = self._qkv(i, x, cos, sin)
             kp = p_pack.pad(k[:n_p]).transpose(1, 2)  # [U, kv_heads, Lp, d]
             vp = p_pack.pad(v[:n_p]).transpose(1, 2)
             out_p = self._sdpa(p_pack.pad(q[:n_p]).transpose(1, 2), kp, vp, is_causal=True)
@@ -331,7 +333,7 @@ class FunctionalCausalLM:
                 values = torch.cat([vp.index_select(0, prompt_of), c_pack.pad(v[n_p:]).transpose(1, 2)], dim=2)
                 out_c = self._sdpa(c_pack.pad(q[n_p:]).transpose(1, 2), keys, values, attn_mask=mask)
                 parts.append(c_pack.unpad(out_c.transpose(1, 2)).reshape(-1, width))
-            x = self._mlp_and_out(layer, x, torch.cat(parts) if len(parts) > 1 else parts[0])
+            x = self._mlp_and_out(i, x, torch.cat(parts) if len(parts) > 1 else parts[0])
         return x, p_pack, c_pack
 
     # --- one new token per row (decoding) ------------------------------------------------------
@@ -341,7 +343,6 @@ class FunctionalCausalLM:
         ``token_ids`` [B], ``positions`` [B] their RoPE positions (prompt length + step). The
         cache holds generated columns 0..step-1; this call writes column ``step``.
         """
-        model = self.module
         batch = token_ids.shape[0]
         n_prompts = cache.prompt_mask.shape[0]
         width = cache.group_width
@@ -367,9 +368,8 @@ class FunctionalCausalLM:
             """Inverse of by_prompt."""
             return t.view(n_prompts, kvh, width, rep, t.shape[-1]).permute(0, 2, 1, 3, 4)[where]
 
-        for i, layer in enumerate(model.model.layers):
-            h = self._norm(x, layer.input_layernorm)
-            q, k, v = self._qkv(layer, h, cos, sin)
+        for i in range(self.n_layers):
+            q, k, v = self._qkv(i, x, cos, sin)
             gen_k, gen_v = cache.gen_keys[i][:batch], cache.gen_values[i][:batch]
             gen_k[:, :, step] = k
             gen_v[:, :, step] = v
@@ -382,5 +382,59 @@ class FunctionalCausalLM:
             p = torch.softmax(torch.cat([s_prompt, s_gen], dim=-1) * scale + mask, dim=-1)
             p_prompt, p_gen = p.split([p_len, step + 1], dim=-1)
             out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + torch.matmul(p_gen, gen_v)
-            x = self._mlp_and_out(layer, x, out.reshape(batch, self.n_heads * d))
+            x = self._mlp_and_out(i, x, out.reshape(batch, self.n_heads * d))
         return self.logits(x)
+
+
+class FunctionalCausalLM(FunctionalForward):
+    """Forward passes for a Hugging Face Llama-family ``*ForCausalLM`` module, read in place."""
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise UnsupportedModelError(f"functional forward cannot run this model: {reason}")
+        self.module = model
+        config = model.config
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.hidden = config.hidden_size
+        self.eps = config.rms_norm_eps
+        # The layer modules, not their parameters: a parameter updated in place (optimizer step,
+        # load_state_dict) is read by the next call.
+        self._layers: list[nn.Module] = list(model.model.layers)
+        self.n_layers = len(self._layers)
+        self._rotary = model.model.rotary_emb
+
+    def _rope_frequencies(self) -> tuple[Tensor, float]:
+        return self._rotary.inv_freq, float(getattr(self._rotary, "attention_scaling", 1.0))
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        embed = self.module.model.embed_tokens
+        # padding_idx as nn.Embedding: the pad row gets no gradient, as in the HF forward.
+        return F.embedding(ids, embed.weight, padding_idx=embed.padding_idx)
+
+    def _qkv(self, i: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        layer = self._layers[i]
+        attn = layer.self_attn
+        h = self._norm(x, layer.input_layernorm.weight)
+        n = h.shape[0]
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, self.n_heads, self.head_dim)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, self.n_kv_heads, self.head_dim)
+        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, self.n_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _mlp_and_out(self, i: int, x: Tensor, attn_out: Tensor) -> Tensor:
+        layer = self._layers[i]
+        attn = layer.self_attn
+        x = x + F.linear(attn_out, attn.o_proj.weight, attn.o_proj.bias)
+        mlp = layer.mlp
+        h = self._norm(x, layer.post_attention_layernorm.weight)
+        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+        return x + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        model = self.module
+        h = self._norm(hidden, model.model.norm.weight)
+        return F.linear(h, model.lm_head.weight, getattr(model.lm_head, "bias", None))

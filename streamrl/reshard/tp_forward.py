@@ -32,6 +32,11 @@ def rope_theta(config: Any) -> float:
     return float(theta)
 
 
+def default_rope_inv_freq(theta: float, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Default RoPE inverse frequencies [head_dim / 2] (float32), the Hugging Face formula."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # the HF recipe: normalise in float32, scale in the input dtype
     dtype = x.dtype
@@ -81,7 +86,7 @@ def tensor_parallel_logits(
     h = F.embedding(local.clamp(0, vocab_rows - 1), embed) * owned.unsqueeze(-1).to(embed.dtype)
     h = _all_reduce(h, group)
 
-    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=h.device) / d))
+    inv_freq = default_rope_inv_freq(rope_theta, d, h.device)
     freqs = torch.arange(seq, dtype=torch.float32, device=h.device)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
