@@ -6,6 +6,7 @@ versioned inference weights (:mod:`weights`) and the awaitable policy objects (:
 """
 
 from streamrl.reshard.accounting import BucketStats, MemoryTracker, ReshardReport, SwapReport
+from streamrl.reshard.daemon import DaemonCall
 from streamrl.reshard.groups import RankGroups, TrainGroups, build_rank_groups
 from streamrl.reshard.layout import InferenceLayout, LayoutError, Placement, Topology, TrainLayout
 from streamrl.reshard.policy import (
@@ -39,6 +40,7 @@ __all__ = [
     "Bucket",
     "BucketStats",
     "ColocatedPolicy",
+    "DaemonCall",
     "InferenceLayout",
     "InferencePlan",
     "InferenceWeights",

@@ -25,20 +25,18 @@ loop, and the only thing that waits for a version is whoever awaits it.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import Literal
 
 import anyio
 import anyio.to_thread
 
 from streamrl.reshard.accounting import ReshardReport, SwapReport
+from streamrl.reshard.daemon import DaemonCall
 from streamrl.reshard.layout import LayoutError
 from streamrl.reshard.resharder import HEADER_CLOSE, HEADER_WEIGHTS, Resharder
 from streamrl.reshard.train_engine import ShardedTrainEngine
 from streamrl.reshard.weights import InferenceWeights
 
-T_ = TypeVar("T_")
 Phase = Literal["training", "inference"]
 
 
@@ -47,7 +45,7 @@ class PhaseError(RuntimeError):
 
 
 class WeightChannelClosedError(RuntimeError):
-    """The weight channel was closed (or abandoned) and can carry no more versions."""
+    """The weight channel was closed and can carry no more versions."""
 
 
 def _weights_for(resharder: Resharder, device: object) -> InferenceWeights:
@@ -165,29 +163,6 @@ class WeightSender:
                 await anyio.to_thread.run_sync(lambda: self.resharder.send_header(HEADER_CLOSE, -1))
 
 
-async def _in_daemon_thread(fn: Callable[[], T_], poll_s: float = 0.005) -> T_:
-    """Run a blocking call that may wait indefinitely (a header recv) in a daemon thread.
-
-    anyio's worker threads are not daemonic, so a recv that never completes would keep the
-    process from exiting; a daemon thread does not. Cancelling the await abandons the thread.
-    """
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name="streamrl-weight-header", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        await anyio.sleep(poll_s)
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
-
-
 class WeightReceiver:
     """Disaggregated generation worker: receives versions into its :class:`InferenceWeights`."""
 
@@ -198,31 +173,47 @@ class WeightReceiver:
         self.resharder = resharder
         self.weights = _weights_for(resharder, None)
         self.closed = False
+        self.installed = 0  # versions received and published so far
         self.last_report: ReshardReport | None = None
-        self._broken = False
+        self._header: DaemonCall | None = None  # the header wait in flight, kept across cancellations
 
     async def receive(self) -> ReshardReport | None:
-        """Wait for the next version and install it; None once the sender has closed."""
+        """Wait for the next version and install it; None once the sender has closed.
+
+        Cancelling it while it waits for the header loses nothing (the next call resumes the same
+        wait). Once the header is in, the bucket transfer finishes before a cancellation takes
+        effect (the sender is blocked on it); the version is then not published.
+        """
         if self.closed:
             return None
-        if self._broken:
-            raise WeightChannelClosedError("a receive was cancelled mid-way; the weight channel is unusable")
-        self._broken = True  # until this receive completes
-        kind, version = await _in_daemon_thread(self.resharder.receive_header)
+        if self._header is None:
+            self._header = DaemonCall(self.resharder.receive_header, "streamrl-weight-header")
+        header = await self._header.wait()
+        self._header = None
+        kind, version = header  # type: ignore[misc]
         if kind == HEADER_CLOSE:
-            self.closed, self._broken = True, False
+            self.closed = True
             return None
         assert kind == HEADER_WEIGHTS
         async with self.weights.update() as tensors:
             report = await anyio.to_thread.run_sync(lambda: self.resharder.receive(tensors, version=version))
             self.weights.publish(version)
-        self._broken = False
+        self.installed += 1
         self.last_report = report
         return report
 
+    async def wait_closed(self, timeout_s: float) -> bool:
+        """Install versions until the sender closes the channel, for at most ``timeout_s``.
+
+        True once closed: no receive is pending, so the process group can be destroyed safely.
+        """
+        with anyio.move_on_after(timeout_s):
+            while await self.receive() is not None:
+                pass
+        return self.closed
+
     async def run(self) -> int:
-        """Receive versions until the sender closes; returns how many were installed."""
-        count = 0
+        """Receive versions until the sender closes; returns how many were installed in all."""
         while await self.receive() is not None:
-            count += 1
-        return count
+            pass
+        return self.installed

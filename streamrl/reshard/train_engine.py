@@ -266,17 +266,30 @@ class ShardedTrainEngine:
 
     # -- compute --------------------------------------------------------------------------------
     def _gather_params(self, requires_grad: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(tensors for the forward, padded leaves whose .grad the backward fills), per parameter."""
+        """(tensors for the forward, padded leaves whose .grad the backward fills), per parameter.
+
+        With several data-parallel ranks all shards travel in *one* flat all-gather (FSDP's flat
+        parameter): one collective per micro-batch instead of one per parameter, which on gloo
+        and small models is what the step's time was made of (measured: ~40 ms of ~45 ms for the
+        2-layer test model with 2 ranks).
+        """
         dp_group, dp = self.groups.dp_group, self.layout.data_parallel
         forward: dict[str, torch.Tensor] = {}
         leaves: dict[str, torch.Tensor] = {}
+        gathered: torch.Tensor | None = None
+        if dp_group is not None:
+            local = torch.cat([self.shards[p.name].data.reshape(-1) for p in self.spec.params])
+            gathered = torch.empty((dp, local.numel()), dtype=local.dtype, device=local.device)
+            all_gather_flat(gathered.view(-1), local, group=dp_group)
+            del local
+        offset = 0
         for p in self.spec.params:
             shard = self.shards[p.name].data
-            if dp_group is not None:
-                padded = torch.empty(
-                    (dp * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device
-                )
-                all_gather_flat(padded, shard, group=dp_group)
+            if gathered is not None:
+                n = shard.numel()
+                # rank r's shard is row r's [offset, offset + n): stacked, they are the padded chunk
+                padded = gathered[:, offset : offset + n].reshape(dp * shard.shape[0], *shard.shape[1:])
+                offset += n
             else:
                 padded = shard.detach()
             padded.requires_grad_(requires_grad)
@@ -284,6 +297,33 @@ class ShardedTrainEngine:
             leaves[p.name] = padded
             forward[p.name] = padded[:rows]
         return forward, leaves
+
+    def _reduce_scatter_grads(self, leaves: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each shard's gradient: the data-parallel mean of the leaves' gradients, rows of this rank.
+
+        One flat reduce-scatter, laid out like the gather: row r of the input holds every
+        parameter's rows for rank r, so the output is this rank's shards back to back.
+        """
+        dp_group, dp = self.groups.dp_group, self.layout.data_parallel
+        grads: dict[str, torch.Tensor] = {}
+        for name, leaf in leaves.items():
+            assert leaf.grad is not None, f"{name} got no gradient"
+        if dp_group is None:
+            return {name: leaf.grad for name, leaf in leaves.items()}  # type: ignore[misc]
+        sizes = [self.shards[p.name].numel() for p in self.spec.params]
+        flat = torch.empty((dp, sum(sizes)), dtype=self.dtype, device=self.device)
+        offset = 0
+        for p, n in zip(self.spec.params, sizes, strict=True):
+            flat[:, offset : offset + n] = leaves[p.name].grad.view(dp, n)  # type: ignore[union-attr]
+            offset += n
+        mine = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
+        reduce_scatter_flat(mine, flat.view(-1), group=dp_group)
+        mine.div_(dp)
+        offset = 0
+        for p, n in zip(self.spec.params, sizes, strict=True):
+            grads[p.name] = mine[offset : offset + n].view(self.shards[p.name].shape)
+            offset += n
+        return grads
 
     def _run(self, params: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         kwargs: dict[str, Any] = {"input_ids": batch["input_ids"].to(self.device), "use_cache": False}
@@ -312,17 +352,10 @@ class ShardedTrainEngine:
         loss = loss_fn(self._run(forward, batch), batch)
         (loss * loss_scale).backward()
         dp_group, dp = self.groups.dp_group, self.layout.data_parallel
-        for name, leaf in leaves.items():
+        for name, grad in self._reduce_scatter_grads(leaves).items():
             shard = self.shards[name]
-            assert leaf.grad is not None, f"{name} got no gradient"
-            if dp_group is not None:
-                grad = torch.empty_like(shard.data)
-                reduce_scatter_flat(grad, leaf.grad, group=dp_group)
-                grad.div_(dp)
-            else:
-                grad = leaf.grad
             if shard.grad is None:
-                shard.grad = grad
+                shard.grad = grad.clone() if dp_group is not None else grad  # not a view of the flat buffer
             else:
                 shard.grad.add_(grad)
         value = loss.detach().reshape(1).clone()
@@ -331,9 +364,17 @@ class ShardedTrainEngine:
             value.div_(dp)
         return float(value.item())
 
-    def optimizer_step(self) -> StepStats:
-        """Clip by the global norm, AdamW step on the shards, zero the grads."""
+    def optimizer_step(self, *, grad_scale: float = 1.0) -> StepStats:
+        """Scale the accumulated gradients, clip by the global norm, AdamW step on the shards, zero the grads.
+
+        ``grad_scale`` is for normalising a sum accumulated before the normaliser was known (a
+        trainer that runs each micro-batch as it arrives learns the step's token count at the end).
+        """
         self._check_on_device()
+        if grad_scale != 1.0:
+            for p in self.shards.values():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         norm = self._global_grad_norm()
         max_norm = self.optim_config.max_grad_norm
         if max_norm is not None:

@@ -1,6 +1,7 @@
 """The launcher <-> worker control channel: start barrier, progress, failures, stop.
 
-The launcher binds a ROUTER; each stage worker connects a DEALER. Workers announce ``Ready``
+The launcher binds a ROUTER; each stage worker connects a DEALER. Workers say ``Starting`` as
+they connect (from then on a ``Stop`` reaches them, also during a long set-up), ``Ready``
 after setup, wait for ``Go`` (so every stage starts together and start-up is timed apart from
 training), then stream ``StageBusy`` and ``StepReport`` events. A worker that fails sends
 ``Failed`` with the stage, worker and sample indices before it exits; one that wants the run
@@ -20,6 +21,14 @@ import zmq.asyncio
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
     pass
+
+
+class Starting(_Msg, tag="starting"):
+    """First message of a worker: the launcher can reach it (e.g. with Stop) while it sets up."""
+
+    stage: str
+    worker: int
+    pid: int
 
 
 class Ready(_Msg, tag="ready"):
@@ -74,7 +83,7 @@ class Stop(_Msg, tag="stop"):
     reason: str
 
 
-WorkerEvent = Ready | StageBusy | StageMetrics | StepReport | Failed | StopRequest | Finished
+WorkerEvent = Starting | Ready | StageBusy | StageMetrics | StepReport | Failed | StopRequest | Finished
 LauncherCommand = Go | Stop
 
 encoder = msgspec.msgpack.Encoder()
@@ -93,6 +102,7 @@ class ControlClient:
         self.sock.setsockopt(zmq.LINGER, 2000)  # let the final Failed/Finished reach the launcher
         self.sock.connect(endpoint)
         self.stop_reason: str | None = None
+        self._send(Starting(stage, worker, os.getpid()))
 
     def _send(self, msg: _Msg) -> None:
         self.sock.send(encoder.encode(msg))
@@ -162,7 +172,7 @@ class ControlServer:
             event = event_decoder.decode(payload)
         except msgspec.DecodeError:
             return None
-        if isinstance(event, Ready):
+        if isinstance(event, Starting | Ready):
             self.identities[(event.stage, event.worker)] = identity
         return event
 

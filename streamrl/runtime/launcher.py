@@ -47,7 +47,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # (the server only imports), which is what makes fork safe here.
 _PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.stages.source", "streamrl.stages.generate",
             "streamrl.stages.score", "streamrl.stages.advantage", "streamrl.stages.reference",
-            "streamrl.stages.train", "streamrl.stages.colocated"]
+            "streamrl.stages.train", "streamrl.stages.colocated", "streamrl.stages.disaggregated"]
 _mp = multiprocessing.get_context("forkserver")
 _mp.set_forkserver_preload(_PRELOAD)
 
@@ -195,14 +195,14 @@ class _Launch:
             dock.start()
             server = c.ControlServer(f"ipc://{tmp}/control")
             weights = f"ipc://{tmp}/weights"
-            # colocated stages (e.g. train + generate) join torch.distributed through FileStores here
+            # colocated and disaggregated stages join torch.distributed through FileStores here
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:
                 for group in self.pipeline.process_groups():
                     (host, k), rest = group[0], group[1:]
                     spec = WorkerSpec(config=cfg, stage=host, worker=k, colocated=[s for s, _ in rest],
                                       dock_endpoint=dock.controller_endpoint, control_endpoint=server.endpoint,
-                                      weights_endpoint=weights, run_dir=str(self.run_dir),
+                                      weights_endpoint=weights, run_dir=str(self.run_dir), pipeline=self.pipeline,
                                       parent_pid=os.getpid() if cfg.resources.launch == "processes" else 0)
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     if cfg.resources.launch == "processes":
@@ -219,9 +219,15 @@ class _Launch:
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                if server is not None:
-                    await server.broadcast(c.Stop(self.stop_reason or "launcher stopping"))
-                await anyio.to_thread.run_sync(self._reap)
+                if server is None:
+                    await anyio.to_thread.run_sync(self._reap)
+                else:
+                    stop = c.Stop(self.stop_reason or "launcher stopping")
+                    await server.broadcast(stop)
+                    async with anyio.create_task_group() as reaping:
+                        reaping.start_soon(self._stop_late_workers, server, stop)
+                        await anyio.to_thread.run_sync(self._reap)
+                        reaping.cancel_scope.cancel()
                 if server is not None:
                     server.close()
                 dock.stop()
@@ -254,6 +260,15 @@ class _Launch:
                 code = w.proc.exitcode
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 self.death = f"stage {w.stage!r} worker {w.index} {how}; its log: {w.log_path}"
+
+    @staticmethod
+    async def _stop_late_workers(server: c.ControlServer, stop: c.Stop) -> None:
+        """While reaping: a worker that connects only now (it was still starting when the run
+        ended, so the broadcast missed it) gets Stop too, instead of waiting out the reap's grace."""
+        while True:
+            event = await server.recv()
+            if isinstance(event, c.Starting | c.Ready):
+                await server.broadcast(stop)
 
     @staticmethod
     async def _pump_events(server: c.ControlServer,

@@ -14,13 +14,16 @@ stages:
     whole_groups: false   # claim complete groups only (e.g. group-normalised advantages)
     options: {}           # passed to the stage as ctx.options
     colocate_with: train  # run worker k of this stage in the process of worker k of `train`
+    weights_from: train   # placement disaggregated: receive each policy version from `train`'s group
 ```
 
 ``placement`` (pipeline level) says how policy weights reach generation: ``separate`` (default:
 the trainer publishes full state snapshots that every generator fetches), ``colocated`` (the
 train stage's R workers form a torch.distributed group and hand weights to the generate stage
 in the same processes through the allgather-swap reshard; see docs/reshard.md §8) or
-``disaggregated`` (buckets sent to separate generation workers; refused: not built yet).
+``disaggregated`` (the train stage's R workers send each version, bucket by bucket, to the
+workers of the stage that says ``weights_from: <train stage>``, which join the same
+torch.distributed world; see docs/reshard.md §8).
 
 The checks: names unique; every read column has exactly one writer stage; no column is
 written twice; the column graph has no cycle (policy versions are the only way back); classes
@@ -58,6 +61,9 @@ class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename
     # name of a stage whose worker k hosts this stage's worker k in one process (shared memory:
     # ctx.shared); both need the same number of workers
     colocate_with: str | None = None
+    # placement disaggregated: the train stage whose group sends this stage's workers each policy
+    # version (they join its torch.distributed world after its ranks)
+    weights_from: str | None = None
 
     @property
     def is_source(self) -> bool:
@@ -217,10 +223,8 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
 def _check_placement(spec: PipelineSpec, where: str) -> None:
     if spec.placement not in PLACEMENTS:
         raise ConfigError(f"{where}: placement {spec.placement!r} is not one of {list(PLACEMENTS)}")
-    if spec.placement == "disaggregated":
-        raise ConfigError(f"{where}: placement 'disaggregated' (train group sending reshard buckets to separate "
-                          "generation workers) is not built into the runtime yet; use 'colocated' or 'separate'")
     names = {s.name: s for s in spec.stages}
+    _check_weights_from(spec, names, where)
     for s in spec.stages:
         if s.colocate_with is None:
             continue
@@ -241,6 +245,31 @@ def _check_placement(spec: PipelineSpec, where: str) -> None:
     if spec.placement == "colocated" and not any(s.colocate_with for s in spec.stages):
         raise ConfigError(f"{where}: placement 'colocated' needs a stage with colocate_with (e.g. the generate "
                           "stage with `colocate_with: train`)")
+
+
+def _check_weights_from(spec: PipelineSpec, names: dict[str, StageSpec], where: str) -> None:
+    receivers = [s for s in spec.stages if s.weights_from is not None]
+    if spec.placement != "disaggregated":
+        if receivers:
+            raise ConfigError(f"{where}: stage {receivers[0].name!r} weights_from: {receivers[0].weights_from!r} "
+                              f"needs `placement: disaggregated` at the top of the pipeline, which says "
+                              f"{spec.placement!r}")
+        return
+    if len(receivers) != 1:
+        found = [s.name for s in receivers] or "none"
+        raise ConfigError(f"{where}: placement 'disaggregated' needs exactly one stage with weights_from (the "
+                          f"generate stage, e.g. `weights_from: train`); found {found}")
+    s = receivers[0]
+    at = f"{where}: stage {s.name!r} weights_from"
+    source = names.get(s.weights_from or "")
+    if source is None:
+        raise ConfigError(f"{at}: no stage named {s.weights_from!r} (stages: {list(names)})")
+    if source.name == s.name or source.is_source or s.is_source:
+        raise ConfigError(f"{at}: weights come from a train stage other than itself and the source")
+    for stage in spec.stages:
+        if stage.colocate_with is not None:
+            raise ConfigError(f"{where}: stage {stage.name!r} colocate_with is not supported with placement "
+                              "'disaggregated' (generation and training run in separate processes)")
 
 
 def _check_acyclic(spec: PipelineSpec, writer: dict[str, str], where: str) -> None:

@@ -40,7 +40,7 @@ from streamrl.dock.protocol import SampleInfo
 if TYPE_CHECKING:
     from streamrl.config import RunConfig
     from streamrl.runtime.control import ControlClient
-    from streamrl.runtime.pipeline import StageSpec
+    from streamrl.runtime.pipeline import PipelineSpec, StageSpec
     from streamrl.runtime.policy import PolicySubscriber
 
 T = TypeVar("T")
@@ -103,6 +103,8 @@ class StageContext:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("streamrl.stage"))
     # one dict per worker process, shared by the stages colocated in it (pipeline `colocate_with`)
     shared: dict[str, Any] = field(default_factory=dict)
+    # the pipeline this worker runs in (e.g. a disaggregated generate stage reads its train stage's workers)
+    pipeline: PipelineSpec | None = None
 
     @property
     def options(self) -> dict[str, Any]:

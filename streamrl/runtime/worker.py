@@ -31,7 +31,7 @@ from streamrl.config import RunConfig
 from streamrl.dock.client import DockClient, Lease
 from streamrl.dock.errors import DockError, EndOfStream
 from streamrl.runtime.control import ControlClient
-from streamrl.runtime.pipeline import StageSpec, import_object
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
 from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun
 
@@ -50,6 +50,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     run_dir: str
     parent_pid: int = 0  # the launcher: exit once it is gone (no orphans if it is killed)
     colocated: list[StageSpec] = msgspec.field(default_factory=list)  # more stages' worker k in this process
+    pipeline: PipelineSpec | None = None  # the whole graph, for stages that pair with another stage
 
 
 def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
@@ -117,11 +118,14 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
         async with anyio.create_task_group() as tg:
             ctx = StageContext(cfg, sspec, spec.worker, Path(spec.run_dir), device, policy, control,
                                spec.weights_endpoint, logging.getLogger(f"streamrl.stage.{sspec.name}"),
-                               shared=shared)
+                               shared=shared, pipeline=spec.pipeline)
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
                 tg.start_soon(_watch_parent, spec.parent_pid, tg)
-            await stage.setup(ctx)
+            if not await _setup_unless_stopped(stage, ctx, control, sspec, spec.worker):
+                tg.cancel_scope.cancel()
+                await stage.close()
+                return 0
             control.ready()
             if not await control.wait_go(cfg.resources.start_timeout_s + 60):
                 tg.cancel_scope.cancel()
@@ -170,6 +174,26 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
     finally:
         policy.close()
         control.close()
+
+
+async def _setup_unless_stopped(stage: Any, ctx: StageContext, control: ControlClient, sspec: StageSpec,
+                                worker: int) -> bool:
+    """Run ``stage.setup``; False if the launcher said Stop meanwhile (e.g. another stage failed).
+
+    Why: a set-up can wait a long time on other workers (joining a torch.distributed world waits
+    for every rank); when one of them has failed, waiting out the timeout would only delay the
+    run's end.
+    """
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            reason = await control.wait_stop()
+            log.info("%s[%d]: stop received during set-up (%s)", sspec.name, worker, reason)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        await stage.setup(ctx)
+        tg.cancel_scope.cancel()
+    return control.stop_reason is None
 
 
 _EXCEPTION_GROUPS: tuple[type, ...] = tuple(

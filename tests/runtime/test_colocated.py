@@ -68,7 +68,7 @@ def test_separate_placement_is_the_default_and_unchanged() -> None:
     ({"generate.colocate_with": "generate"}, "cannot be colocated with itself"),
     ({"generate.workers": 1}, "'generate' has workers=1 but 'train' has workers=2"),
     ({"generate.colocate_with": "source"}, "the source stage cannot be colocated"),
-    ({"placement": "disaggregated"}, "placement 'disaggregated' (train group sending reshard buckets"),
+    ({"placement": "disaggregated"}, "placement 'disaggregated' needs exactly one stage with weights_from"),
     ({"placement": "nearby"}, "placement 'nearby' is not one of"),
     ({"placement": "separate"}, "works only with `placement: colocated`"),
     ({"generate.colocate_with": None}, "placement 'colocated' needs a stage with colocate_with"),

@@ -124,7 +124,8 @@ async def test_a_failing_stage_releases_every_lease_at_once(tmp_path: Path) -> N
 async def test_a_finished_worker_wrote_and_acked_every_sample(tmp_path: Path) -> None:
     code, events, stats, batches, _ = await _run_one(tmp_path, {}, lease_ttl_s=30.0)
     assert code == 0
-    assert isinstance(events[0], c.Ready) and isinstance(events[-1], c.Finished)
+    # Starting as it connects (a Stop reaches it from then on), Ready after set-up, Finished last
+    assert isinstance(events[0], c.Starting) and isinstance(events[1], c.Ready) and isinstance(events[-1], c.Finished)
     assert sorted(i for b in batches for i in b["indices"]) == list(range(N))
     busy = [e for e in events if isinstance(e, c.StageBusy)]
     assert busy and busy[-1].samples == N  # the last busy report counts every sample
