@@ -25,6 +25,7 @@ loop, and the only thing that waits for a version is whoever awaits it.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import anyio
@@ -38,6 +39,7 @@ from streamrl.reshard.train_engine import ShardedTrainEngine
 from streamrl.reshard.weights import InferenceWeights
 
 Phase = Literal["training", "inference"]
+Announce = Callable[[int, int], Awaitable[None]]  # (header kind, version): see WeightReceiver.receive
 
 
 class PhaseError(RuntimeError):
@@ -177,8 +179,13 @@ class WeightReceiver:
         self.last_report: ReshardReport | None = None
         self._header: DaemonCall | None = None  # the header wait in flight, kept across cancellations
 
-    async def receive(self) -> ReshardReport | None:
+    async def receive(self, announce: Announce | None = None) -> ReshardReport | None:
         """Wait for the next version and install it; None once the sender has closed.
+
+        ``announce(kind, version)`` runs once the header is in (``HEADER_WEIGHTS`` inside the
+        exclusive side of the weights, so under no forward pass; ``HEADER_CLOSE`` with version -1):
+        a tensor-parallel rank 0 uses it to have its group's other ranks receive theirs at the same
+        point of its command stream.
 
         Cancelling it while it waits for the header loses nothing (the next call resumes the same
         wait). Once the header is in, the bucket transfer finishes before a cancellation takes
@@ -190,12 +197,16 @@ class WeightReceiver:
             self._header = DaemonCall(self.resharder.receive_header, "streamrl-weight-header")
         header = await self._header.wait()
         self._header = None
-        kind, version = header  # type: ignore[misc]
+        kind, version = header
         if kind == HEADER_CLOSE:
             self.closed = True
+            if announce is not None:
+                await announce(HEADER_CLOSE, -1)
             return None
         assert kind == HEADER_WEIGHTS
         async with self.weights.update() as tensors:
+            if announce is not None:
+                await announce(HEADER_WEIGHTS, version)
             report = await anyio.to_thread.run_sync(lambda: self.resharder.receive(tensors, version=version))
             self.weights.publish(version)
         self.installed += 1
@@ -212,8 +223,8 @@ class WeightReceiver:
                 pass
         return self.closed
 
-    async def run(self) -> int:
+    async def run(self, announce: Announce | None = None) -> int:
         """Receive versions until the sender closes; returns how many were installed in all."""
-        while await self.receive() is not None:
+        while await self.receive(announce) is not None:
             pass
         return self.installed

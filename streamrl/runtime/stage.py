@@ -21,6 +21,10 @@ Optional: a class attribute ``max_workers = N`` (the pipeline check refuses more
 and ``def claim_size(self) -> ClaimSize`` to change how many samples the next claim asks
 for and the oldest policy version it accepts (the trainer uses it to fill exactly one step).
 Raise :class:`StopRun` from ``process`` to end the whole run successfully (e.g. target reached).
+
+A worker that computes together with another one instead of claiming (a tensor-parallel rank
+other than 0: its rank 0 claims and tells it what to compute) sets ``self.follows = True`` in
+``setup``; the runtime then awaits ``stage.follow()`` in place of the claim loop (Stop cancels it).
 """
 
 from __future__ import annotations

@@ -148,6 +148,8 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                     try:
                         if sspec.is_source:
                             await _source_loop(stage, dock, meter)
+                        elif getattr(stage, "follows", False):
+                            await stage.follow()  # computes what its leader claims: no claims of its own
                         else:
                             await _stage_loop(stage, sspec, dock, meter, indices)
                     except StopRun as stop:

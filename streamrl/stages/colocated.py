@@ -44,6 +44,7 @@ from streamrl.reshard import (
     TrainLayout,
     local_hf_views,
 )
+from streamrl.runtime.pipeline import StageSpec
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
 from streamrl.stages.sharded_grpo import (
@@ -51,8 +52,10 @@ from streamrl.stages.sharded_grpo import (
     ShardedGrpoTrainer,
     ViewRollout,
     grpo_micro_batch,
+    inference_tensor_parallel,
     stage_option,
 )
+from streamrl.stages.tp_generation import STOP_WAIT_S, TensorParallelGeneration
 
 __all__ = ["ColocatedGenerateStage", "ColocatedRank", "ColocatedSetupError", "ColocatedTrainStage",
            "GrpoLossFn", "grpo_micro_batch"]
@@ -72,6 +75,18 @@ class ColocatedRank:
     policy: ColocatedPolicy | None = None
     groups: RankGroups | None = None
     error: str | None = None
+    # set by the generate stage's close: the train stage destroys the process group only after it
+    # (a TP generation group computes over it until its STOP)
+    generation_closed: anyio.Event = field(default_factory=anyio.Event)
+
+
+def _generate_stage(ctx: StageContext) -> StageSpec:
+    """The generate stage colocated with this train stage (``colocate_with: <this stage>``)."""
+    for s in ctx.pipeline.stages if ctx.pipeline is not None else []:
+        if s.colocate_with == ctx.spec.name:
+            return s
+    raise ValueError(f"no stage says `colocate_with: {ctx.spec.name}`; the colocated train stage has no "
+                     "generate stage to hand its weights to")
 
 
 def colocated_rank(ctx: StageContext) -> ColocatedRank:
@@ -109,13 +124,23 @@ class ColocatedTrainStage(ShardedGrpoTrainer):
         return self.R
 
     def _topology(self) -> Topology:
-        return Topology.colocated(TrainLayout(self.R), 1)  # T = 1: a full copy per rank
+        generate = _generate_stage(self.ctx)
+        self.T = inference_tensor_parallel(generate)
+        if self.T > 1 and self.ctx.config.algo.max_staleness != 0:
+            # A follower cannot tell whether its leader still has an old-version batch to generate
+            # when its own train stage moves on to the next reshard; with 0 there is none (every
+            # prompt of the next step needs the next version), so the phases cannot deadlock.
+            raise ValueError(f"stage {generate.name!r} options.tensor_parallel={self.T} (colocated) needs "
+                             f"algo.max_staleness: 0, got {self.ctx.config.algo.max_staleness}")
+        return Topology.colocated(TrainLayout(self.R), self.T)
 
     async def _start_weights(self) -> None:
         resharder = Resharder(self.spec, self.groups, config=ReshardConfig(bucket_bytes=self.bucket_bytes),
                               shard_dtype=self.engine.dtype, inference_dtype=self.engine.dtype,
                               device=self.ctx.device)
-        self.policy = ColocatedPolicy(self.engine, resharder, swap_training_state=self.swap)
+        # T > 1: the slices stay through the training phase (see streamrl/stages/tp_generation.py)
+        self.policy = ColocatedPolicy(self.engine, resharder, swap_training_state=self.swap,
+                                      release_weights_in_training=self.T == 1)
         await self.policy.to_inference(0)
 
     async def _before_train(self) -> dict[str, float]:
@@ -155,40 +180,71 @@ class ColocatedTrainStage(ShardedGrpoTrainer):
         }
 
     async def _on_stop(self) -> None:
-        pass  # close() writes the checkpoint from rank 0's inference copy: no collective needed
+        if self.T > 1:  # no rank holds the whole model: gather it from the training shards (collective)
+            await self.policy.to_training()
+            await super()._on_stop()
+        # T = 1: close() writes the checkpoint from rank 0's inference copy, no collective needed
 
     async def close(self) -> None:
         policy = getattr(self, "policy", None)
         if (self.ctx.config.output.checkpoint and policy is not None and self.rank == 0 and self.version > 0
-                and policy.phase == "inference"):
+                and not self.checkpoint_saved and self.T == 1 and policy.phase == "inference"):
             # T = 1: rank 0's inference weights are the whole newest version, under HF names as views
             views = local_hf_views(policy.weights.tensors, policy.resharder.plan, 0)
             await self.ctx.run_sync(self._save_checkpoint, views)
+        shared = colocated_rank(self.ctx)
+        if shared.ready.is_set() and shared.policy is not None:
+            with anyio.move_on_after(STOP_WAIT_S + 5):
+                await shared.generation_closed.wait()
         await super().close()
 
 
 class ColocatedGenerateStage:
-    """Samples with the inference weights of the colocated train stage in this process (T = 1)."""
+    """Samples with the inference weights of the colocated train stage in this process.
+
+    Option ``tensor_parallel: T`` (default 1: every rank generates with a whole copy): every T
+    consecutive ranks form one inference replica holding one slice each; its TP rank 0 claims and
+    the others follow it (see :mod:`streamrl.stages.tp_generation`).
+    """
 
     placement = "colocated"
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
+        self.tp: TensorParallelGeneration | None = None
+        self.follows = False
         if ctx.spec.colocate_with is None:
             raise ValueError(f"stage {ctx.spec.name!r} needs `colocate_with: <the colocated train stage>`")
         shared = colocated_rank(ctx)
         with anyio.fail_after(ctx.config.resources.start_timeout_s):
             await shared.ready.wait()
-        if shared.policy is None:
+        if shared.policy is None or shared.groups is None:
             raise ColocatedSetupError(f"the colocated train stage {ctx.spec.colocate_with!r} of this process failed "
                                       f"to set up: {shared.error}")
         self.policy = shared.policy
         model, tokenizer = build_policy(ctx.config, ctx.device)
-        self.rollout = ViewRollout(ctx, model, tokenizer, shared.policy.resharder.plan, 0)
+        if shared.policy.resharder.topology.inference.tensor_parallel == 1:
+            self.rollout = ViewRollout(ctx, model, tokenizer, shared.policy.resharder.plan, 0)
+            return
+        self.tp = TensorParallelGeneration(ctx, shared.groups, shared.policy.weights, model, tokenizer)
+        self.follows = not self.tp.leader
 
     async def process(self, batch: Batch) -> Output:
+        if self.tp is not None:
+            return await self.tp.process(batch)
         # waits through the training phase (weights released) until a new enough version is resharded in
         return await self.rollout.process(self.policy.weights, batch)
 
+    async def follow(self) -> None:
+        assert self.tp is not None
+        await self.tp.follow()
+
     async def close(self) -> None:
-        pass
+        try:
+            if self.tp is not None:
+                if self.tp.leader:
+                    await self.tp.stop()
+                else:
+                    await self.tp.follow_until_stopped()
+        finally:
+            colocated_rank(self.ctx).generation_closed.set()

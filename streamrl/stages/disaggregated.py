@@ -60,8 +60,10 @@ from streamrl.stages.sharded_grpo import (
     ViewRollout,
     default_backend,
     grpo_micro_batch,
+    inference_tensor_parallel,
     join_world,
 )
+from streamrl.stages.tp_generation import TensorParallelGeneration
 
 log = logging.getLogger("streamrl.stage.disaggregated")
 
@@ -83,9 +85,10 @@ def _generation_stage(ctx: StageContext) -> StageSpec:
                      "generation workers to send weights to")
 
 
-def _topology(train_workers: int, generation_workers: int) -> Topology:
-    # T = 1: every generation worker holds a whole inference copy (a replica)
-    return Topology.disaggregated(TrainLayout(train_workers), 1, generation_workers)
+def _topology(train_workers: int, generate: StageSpec) -> Topology:
+    # G = T x replicas generation workers; worker j is TP rank j % T of replica j // T
+    T = inference_tensor_parallel(generate)
+    return Topology.disaggregated(TrainLayout(train_workers), T, generate.workers // T)
 
 
 class DisaggregatedTrainStage(ShardedGrpoTrainer):
@@ -102,14 +105,16 @@ class DisaggregatedTrainStage(ShardedGrpoTrainer):
         return self.R + _generation_stage(self.ctx).workers
 
     def _topology(self) -> Topology:
-        return _topology(self.R, _generation_stage(self.ctx).workers)
+        return _topology(self.R, _generation_stage(self.ctx))
 
     async def _start_weights(self) -> None:
         resharder = Resharder(self.spec, self.groups, config=ReshardConfig(bucket_bytes=self.bucket_bytes),
                               shard_dtype=self.engine.dtype, inference_dtype=self.engine.dtype,
                               device=self.ctx.device)
         self.sender = WeightSender(self.engine, resharder)
-        await self._send(0)
+        # In the background: the generation workers may take version 0 only after the start barrier
+        # (TP followers serve their leader's commands from then on), and set-up must not wait for them.
+        self.ctx.tasks.start_soon(self._send, 0)  # type: ignore[attr-defined]
 
     async def _send(self, version: int) -> ReshardReport:
         try:
@@ -158,17 +163,25 @@ class DisaggregatedTrainStage(ShardedGrpoTrainer):
 
 
 class DisaggregatedGenerateStage:
-    """Samples with the newest policy version received from the train group (``weights_from``)."""
+    """Samples with the newest policy version received from the train group (``weights_from``).
+
+    Option ``tensor_parallel: T`` (default 1): every T consecutive workers form one inference replica
+    holding one slice each; its TP rank 0 claims and the others follow it (see
+    :mod:`streamrl.stages.tp_generation`).
+    """
 
     placement = "disaggregated"
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.receiver: WeightReceiver | None = None
+        self.tp: TensorParallelGeneration | None = None
+        self.follows = False
         if ctx.pipeline is None or ctx.spec.weights_from is None:
             raise ValueError(f"stage {ctx.spec.name!r} needs `weights_from: <the disaggregated train stage>`")
         train = ctx.pipeline.stage(ctx.spec.weights_from)
         R, G = train.workers, ctx.spec.workers
+        topology = _topology(R, ctx.spec)
         # the receiver's bucket plan must be the sender's: both read the train stage's options
         # (the train stage checks their types; a wrong one fails its set-up with the field named)
         bucket_bytes = train.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
@@ -176,28 +189,43 @@ class DisaggregatedGenerateStage:
         backend = str(train.options.get("backend", default_backend(ctx.device)))
         model, tokenizer = build_policy(ctx.config, ctx.device)
         spec = ModelShardingSpec.from_config(model.config)
-        groups = await join_world(ctx, train.name, R + ctx.worker, R + G, _topology(R, G), backend=backend,
+        groups = await join_world(ctx, train.name, R + ctx.worker, R + G, topology, backend=backend,
                                   timeout_s=timeout_s)
         dtype = next(model.parameters()).dtype
         resharder = Resharder(spec, groups, config=ReshardConfig(bucket_bytes=bucket_bytes), shard_dtype=dtype,
                               inference_dtype=dtype, device=ctx.device)
-        self.rollout = ViewRollout(ctx, model, tokenizer, resharder.plan, 0)
         self.receiver = WeightReceiver(resharder)
-        ctx.tasks.start_soon(self._receive)  # type: ignore[attr-defined]
-
-    async def _receive(self) -> None:
-        assert self.receiver is not None
-        await self.receiver.run()
+        if topology.inference.tensor_parallel == 1:
+            self.rollout = ViewRollout(ctx, model, tokenizer, resharder.plan, 0)
+            ctx.tasks.start_soon(self.receiver.run)  # type: ignore[attr-defined]
+            return
+        self.tp = TensorParallelGeneration(ctx, groups, self.receiver.weights, model, tokenizer)
+        self.follows = not self.tp.leader
+        if self.tp.leader:  # the followers install each version when the leader says so
+            ctx.tasks.start_soon(self.receiver.run, self.tp.announce)  # type: ignore[attr-defined]
 
     async def process(self, batch: Batch) -> Output:
         assert self.receiver is not None
+        if self.tp is not None:
+            return await self.tp.process(batch)
         # waits until the train group has sent a new enough version
         return await self.rollout.process(self.receiver.weights, batch)
+
+    async def follow(self) -> None:
+        assert self.tp is not None and self.receiver is not None
+        await self.tp.follow(self.receiver.receive)
 
     async def close(self) -> None:
         if not dist.is_initialized():
             return
         name, worker = self.ctx.spec.name, self.ctx.worker
+        if self.tp is not None:
+            assert self.receiver is not None
+            if self.tp.leader:
+                await self.tp.stop()
+            elif not await self.tp.follow_until_stopped(self.receiver.receive):
+                log.warning("%s[%d]: no STOP from TP rank 0 within its wait; leaving the process group", name, worker)
+                return
         if self.receiver is not None:
             if not await self.receiver.wait_closed(CLOSE_WAIT_S):
                 # the trainer never closed the channel (it failed): a receive may still be blocked in

@@ -54,6 +54,7 @@ from streamrl.reshard import (
     build_rank_groups,
     local_hf_views,
 )
+from streamrl.runtime.pipeline import StageSpec
 from streamrl.runtime.policy import PolicyPublisher
 from streamrl.runtime.stage import Batch, ClaimSize, Output, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
@@ -71,6 +72,18 @@ def stage_option(ctx: StageContext, name: str, default: Any, kind: type) -> Any:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(f"stage {ctx.spec.name!r} options.{name} must be {kind.__name__}, got {value!r}")
     return value
+
+
+def inference_tensor_parallel(generate: StageSpec) -> int:
+    """T of the inference layout: the generate stage's ``options.tensor_parallel`` (default 1). Both
+    the generate and the train stage read it there, so they cannot disagree."""
+    T = generate.options.get("tensor_parallel", 1)
+    if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+        raise ValueError(f"stage {generate.name!r} options.tensor_parallel must be an int >= 1, got {T!r}")
+    if generate.workers % T:
+        raise ValueError(f"stage {generate.name!r} has workers={generate.workers}, which options.tensor_parallel={T} "
+                         f"does not divide (each inference replica is T workers)")
+    return T
 
 
 def default_backend(device: str) -> str:
@@ -384,16 +397,26 @@ class ViewRollout:
 
     async def process(self, weights: InferenceWeights, batch: Batch) -> Output:
         """A generate stage's ``process``: completions of the batch's prompts under a shared lease on
-        a version new enough for them (the newest prompt's step - max_staleness; waits for it)."""
-        steps = batch.columns.get("step")
-        need = max(int(s) for s in steps) - self.ctx.config.algo.max_staleness if steps else 0
+        a version new enough for them (waits for it)."""
+        need = version_needed(batch, self.ctx.config.algo.max_staleness)
         prompts = batch.columns["prompt_ids"]
         async with weights.use(need) as tensors:
             version = weights.version
             assert version is not None
             gens = await self.ctx.run_sync(self.generate, tensors, prompts)
-        lengths = [int(p.numel()) + int(g.response_ids.numel()) for p, g in zip(prompts, gens, strict=True)]
-        return Output(
-            {"response_ids": [g.response_ids for g in gens], "rollout_logprobs": [g.logprobs for g in gens]},
-            versions=[version] * len(gens), lengths=lengths,
-        )
+        return generation_output(prompts, gens, version)
+
+
+def version_needed(batch: Batch, max_staleness: int) -> int:
+    """The oldest policy version allowed to generate ``batch``: its newest prompt's step - max_staleness."""
+    steps = batch.columns.get("step")
+    return max(int(s) for s in steps) - max_staleness if steps else 0
+
+
+def generation_output(prompts: list[Tensor], gens: list[Generation], version: int) -> Output:
+    """A generate stage's columns, versions and lengths for ``gens``."""
+    lengths = [int(p.numel()) + int(g.response_ids.numel()) for p, g in zip(prompts, gens, strict=True)]
+    return Output(
+        {"response_ids": [g.response_ids for g in gens], "rollout_logprobs": [g.logprobs for g in gens]},
+        versions=[version] * len(gens), lengths=lengths,
+    )

@@ -1,0 +1,199 @@
+"""Generation by a tensor-parallel inference group (T > 1): rank 0 leads, the other ranks follow.
+
+The T generate workers of one inference replica hold one slice each of the fused inference layout
+(``spec.inference_plan(T)``) and sample together with
+:class:`~streamrl.engines.tp_rollout.TensorParallelRolloutEngine`, whose forward runs collectives
+over the replica's ``inference_group`` every layer. So they must work on the same prompts, with
+the same policy version, at the same time. Only TP rank 0 (the *leader*) claims from the dock; it
+sends the others (the *followers*, ``follows = True`` for the runtime) a command stream over the
+inference group, and nothing else ever uses that group:
+
+====================  ===========================================  ===============================
+command               header ``int64[4]`` then                     follower does
+====================  ===========================================  ===============================
+``GENERATE`` (1)      ``[1, version, n, tokens]``, lengths          ``weights.use(version)`` (must be
+                      ``int64[n]``, prompt ids ``int64[tokens]``    exactly it), the same ``generate``
+``INSTALL`` (2)       ``[2, version, 0, 0]``                        receives its own slice of
+                                                                    ``version`` (disaggregated)
+``CHANNEL_CLOSED`` 3  ``[3, -1, 0, 0]``                             receives its close header
+``STOP`` (4)          ``[4, -1, 0, 0]``                             returns from ``follow``
+====================  ===========================================  ===============================
+
+(all ``dist.broadcast`` from the leader). The leader issues commands one at a time (a lock), so a
+follower's actions happen in the leader's order:
+
+- a GENERATE is sent under the leader's shared lease on ``version``; the follower takes a lease on
+  the same version, so its slice cannot change under the forward pass either;
+- disaggregated: each rank receives its slice from its own train rank, but a follower installs a
+  version only when the leader says INSTALL, which the leader says from inside its exclusive update
+  (no GENERATE in flight). Without this a follower could install v+1 while the leader still
+  generates with v, and the group would compute with mixed weights;
+- colocated: the slices change only in ``to_inference``, a collective of the whole train group, which
+  the leader's rank joins only after its generation is done; the followers keep their slice through
+  the training phase (``release_weights_in_training=False``) because a follower cannot know whether
+  its leader still has a batch of the old version to generate.
+
+Lock order on the leader, to stay deadlock-free: weights (shared lease or exclusive update) first,
+then the command lock.
+
+Shutdown: the leader's ``close`` sends STOP; a follower stopped by the launcher keeps serving
+commands in its ``close`` until STOP (bounded), so a leader never waits in a collective for a
+follower that left.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from enum import IntEnum
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from streamrl.engines.rollout import Generation
+from streamrl.engines.tp_rollout import TensorParallelRolloutEngine
+from streamrl.reshard import DaemonCall, InferenceWeights, RankGroups
+from streamrl.reshard.resharder import HEADER_CLOSE
+from streamrl.runtime.stage import Batch, Output, StageContext
+from streamrl.stages.sharded_grpo import generation_output, version_needed
+
+log = logging.getLogger("streamrl.stage.tp_generation")
+
+
+
+class Command(IntEnum):
+    GENERATE = 1
+    INSTALL = 2
+    CHANNEL_CLOSED = 3
+    STOP = 4
+
+STOP_WAIT_S = 10.0  # how long either side waits for the other at shutdown
+
+
+class TensorParallelGenerationError(RuntimeError):
+    """The ranks of an inference group disagree (e.g. a follower holds another version)."""
+
+
+class TensorParallelGeneration:
+    """One generate worker's part of a TP inference group (see the module doc)."""
+
+    def __init__(self, ctx: StageContext, groups: RankGroups, weights: InferenceWeights, model: PreTrainedModel,
+                 tokenizer: PreTrainedTokenizerBase) -> None:
+        group = groups.inference_group
+        if group is None or groups.inference_rank is None:
+            raise ValueError("TensorParallelGeneration needs an inference group of T > 1 ranks")
+        self.ctx, self.weights, self.group = ctx, weights, group
+        self.tp_rank = groups.inference_rank
+        self.leader = self.tp_rank == 0
+        self.leader_rank = dist.get_global_rank(group, 0)
+        T = dist.get_world_size(group)
+        self.engine = TensorParallelRolloutEngine(model.config, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                                                  group=group, tensor_parallel=T, device=ctx.device)
+        seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1  # only the leader's stream is used
+        self.generator = torch.Generator(device=self.engine.device).manual_seed(seed)
+        self._commands = anyio.Lock()
+        self._pending: DaemonCall[tuple[int, int, list[Tensor]]] | None = None  # follower: command wait
+        self.stopped = False
+
+    # -- the command channel (blocking; run in threads) ------------------------------------------------
+    def _send(self, command: Command, version: int, prompts: list[Tensor] | None = None) -> None:
+        prompts = prompts or []
+        lengths = torch.tensor([p.numel() for p in prompts], dtype=torch.int64)
+        header = torch.tensor([int(command), version, len(prompts), int(lengths.sum())], dtype=torch.int64)
+        dist.broadcast(header, self.leader_rank, group=self.group)
+        if prompts:
+            dist.broadcast(lengths, self.leader_rank, group=self.group)
+            dist.broadcast(torch.cat(prompts), self.leader_rank, group=self.group)
+
+    def _receive(self) -> tuple[int, int, list[Tensor]]:
+        header = torch.empty(4, dtype=torch.int64)
+        dist.broadcast(header, self.leader_rank, group=self.group)
+        command, version, n, tokens = (int(x) for x in header.tolist())
+        if command not in tuple(Command):
+            raise TensorParallelGenerationError(f"unknown command {command} from the TP group's rank 0")
+        prompts: list[Tensor] = []
+        if n:
+            lengths = torch.empty(n, dtype=torch.int64)
+            dist.broadcast(lengths, self.leader_rank, group=self.group)
+            ids = torch.empty(tokens, dtype=torch.int64)
+            dist.broadcast(ids, self.leader_rank, group=self.group)
+            prompts = list(ids.split(lengths.tolist()))
+        return command, version, prompts
+
+    def _generate(self, tensors: Mapping[str, Tensor], prompts: list[Tensor]) -> list[Generation]:
+        a = self.ctx.config.algo
+        return self.engine.generate(prompts, weights=tensors, max_new_tokens=a.max_new_tokens,
+                                    temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                    generator=self.generator)
+
+    # -- leader ---------------------------------------------------------------------------------------
+    async def process(self, batch: Batch) -> Output:
+        """The leader's ``process``: the group generates the batch with a version new enough for it."""
+        need = version_needed(batch, self.ctx.config.algo.max_staleness)
+        prompts: list[Tensor] = list(batch.columns["prompt_ids"])
+        async with self.weights.use(need) as tensors:
+            version = self.weights.version
+            assert version is not None
+            async with self._commands:
+
+                def work() -> list[Generation]:
+                    self._send(Command.GENERATE, version, prompts)
+                    return self._generate(tensors, prompts)
+
+                gens = await self.ctx.run_sync(work)
+        return generation_output(prompts, gens, version)
+
+    async def announce(self, kind: int, version: int) -> None:
+        """``WeightReceiver.receive``'s hook on the leader: the followers receive their slices now."""
+        async with self._commands:
+            command = Command.CHANNEL_CLOSED if kind == HEADER_CLOSE else Command.INSTALL
+            await self.ctx.run_sync(self._send, command, version)
+
+    async def stop(self) -> None:
+        """The leader's shutdown: the followers' ``follow`` returns (bounded wait for them)."""
+        if self.stopped or not self.leader:
+            return
+        self.stopped = True
+        with anyio.move_on_after(STOP_WAIT_S) as scope:
+            async with self._commands:
+                await DaemonCall(lambda: self._send(Command.STOP, -1), "streamrl-tp-stop").wait()
+        if scope.cancelled_caught:
+            log.warning("TP rank 0: the followers did not take STOP within %.0f s", STOP_WAIT_S)
+
+    # -- follower -------------------------------------------------------------------------------------
+    async def follow(self, receive: Callable[[], Awaitable[Any]] | None = None) -> None:
+        """Serve the leader's commands until STOP. ``receive`` installs this rank's next slice
+        (disaggregated: ``WeightReceiver.receive``); None where slices change otherwise (colocated)."""
+        while not self.stopped:
+            if self._pending is None:
+                self._pending = DaemonCall(self._receive, "streamrl-tp-command")
+            command, version, prompts = await self._pending.wait()
+            self._pending = None
+            match command:
+                case Command.GENERATE:
+                    async with self.weights.use(version) as tensors:
+                        if self.weights.version != version:
+                            raise TensorParallelGenerationError(
+                                f"TP rank {self.tp_rank} holds policy version {self.weights.version}, its rank 0 "
+                                f"generates with {version}")
+                        await self.ctx.run_sync(self._generate, tensors, prompts)
+                case Command.INSTALL | Command.CHANNEL_CLOSED:
+                    if receive is None:
+                        raise TensorParallelGenerationError("INSTALL received where weights are not received")
+                    await receive()
+                    if command == Command.INSTALL and self.weights.version != version:
+                        raise TensorParallelGenerationError(
+                            f"TP rank {self.tp_rank} received policy version {self.weights.version}, its rank 0 "
+                            f"announced {version}")
+                case Command.STOP:
+                    self.stopped = True
+
+    async def follow_until_stopped(self, receive: Callable[[], Awaitable[Any]] | None = None) -> bool:
+        """A follower's shutdown: keep serving until the leader's STOP (bounded). True if it came."""
+        with anyio.move_on_after(STOP_WAIT_S):
+            await self.follow(receive)
+        return self.stopped
