@@ -114,7 +114,12 @@ class DisaggregatedTrainStage(ShardedGrpoTrainer):
         self.sender = WeightSender(self.engine, resharder)
         # In the background: the generation workers may take version 0 only after the start barrier
         # (TP followers serve their leader's commands from then on), and set-up must not wait for them.
-        self.ctx.tasks.start_soon(self._send, 0)  # type: ignore[attr-defined]
+        self.initial_sent = anyio.Event()
+        self.ctx.tasks.start_soon(self._send_initial)  # type: ignore[attr-defined]
+
+    async def _send_initial(self) -> None:
+        await self._send(0)
+        self.initial_sent.set()
 
     async def _send(self, version: int) -> ReshardReport:
         try:
@@ -135,6 +140,7 @@ class DisaggregatedTrainStage(ShardedGrpoTrainer):
         return self.loss_fn.sums, stats.grad_norm
 
     async def _hand_over(self, version: int) -> dict[str, float]:
+        await self.initial_sent.wait()  # (long done: version 0 generated this step's first samples)
         t0 = time.perf_counter()
         report = await self._send(version)
         return {
