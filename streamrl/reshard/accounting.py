@@ -2,7 +2,8 @@
 
 "Extra" memory is what the reshard allocates on top of the training shards and the inference
 weights it fills: the gathered bucket and, when sending to generation workers, one staging
-buffer. :class:`MemoryTracker` counts every such allocation when it is made and when it is
+chunk (``ReshardConfig.staging_bytes``) through which every slice is streamed; a generation
+worker receiving holds only its staging chunk. :class:`MemoryTracker` counts every such allocation when it is made and when it is
 released, so the peak it reports is the peak of live transient bytes, per rank. On CUDA/NPU the
 resharder also measures the allocator's own peak (``device_peak_extra_bytes``) as a cross-check.
 """
@@ -36,7 +37,7 @@ class BucketStats:
     index: int
     num_params: int
     gathered_bytes: int = 0  # size of the all-gathered bucket buffer (R x local shard bytes)
-    staging_bytes: int = 0  # send/receive staging buffer (disaggregated only)
+    staging_bytes: int = 0  # the send/receive staging chunk's buffer (disaggregated only)
     peak_extra_bytes: int = 0  # live transient bytes at this bucket's peak
     received_bytes: int = 0  # bytes that arrived from other ranks (all-gather or point-to-point)
     sent_bytes: int = 0  # bytes this rank sent point-to-point to generation workers

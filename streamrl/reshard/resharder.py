@@ -7,13 +7,23 @@ once gathered), using one buffer sized for the largest bucket and reused by all 
    place over the train group (:func:`~streamrl.reshard.collectives.all_gather_in_place`);
 2. view every rank's slot as that rank's shard of each parameter (no copy);
 3. copy each inference piece (a rectangle of a full tensor, see :mod:`spec`) straight from the
-   shards that cover it into the inference weights, or into a staging buffer that is sent to a
-   generation worker;
+   shards that cover it into the inference weights (colocated), or stream it to the generation
+   worker that holds it (disaggregated, below);
 4. go on with the next bucket; the buffer is released at the end.
 
+Disaggregated, a destination's slice of a bucket is a flat stream: its pieces of that bucket in
+plan order, each flattened row-major in its own shape. The stream is cut into chunks of at most
+``staging_bytes`` (:meth:`ReshardConfig.staging_numel`), and each chunk is filled from the
+shards, sent, received and scattered into the worker's weights through one reused staging chunk
+per side. A chunk boundary may fall inside a piece: the piece's flat range in that chunk is
+copied as at most 3 row-aligned rectangles (:func:`~streamrl.reshard.shards.flat_range_rects`).
+Both sides cut the same plan with the same chunk size, so every send matches a recv of the same
+size and nothing but the weights travels.
+
 Nothing ever holds a full parameter or the full model, so the peak extra memory per rank is one
-gathered bucket (+ one staging buffer of at most one bucket's slice when sending). The same
-code with a single bucket for the whole model is the naive reshard used as the baseline.
+gathered bucket (+ one staging chunk when sending); a generation worker's is one staging chunk.
+The same code with a single bucket for the whole model is the naive reshard used as the
+baseline (there, by default, the staging is not chunked either).
 
 Everything here is blocking (collectives, copies); :mod:`streamrl.reshard.policy` runs it in a
 worker thread so that ``await`` never blocks the event loop.
@@ -22,9 +32,10 @@ worker thread so that ``await`` never blocks the event loop.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from math import prod
 
 import torch
 import torch.distributed as dist
@@ -33,11 +44,19 @@ from streamrl.reshard.accounting import BucketStats, MemoryTracker, ReshardRepor
 from streamrl.reshard.collectives import accelerator, all_gather_in_place, synchronize
 from streamrl.reshard.groups import RankGroups
 from streamrl.reshard.layout import LayoutError, TrainLayout
-from streamrl.reshard.shards import copy_rect, local_shape, source_blocks
-from streamrl.reshard.spec import ModelShardingSpec, ParamSpec, Piece, Rect
+from streamrl.reshard.shards import copy_rect, flat_range_rects, local_shape, rect_in, source_blocks
+from streamrl.reshard.spec import ModelShardingSpec, ParamSpec, Piece, Rect, rect_shape
 
 HEADER_WEIGHTS = 1  # header kind: a new policy version follows, bucket by bucket
 HEADER_CLOSE = 2  # header kind: the sender is shutting down; no more versions
+DEFAULT_STAGING_CAP = 4 * 2**20  # bytes: the default staging chunk is min(bucket_bytes // 8, this)
+
+
+def _positive_bytes(name: str, value: object, none_means: str) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(
+            f"{name} must be a positive integer number of bytes or None ({none_means}), got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -46,18 +65,35 @@ class ReshardConfig:
     reshard's peak transient memory per rank: larger buckets mean fewer, larger collectives (less
     per-call latency), smaller ones less memory. A parameter larger than the cap forms its own
     bucket. None puts the whole model in one bucket: the naive gather-everything reshard.
+
+    staging_bytes: cap, in bytes, on the staging chunk through which a disaggregated reshard
+    sends (and receives) a destination's slice of a bucket; the chunk holds
+    ``staging_bytes // itemsize`` elements of the inference dtype (at least one element's worth
+    is required). None (default) derives it: ``min(bucket_bytes // 8, 4 MiB)``, or, with
+    ``bucket_bytes=None`` (naive), no chunking: one staging buffer for the largest slice. The
+    sender and its receivers must use the same value (both read it from this config); smaller
+    chunks mean more, smaller point-to-point messages. Colocated reshards stage nothing.
     """
 
     bucket_bytes: int | None = 64 * 2**20
+    staging_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.bucket_bytes is not None and (
-            not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1
-        ):
-            raise ValueError(
-                f"bucket_bytes must be a positive integer number of bytes or None (whole model), "
-                f"got {self.bucket_bytes!r}"
-            )
+        _positive_bytes("bucket_bytes", self.bucket_bytes, "whole model")
+        _positive_bytes("staging_bytes", self.staging_bytes, "derived from bucket_bytes")
+
+    def staging_numel(self, itemsize: int) -> int | None:
+        """Elements per staging chunk for an inference dtype of ``itemsize`` bytes (None: unbounded)."""
+        if self.staging_bytes is not None:
+            if self.staging_bytes < itemsize:
+                raise ValueError(
+                    f"staging_bytes={self.staging_bytes} is smaller than one element of the inference "
+                    f"dtype ({itemsize} bytes)"
+                )
+            return self.staging_bytes // itemsize
+        if self.bucket_bytes is None:
+            return None
+        return max(1, min(self.bucket_bytes // 8, DEFAULT_STAGING_CAP) // itemsize)
 
 
 @dataclass(frozen=True)
@@ -94,6 +130,53 @@ def plan_buckets(
 
 
 ShardViews = dict[str, list[tuple[Rect, torch.Tensor]]]
+Segment = tuple[Piece, int, int]  # a piece and the flat range [start, stop) of it in one chunk
+
+
+def cut_chunks(pieces: list[Piece], chunk_numel: int) -> Iterator[tuple[int, list[Segment]]]:
+    """Cut the flat stream of ``pieces`` (in order, each row-major in its shape) into chunks.
+
+    Yields (elements, segments) per chunk: every chunk but the last holds exactly ``chunk_numel``
+    elements. Sender and receiver both call this on the same plan, so their chunks match.
+    """
+    if chunk_numel < 1:
+        raise ValueError(f"a chunk must hold at least one element, got {chunk_numel}")
+    segments: list[Segment] = []
+    filled = 0
+    for piece in pieces:
+        start = 0
+        while start < piece.numel:
+            stop = min(piece.numel, start + chunk_numel - filled)
+            segments.append((piece, start, stop))
+            filled += stop - start
+            start = stop
+            if filled == chunk_numel:
+                yield filled, segments
+                segments, filled = [], 0
+    if filled:
+        yield filled, segments
+
+
+def chunk_views(
+    chunk: torch.Tensor, segments: list[Segment], rect_of: Callable[[Piece], Rect]
+) -> Iterator[tuple[Piece, Rect, torch.Tensor]]:
+    """(piece, sub-rectangle, view of ``chunk`` shaped like it) for each row-aligned part of a chunk.
+
+    ``rect_of`` picks the coordinates the sub-rectangles are in: ``Piece.source_rect`` (the full
+    training tensor, sender) or ``Piece.target_rect`` (the inference weight, receiver); the flat
+    order, hence the chunk offsets, is the same for both.
+    """
+    offset = 0
+    for piece, start, stop in segments:
+        for sub in flat_range_rects(rect_of(piece), start, stop):
+            shape = rect_shape(sub)
+            n = prod(shape)
+            yield piece, sub, chunk[offset : offset + n].view(shape)
+            offset += n
+
+
+def _source_rect(piece: Piece) -> Rect:
+    return piece.source_rect
 
 
 class Resharder:
@@ -101,7 +184,8 @@ class Resharder:
 
     shard_dtype: dtype of the training shards (all parameters share it: the bucket is one flat
     buffer). inference_dtype: dtype of the inference weights; the cast happens in the slice copy,
-    so a bf16 inference copy of fp32 training weights costs no extra buffer.
+    so a bf16 inference copy of fp32 training weights costs no extra buffer (and, disaggregated,
+    the staging chunks and the wire carry the inference dtype).
     """
 
     def __init__(
@@ -125,6 +209,7 @@ class Resharder:
         itemsize = torch.empty((), dtype=shard_dtype).element_size()
         self._itemsize = itemsize
         self._out_itemsize = torch.empty((), dtype=self.inference_dtype).element_size()
+        self._chunk_numel = config.staging_numel(self._out_itemsize)  # validates staging_bytes
         self.buckets = plan_buckets(spec.params, self.layout, config.bucket_bytes, itemsize)
         self._local_shapes = {p.name: local_shape(p, self.layout) for p in spec.params}
         self._sources = {p.name: source_blocks(p, self.layout) for p in spec.params}
@@ -146,6 +231,19 @@ class Resharder:
 
     def bucket_slice_numel(self, inference_rank: int, bucket: int) -> int:
         return sum(p.numel for p in self._pieces[inference_rank][bucket])
+
+    def staging_numel(self, inference_ranks: list[int]) -> int:
+        """Elements of the staging chunk for sending to (or receiving as) these inference ranks:
+        the configured chunk, or less when no bucket slice of theirs is that large."""
+        largest = max(
+            (self.bucket_slice_numel(t, b.index) for t in inference_ranks for b in self.buckets), default=0
+        )
+        return largest if self._chunk_numel is None else min(largest, self._chunk_numel)
+
+    def chunks(self, inference_rank: int, bucket: int) -> Iterator[tuple[int, list[Segment]]]:
+        """The chunks, in wire order, of one destination's slice of one bucket (see :func:`cut_chunks`)."""
+        size = self._chunk_numel or self.bucket_slice_numel(inference_rank, bucket)  # None: one chunk
+        return cut_chunks(self._pieces[inference_rank][bucket], max(1, size))
 
     # -- train side -----------------------------------------------------------------------------
     def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> None:
@@ -231,7 +329,12 @@ class Resharder:
         return report
 
     def send(self, shards: Mapping[str, torch.Tensor], *, version: int) -> ReshardReport:
-        """Disaggregated train rank: gather bucket by bucket, send each destination its slices."""
+        """Disaggregated train rank: gather bucket by bucket, stream each destination its slices.
+
+        Per bucket and destination, the slice goes out chunk by chunk (:meth:`chunks`) through
+        one staging chunk reused by every chunk, destination and bucket: the peak extra memory is
+        one gathered bucket + one chunk.
+        """
         groups = self.groups
         if self.topology.placement != "disaggregated":
             raise LayoutError("send is the disaggregated path; use reshard_local when colocated")
@@ -240,11 +343,8 @@ class Resharder:
         destinations = [(g, self.topology.inference_coords(g)[0]) for g in groups.weight_destinations]
         tracker = MemoryTracker()
         report = ReshardReport(version, "sender", self.config.bucket_bytes)
-        staging_numel = max(
-            (self.bucket_slice_numel(t, b.index) for _, t in destinations for b in self.buckets), default=0
-        )
+        staging_numel = self.staging_numel([t for _, t in destinations])
         with self._measure(report, tracker):
-            # one staging buffer for the largest slice any destination gets from any bucket
             staging = torch.empty(staging_numel, dtype=self.inference_dtype, device=self.device)
             staging_bytes = staging_numel * self._out_itemsize
             tracker.allocate(staging_bytes)
@@ -253,18 +353,15 @@ class Resharder:
                 stats.staging_bytes = staging_bytes
                 stats.peak_extra_bytes = tracker.live_bytes
                 for dest, t in destinations:
-                    offset = 0
-                    for piece in self._pieces[t][bucket.index]:
-                        chunk = staging[offset : offset + piece.numel].view(piece.shape)
-                        copy_rect(chunk, (0,) * chunk.dim(), piece.source_rect, views[piece.source])
-                        offset += piece.numel
-                    if offset == 0:
-                        continue
-                    synchronize(self.device)
-                    t1 = time.perf_counter()
-                    dist.send(staging[:offset], dst=dest, group=groups.weight_group)
-                    stats.transfer_s += time.perf_counter() - t1
-                    stats.sent_bytes += offset * self._out_itemsize
+                    for size, segments in self.chunks(t, bucket.index):
+                        chunk = staging[:size]
+                        for piece, sub, view in chunk_views(chunk, segments, _source_rect):
+                            copy_rect(view, (0,) * view.dim(), sub, views[piece.source])
+                        synchronize(self.device)  # the (non_blocking) fills are done before it leaves
+                        t1 = time.perf_counter()
+                        dist.send(chunk, dst=dest, group=groups.weight_group)
+                        stats.transfer_s += time.perf_counter() - t1
+                        stats.sent_bytes += size * self._out_itemsize
                 stats.slice_s = time.perf_counter() - t0 - stats.transfer_s
             del staging
             tracker.release(staging_bytes)
@@ -287,39 +384,40 @@ class Resharder:
         return kind, version
 
     def receive(self, out: Mapping[str, torch.Tensor], *, version: int) -> ReshardReport:
-        """Receive the buckets of the version announced by :meth:`receive_header` into ``out``."""
+        """Receive the buckets of the version announced by :meth:`receive_header` into ``out``.
+
+        Chunk by chunk (the sender's cuts, :meth:`chunks`) into one staging chunk, each scattered
+        into the target rectangles of its pieces: the peak extra memory is one chunk.
+        """
         source, t = self._source(), self.groups.inference_rank
         assert t is not None
         self._check_out(out)
         tracker = MemoryTracker()
         report = ReshardReport(version, "receiver", self.config.bucket_bytes)
-        staging_numel = max(self.bucket_slice_numel(t, b.index) for b in self.buckets)
+        staging_numel = self.staging_numel([t])
         with self._measure(report, tracker):
             staging = torch.empty(staging_numel, dtype=self.inference_dtype, device=self.device)
             staging_bytes = staging_numel * self._out_itemsize
             tracker.allocate(staging_bytes)
             for bucket in self.buckets:
-                pieces = self._pieces[t][bucket.index]
-                size = sum(p.numel for p in pieces)
-                if size == 0:
+                if not self.bucket_slice_numel(t, bucket.index):
                     continue
                 stats = BucketStats(bucket.index, len(bucket.params))
                 report.buckets.append(stats)
                 stats.staging_bytes = staging_bytes
                 stats.peak_extra_bytes = tracker.live_bytes
                 t0 = time.perf_counter()
-                dist.recv(staging[:size], src=source, group=self.groups.weight_group)
-                t1 = time.perf_counter()
-                stats.transfer_s = t1 - t0
-                stats.received_bytes = size * self._out_itemsize
-                offset = 0
-                for piece in pieces:
-                    region = out[piece.target][tuple(slice(lo, hi) for lo, hi in piece.target_rect())]
-                    region.copy_(staging[offset : offset + piece.numel].view(piece.shape), non_blocking=True)
-                    offset += piece.numel
-                synchronize(self.device)
+                for size, segments in self.chunks(t, bucket.index):
+                    chunk = staging[:size]
+                    t1 = time.perf_counter()
+                    dist.recv(chunk, src=source, group=self.groups.weight_group)
+                    stats.transfer_s += time.perf_counter() - t1
+                    for piece, sub, view in chunk_views(chunk, segments, Piece.target_rect):
+                        rect_in(out[piece.target], sub, (0,) * view.dim()).copy_(view, non_blocking=True)
+                    synchronize(self.device)  # the next recv overwrites the chunk
+                    stats.received_bytes += size * self._out_itemsize
                 stats.sliced_bytes = stats.received_bytes
-                stats.slice_s = time.perf_counter() - t1
+                stats.slice_s = time.perf_counter() - t0 - stats.transfer_s
             del staging
             tracker.release(staging_bytes)
         return report

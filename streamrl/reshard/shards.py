@@ -7,11 +7,15 @@ zero-padded so every rank holds the same number of elements (equal sizes make th
 single flat collective). A :class:`Block` is the rectangle of the full tensor that one rank's
 shard really holds (padding excluded) and the padded shape it is stored in; local row 0 of the
 shard is the block's first row.
+
+:func:`flat_range_rects` cuts a flat (row-major) element range of a rectangle into row-aligned
+sub-rectangles: the disaggregated reshard streams each destination's pieces in bounded chunks,
+and a chunk boundary may fall anywhere inside a piece.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
 
@@ -139,3 +143,37 @@ def copy_rect(
         )
         copied += prod(rect_shape(part))
     return copied
+
+
+def flat_range_rects(rect: Rect, start: int, stop: int) -> Iterator[Rect]:
+    """The sub-rectangles of ``rect`` that hold its elements [start, stop) in row-major order.
+
+    ``rect`` flattened row-major (in its own shape, ``rect_shape(rect)``) is a stream of elements;
+    the range [start, stop) of that stream is yielded as rectangles (same coordinates as ``rect``)
+    in stream order, so concatenating each one flattened gives back exactly that range. A 1-D rect
+    gives one range; a 2-D one at most 3 (the rest of a first partial row, the full rows, the start
+    of a last partial row); N-D recurses into the partial dim-0 slices. An empty range yields nothing.
+    """
+    shape = rect_shape(rect)
+    if not 0 <= start <= stop <= prod(shape):
+        raise ValueError(f"flat range [{start}, {stop}) is not within the {prod(shape)} elements of {rect}")
+    if start == stop:
+        return
+    if not rect:  # a 0-d tensor: one element, the empty rect
+        yield rect
+        return
+    (lo, _), rest = rect[0], rect[1:]
+    inner = prod(shape[1:])  # elements per dim-0 slice ("row")
+    row, col = divmod(start, inner)
+    if col:  # start inside a row: the rest of that row (or less, if the range ends in it)
+        end = min(stop, (row + 1) * inner)
+        for sub in flat_range_rects(rest, col, end - row * inner):
+            yield ((lo + row, lo + row + 1), *sub)
+        row, start = row + 1, end
+    full = (stop - start) // inner
+    if full:
+        yield ((lo + row, lo + row + full), *rest)
+        row, start = row + full, start + full * inner
+    if start < stop:  # the start of a last row
+        for sub in flat_range_rects(rest, 0, stop - start):
+            yield ((lo + row, lo + row + 1), *sub)

@@ -360,6 +360,7 @@ async def _generate_side(
     record: dict[str, Any] = {"role": "generate"}
     report = await receiver.receive()
     record["v1_report"] = report.summary() if report else None
+    record["v1_staging"] = max(b.staging_bytes for b in report.buckets) if report else None
     async with anyio.create_task_group() as tg:
         async with receiver.weights.use(1) as weights:
             record["v1"] = check(dict(weights), initial, want_v1)
@@ -378,17 +379,26 @@ async def _generate_side(
     return record
 
 
-def disaggregated_world(rank: int, world: int, cases: list[tuple[int, int, int]], bucket_bytes: int) -> dict:
+def case_key(case: tuple[int, ...]) -> str:
+    """Name of a disaggregated case (R, T, replicas[, staging_bytes])."""
+    R, T, replicas, *staging = case
+    return f"R{R}-T{T}x{replicas}" + (f"-C{staging[0]}" if staging else "")
+
+
+def disaggregated_world(rank: int, world: int, cases: list[tuple[int, ...]], bucket_bytes: int) -> dict:
+    """Each case is (R, T, replicas) or (R, T, replicas, staging_bytes); results by :func:`case_key`."""
     config = tiny_config()
     spec = ModelShardingSpec.from_config(config)
     initial = dict(build_model(config).state_dict())
     ids = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(11))
     optim = AdamWConfig(lr=1e-2)
     results: dict[str, Any] = {}
-    for R, T, replicas in cases:
+    for case in cases:
+        R, T, replicas, *staging = case
         topology = Topology.disaggregated(TrainLayout(R, 1), T, replicas)
         groups = build_rank_groups(topology)
-        resharder = Resharder(spec, groups, config=ReshardConfig(bucket_bytes=bucket_bytes))
+        reshard_config = ReshardConfig(bucket_bytes=bucket_bytes, staging_bytes=(staging or [None])[0])
+        resharder = Resharder(spec, groups, config=reshard_config)
         step_batch = batches(config, steps=1, rows=2 * R, seed=5)[0]
         if groups.train is not None:
             engine = ShardedTrainEngine(build_model(config), spec, groups.train, optimizer=optim)
@@ -404,5 +414,5 @@ def disaggregated_world(rank: int, world: int, cases: list[tuple[int, int, int]]
                 return _check_inference(spec, config, groups, weights, full, want, ids)
 
             record = anyio.run(_generate_side, WeightReceiver(resharder), check, initial, want_v1, want_v2)
-        results[f"R{R}-T{T}x{replicas}"] = record
+        results[case_key(case)] = record
     return results

@@ -1,9 +1,13 @@
 """Disaggregated reshard on a real 6-process gloo world: train ranks send, generation workers receive.
 
 Cases (R train ranks + T x replicas generation workers = 6): R=2 -> T=4 (R divides T),
-R=4 -> T=2 (T divides R), R=2 -> T=2 x 2 replicas. Version 1 is checked bitwise against the
-oracle and by TP logits; version 2 (after a sharded optimizer step) arrives while a generation
-lease on version 1 is held, must not disturb it, and then matches an unsharded reference step.
+R=4 -> T=2 (T divides R), R=2 -> T=2 x 2 replicas, with the default staging chunk
+(``BUCKET_BYTES // 8``: 1250 fp32 elements), and R=4 -> T=2 again with a 390-byte chunk (97
+elements, prime). Both chunk sizes are smaller than the largest pieces (so a piece spans several
+chunks) and are multiples of no piece's row length (so chunks start and end inside rows); the
+precondition is checked on the plan. Version 1 is checked bitwise against the oracle and by TP
+logits; version 2 (after a sharded optimizer step) arrives while a generation lease on version 1
+is held, must not disturb it, and then matches an unsharded reference step.
 """
 
 from __future__ import annotations
@@ -12,11 +16,23 @@ from typing import Any
 
 import pytest
 
+from streamrl.reshard import ModelShardingSpec, ReshardConfig
 from tests.reshard import reshard_workers as workers
-from tests.reshard.reshard_harness import run_world
+from tests.reshard.reshard_harness import run_world, tiny_config
+from tests.reshard.reshard_workers import case_key
 
-CASES = [(2, 4, 1), (4, 2, 1), (2, 2, 2)]
+ODD_STAGING_BYTES = 390  # 97 fp32 elements (2 bytes of the cap unused)
+CASES: list[tuple[int, ...]] = [(2, 4, 1), (4, 2, 1), (2, 2, 2), (4, 2, 1, ODD_STAGING_BYTES)]
 BUCKET_BYTES = 40_000
+ITEMSIZE = 4  # fp32 training and inference
+
+
+def _chunk_bytes(case: tuple[int, ...]) -> int:
+    """The staging chunk each side should hold (every destination's slices exceed it here)."""
+    staging = case[3] if len(case) > 3 else None
+    numel = ReshardConfig(bucket_bytes=BUCKET_BYTES, staging_bytes=staging).staging_numel(ITEMSIZE)
+    assert numel is not None
+    return numel * ITEMSIZE
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +45,9 @@ def _by_role(results: list[dict[str, Any]], role: str) -> list[tuple[str, dict[s
 
 
 def test_roles_follow_the_topology(results: list[dict[str, Any]]) -> None:
-    for R, T, replicas in CASES:
-        key = f"R{R}-T{T}x{replicas}"
+    for case in CASES:
+        R, T, replicas, *_ = case
+        key = case_key(case)
         roles = [r[key]["role"] for r in results]
         assert roles == ["train"] * R + ["generate"] * (T * replicas)
         ranks = [r[key]["v1"]["inference_rank"] for r in results if r[key]["role"] == "generate"]
@@ -51,20 +68,32 @@ def test_new_version_waits_for_the_lease_then_matches_a_reference_step(results: 
         assert record["after_close"] is None and record["closed"]
 
 
+def test_cases_cut_pieces_across_chunks_and_inside_rows() -> None:
+    spec = ModelShardingSpec.from_config(tiny_config())
+    for case in CASES:
+        chunk = _chunk_bytes(case) // ITEMSIZE
+        pieces = [p for rank in spec.inference_plan(case[1]).pieces for p in rank]
+        assert max(p.numel for p in pieces) > chunk, case  # a piece spans two chunks or more
+        rows = {p.shape[-1] for p in pieces if len(p.shape) > 1}
+        assert all(chunk % row for row in rows), (case, chunk, rows)
+
+
 def test_sender_and_receiver_accounting(results: list[dict[str, Any]]) -> None:
-    for key, record in _by_role(results, "train"):
-        v1 = record["v1"]
-        # gathered bucket + one staging buffer (at most one bucket's slice for one worker)
-        assert v1["peak_extra_bytes"] <= v1["largest_bucket_bytes"] + v1["staging"], key
-        assert v1["largest_bucket_bytes"] <= BUCKET_BYTES
-        assert v1["buckets"] >= 5
-    for key, record in _by_role(results, "generate"):
-        v1 = record["v1_report"]
-        assert v1["peak_extra_bytes"] <= BUCKET_BYTES, key
-        assert v1["bytes_moved"] == v1["sliced_bytes"] > 0
-    # every byte a worker received was sent by a train rank
-    for R, T, replicas in CASES:
-        key = f"R{R}-T{T}x{replicas}"
+    for case in CASES:
+        key, chunk = case_key(case), _chunk_bytes(case)
+        assert chunk <= BUCKET_BYTES / 4
+        for record in (r[key] for r in results if r[key]["role"] == "train"):
+            v1 = record["v1"]
+            # one gathered bucket + one staging chunk; a rank with no destination stages nothing
+            assert v1["staging"] == (chunk if v1["sent_bytes"] else 0), key
+            assert v1["peak_extra_bytes"] <= v1["largest_bucket_bytes"] + v1["staging"], key
+            assert v1["largest_bucket_bytes"] <= BUCKET_BYTES
+            assert v1["buckets"] >= 5
+        for record in (r[key] for r in results if r[key]["role"] == "generate"):
+            v1 = record["v1_report"]
+            assert record["v1_staging"] == chunk and v1["peak_extra_bytes"] <= chunk, key
+            assert v1["bytes_moved"] == v1["sliced_bytes"] > 0
+        # every byte a worker received was sent by a train rank
         received = sum(r[key]["v1_report"]["received_bytes"] for r in results if r[key]["role"] == "generate")
         sent = sum(r[key]["v1"]["sent_bytes"] for r in results if r[key]["role"] == "train")
         assert sent == received > 0, key
