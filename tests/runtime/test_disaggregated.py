@@ -101,10 +101,11 @@ def test_disaggregated_grpo_learns_digits_with_weights_sent_bucket_by_bucket(tmp
         assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.25, rewards
     for row in rows:
         # each version left the train group bucket by bucket: the gathered bucket stays under the cap
-        assert 0 < row["reshard_largest_bucket_bytes"] <= row["reshard_bucket_bytes_limit"] == 262144
+        limit = row["reshard_bucket_bytes_limit"]
+        assert 0 < row["reshard_largest_bucket_bytes"] <= limit == 2**20
         assert row["reshard_buckets"] > 1 and row["reshard_ms"] > 0
-        # peak = one gathered bucket + the staging buffer of one destination's slice of it
-        assert row["reshard_peak_extra_bytes"] <= 2 * row["reshard_bucket_bytes_limit"]
+        # peak = one gathered bucket + one staging chunk (default: an eighth of the cap)
+        assert row["reshard_largest_bucket_bytes"] < row["reshard_peak_extra_bytes"] <= limit + limit // 8
         # train rank 0 feeds generation worker 0 a whole fp32 copy of the 1.3 MB policy every step
         assert row["reshard_sent_bytes"] > 1.0e6
         assert row["micro_batches"] == 4 and row["staleness_max"] == 0
