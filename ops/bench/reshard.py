@@ -29,6 +29,10 @@ Targets (from the issue): peak extra <= one bucket; time <= 1.5x the plain all_g
 
     python ops/bench/reshard.py                 # ~1-2 min on 2 CPU cores
     python ops/bench/reshard.py --device cuda   # needs 2 GPUs (nccl)
+
+The disaggregated placement (train ranks sending to generation workers) has its own benchmark,
+``ops/bench/reshard_disaggregated.py``, which reuses this file's model, shards, sampler and
+process start-up.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,6 +64,7 @@ from streamrl.reshard import (
     shard_tensor,
 )
 from streamrl.reshard.collectives import all_gather_flat, all_gather_in_place, synchronize
+from streamrl.reshard.spec import ParamSpec
 
 try:
     from ops.bench._common import fmt_spread, print_json_line, print_table, spread
@@ -101,6 +107,33 @@ class RssPeak:
         self._thread.join()
 
 
+class MeasuredPeak:
+    """Measured peak extra memory of a block on ``device``: the resident-set growth (:class:`RssPeak`)
+    on CPU, the allocator's peak over what was allocated before (CUDA/NPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.accel = getattr(torch, device.type) if device.type != "cpu" else None
+        self.rss = RssPeak()
+        self.peak = 0
+
+    def __enter__(self) -> MeasuredPeak:
+        if self.accel is not None:
+            self.accel.synchronize(self.device)
+            self.base = self.accel.memory_allocated(self.device)
+            self.accel.reset_peak_memory_stats(self.device)
+        else:
+            self.rss.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.accel is not None:
+            self.peak = self.accel.max_memory_allocated(self.device) - self.base
+        else:
+            self.rss.__exit__(*exc)
+            self.peak = self.rss.peak
+
+
 def model_config(args: argparse.Namespace) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=args.vocab,
@@ -124,13 +157,8 @@ def _run_method(
     device: torch.device,
 ) -> tuple[float, int, int]:
     """(seconds, accounted peak extra bytes, measured peak extra bytes) of one call on this rank."""
-    accel = getattr(torch, device.type) if device.type != "cpu" else None
     dist.barrier(group=group)
-    if accel is not None:
-        accel.synchronize(device)
-        base = accel.memory_allocated(device)
-        accel.reset_peak_memory_stats(device)
-    with RssPeak() as rss:
+    with MeasuredPeak(device) as measured:
         t0 = time.perf_counter()
         if method in ("plain_all_gather", "plain_ring_all_gather"):
             # best case for the baselines: the output buffer is preallocated and warm (not timed,
@@ -147,11 +175,34 @@ def _run_method(
             report = resharders[method].reshard_local(shards, out[method], version=1)
             accounted = report.peak_extra_bytes
         seconds = time.perf_counter() - t0
-    measured = rss.peak if accel is None else accel.max_memory_allocated(device) - base
-    return seconds, accounted, measured
+    return seconds, accounted, measured.peak
 
 
-def rank_main(rank: int, world: int, args: argparse.Namespace, workdir: str) -> None:
+def interleaved(methods: tuple[str, ...], repeats: int) -> Iterator[tuple[int, tuple[str, ...]]]:
+    """(rep, order) for a warm-up round (rep 0) and ``repeats`` measured ones, the order rotating."""
+    for rep in range(repeats + 1):
+        yield rep, methods[rep % len(methods) :] + methods[: rep % len(methods)]
+
+
+def train_shards(
+    spec: ModelShardingSpec, layout: TrainLayout, rank: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Train rank ``rank``'s dim-0 shards of the benchmark model (:func:`full_tensors`)."""
+    return {p.name: shard_tensor(full, p, layout, rank).to(device) for p, full in full_tensors(spec)}
+
+
+def full_tensors(spec: ModelShardingSpec) -> Iterator[tuple[ParamSpec, torch.Tensor]]:
+    """The full parameters of a seeded random model (the same on every run), one at a time in
+    spec order: a caller that drops each before the next never holds the whole model."""
+    generator = torch.Generator().manual_seed(0)
+    for p in spec.params:
+        yield p, torch.randn(p.shape, generator=generator) * 0.02
+
+
+RankFn = Callable[[int, int, argparse.Namespace, torch.device], Any]
+
+
+def _rank_entry(rank: int, fn: RankFn, world: int, args: argparse.Namespace, workdir: str) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
@@ -164,67 +215,74 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, workdir: str) -> 
         timeout=timedelta(seconds=300),
     )
     try:
-        config = model_config(args)
-        spec = ModelShardingSpec.from_config(config)
-        layout = TrainLayout(world)
-        generator = torch.Generator().manual_seed(0)
-        shards: dict[str, torch.Tensor] = {}
-        for p in spec.params:  # one full tensor at a time: never the whole model on a rank
-            full = torch.randn(p.shape, generator=generator) * 0.02
-            shards[p.name] = shard_tensor(full, p, layout, rank).to(device)
-            del full
-        flat = torch.cat([s.reshape(-1) for s in shards.values()])  # the plain all_gather's input
-        plain_out = torch.ones(flat.numel() * world, device=device)  # touched: resident before timing
-        result: dict[str, Any] = {"params": spec.numel(), "shard_bytes": flat.numel() * 4, "by_t": {}}
-        for T in args.inference_tp:
-            groups = build_rank_groups(Topology.colocated(layout, T))
-            resharders = {
-                "allgather_swap": Resharder(
-                    spec, groups, config=ReshardConfig(bucket_bytes=args.bucket_mib * 2**20), device=device
-                ),
-                "naive": Resharder(spec, groups, config=ReshardConfig(bucket_bytes=None), device=device),
-            }
-            out = {
-                m: {n: torch.zeros(s, device=device) for n, s in r.inference_shapes().items()}
-                for m, r in resharders.items()
-            }
-            samples: dict[str, dict[str, list[float]]] = {
-                m: {"s": [], "acc": [], "meas": []} for m in METHODS
-            }
-            for rep in range(args.repeats + 1):  # rep 0 warms up (first-touch pages, gloo buffers)
-                order = METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]
-                for method in order:
-                    seconds, accounted, measured = _run_method(
-                        method, resharders, shards, flat, plain_out, out, groups.reshard_group, device
-                    )
-                    slowest = torch.tensor([seconds], dtype=torch.float64)
-                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # default group, gloo/nccl alike
-                    if rep > 0:
-                        samples[method]["s"].append(float(slowest))
-                        samples[method]["acc"].append(accounted)
-                        samples[method]["meas"].append(measured)
-            equal = all(torch.equal(out["naive"][n], out["allgather_swap"][n]) for n in out["naive"])
-            bucketed = resharders["allgather_swap"]
-            result["by_t"][str(T)] = {
-                "samples": samples,
-                "slices_equal": equal,
-                "buckets": len(bucketed.buckets),
-                "largest_bucket_bytes": bucketed.largest_bucket_bytes(),
-                "inference_bytes": sum(t.numel() * 4 for t in out["naive"].values()),
-            }
-        if rank == 0:
-            Path(workdir, "result.json").write_text(json.dumps(result))
+        result = fn(rank, world, args, device)
+        if result is not None:
+            Path(workdir, f"result-{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def spawn_world(fn: RankFn, world: int, args: argparse.Namespace) -> list[Any]:
+    """Run ``fn(rank, world, args, device)`` in ``world`` spawned processes (one torch.distributed
+    world, rendezvous through a FileStore in a temporary directory, ``args.threads`` torch threads
+    each); every rank's JSON-able return value (None where it returned None), by rank. All the
+    processes have exited when this returns (``start_processes`` joins them, and terminates the
+    others when one fails)."""
+    with tempfile.TemporaryDirectory(prefix="streamrl-bench-reshard-") as workdir:
+        mp.start_processes(_rank_entry, args=(fn, world, args, workdir), nprocs=world, start_method="spawn")
+        files = [Path(workdir, f"result-{rank}.json") for rank in range(world)]
+        return [json.loads(f.read_text()) if f.exists() else None for f in files]
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any] | None:
+    config = model_config(args)
+    spec = ModelShardingSpec.from_config(config)
+    layout = TrainLayout(world)
+    shards = train_shards(spec, layout, rank, device)
+    flat = torch.cat([s.reshape(-1) for s in shards.values()])  # the plain all_gather's input
+    plain_out = torch.ones(flat.numel() * world, device=device)  # touched: resident before timing
+    result: dict[str, Any] = {"params": spec.numel(), "shard_bytes": flat.numel() * 4, "by_t": {}}
+    for T in args.inference_tp:
+        groups = build_rank_groups(Topology.colocated(layout, T))
+        resharders = {
+            "allgather_swap": Resharder(
+                spec, groups, config=ReshardConfig(bucket_bytes=args.bucket_mib * 2**20), device=device
+            ),
+            "naive": Resharder(spec, groups, config=ReshardConfig(bucket_bytes=None), device=device),
+        }
+        out = {
+            m: {n: torch.zeros(s, device=device) for n, s in r.inference_shapes().items()}
+            for m, r in resharders.items()
+        }
+        samples: dict[str, dict[str, list[float]]] = {m: {"s": [], "acc": [], "meas": []} for m in METHODS}
+        for rep, order in interleaved(METHODS, args.repeats):  # rep 0 warms up (pages, gloo buffers)
+            for method in order:
+                seconds, accounted, measured = _run_method(
+                    method, resharders, shards, flat, plain_out, out, groups.reshard_group, device
+                )
+                slowest = torch.tensor([seconds], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # default group, gloo/nccl alike
+                if rep > 0:
+                    samples[method]["s"].append(float(slowest))
+                    samples[method]["acc"].append(accounted)
+                    samples[method]["meas"].append(measured)
+        equal = all(torch.equal(out["naive"][n], out["allgather_swap"][n]) for n in out["naive"])
+        bucketed = resharders["allgather_swap"]
+        result["by_t"][str(T)] = {
+            "samples": samples,
+            "slices_equal": equal,
+            "buckets": len(bucketed.buckets),
+            "largest_bucket_bytes": bucketed.largest_bucket_bytes(),
+            "inference_bytes": sum(t.numel() * 4 for t in out["naive"].values()),
+        }
+    return result if rank == 0 else None
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every reshard benchmark shares: device, R, bucket cap, repeats, threads, model."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--world", type=int, default=2, help="train ranks R")
-    parser.add_argument("--inference-tp", type=int, nargs="+", default=[2, 1], help="inference T values")
     parser.add_argument("--bucket-mib", type=int, default=32, help="bucket cap in MiB (gathered bytes)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -234,16 +292,22 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
+    return parser
+
+
+def check_devices(args: argparse.Namespace, processes: int) -> None:
+    if args.device == "cuda" and torch.cuda.device_count() < processes:
+        raise SystemExit(f"--device cuda needs {processes} GPUs, found {torch.cuda.device_count()}")
+
+
+def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--inference-tp", type=int, nargs="+", default=[2, 1], help="inference T values")
     args = parser.parse_args()
-    if args.device == "cuda" and torch.cuda.device_count() < args.world:
-        raise SystemExit(f"--device cuda needs {args.world} GPUs, found {torch.cuda.device_count()}")
+    check_devices(args, args.world)
 
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="streamrl-bench-reshard-") as workdir:
-        mp.start_processes(
-            rank_main, args=(args.world, args, workdir), nprocs=args.world, start_method="spawn"
-        )
-        result = json.loads(Path(workdir, "result.json").read_text())
+    result = spawn_world(rank_main, args.world, args)[0]
 
     R, mib = args.world, 2**20
     print(
