@@ -101,7 +101,7 @@ class ColocatedTrainStage(ShardedGrpoTrainer):
 
     Options: ``bucket_bytes`` (reshard bucket cap, bytes, default 64 MiB), ``swap`` (move the
     training state to host memory while generating, default true), ``backend`` (default gloo on
-    CPU, nccl on CUDA), ``collective_timeout_s`` (how long a rank waits in a collective for the
+    CPU, nccl on CUDA, hccl on NPU), ``collective_timeout_s`` (how long a rank waits in a collective for the
     others, default 600: covers a whole generation phase).
     """
 

@@ -95,7 +95,7 @@ class DisaggregatedTrainStage(ShardedGrpoTrainer):
     """Sharded GRPO training over R ranks that sends each version to the generation workers.
 
     Options: ``bucket_bytes`` (reshard bucket cap, bytes, default 64 MiB; the generation workers read
-    it from here), ``backend`` (default gloo on CPU, nccl on CUDA), ``collective_timeout_s`` (how
+    it from here), ``backend`` (default gloo on CPU, nccl on CUDA, hccl on NPU), ``collective_timeout_s`` (how
     long a rank waits in a collective or a weight send, default 600).
     """
 

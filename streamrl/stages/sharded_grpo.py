@@ -41,7 +41,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.algos.grpo import LossConfig, loss_denominator, per_token_loss, unnormalized_loss
 from streamrl.engines.rollout import Generation, TorchRolloutEngine
 from streamrl.engines.train import samples_from_columns
-from streamrl.models.build import save_pretrained_dir
+from streamrl.models.build import resolve_device, save_pretrained_dir
 from streamrl.reshard import (
     AdamWConfig,
     DaemonCall,
@@ -87,7 +87,10 @@ def inference_tensor_parallel(generate: StageSpec) -> int:
 
 
 def default_backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+    """The torch.distributed backend for a device ("auto" resolved): nccl on CUDA, hccl on Ascend NPU
+    (registered by torch_npu), else gloo."""
+    kind = resolve_device(device).type
+    return {"cuda": "nccl", "npu": "hccl"}.get(kind, "gloo")
 
 
 async def join_world(ctx: StageContext, store_name: str, rank: int, world_size: int, topology: Topology, *,
