@@ -199,6 +199,12 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
         if s.device is not None:
             _check_device(s.device, f"{at}: device")
     _check_placement(spec, where)
+    generate = next((s for s in spec.stages if s.colocate_with is not None), None)
+    if (spec.placement == "colocated" and generate is not None and inference_tensor_parallel(generate) > 1
+            and cfg.algo.max_staleness != 0):
+        raise ConfigError(f"{where}: stage {generate.name!r} options.tensor_parallel="
+                          f"{inference_tensor_parallel(generate)} (colocated) needs algo.max_staleness: 0, got "
+                          f"{cfg.algo.max_staleness} (see docs/reshard.md §8, Inference TP)")
     if spec.placement != "separate" and cfg.resources.launch != "processes":
         raise ConfigError(f"{where}: placement {spec.placement!r} joins a torch.distributed group per worker "
                           "process; it needs resources.launch: processes (not inprocess)")
@@ -245,6 +251,24 @@ def _check_placement(spec: PipelineSpec, where: str) -> None:
     if spec.placement == "colocated" and not any(s.colocate_with for s in spec.stages):
         raise ConfigError(f"{where}: placement 'colocated' needs a stage with colocate_with (e.g. the generate "
                           "stage with `colocate_with: train`)")
+    for s in spec.stages:  # the inference layout's T, read by both sides of the reshard
+        if s.colocate_with is not None or s.weights_from is not None:
+            try:
+                inference_tensor_parallel(s)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+
+
+def inference_tensor_parallel(generate: StageSpec) -> int:
+    """T of the inference layout: the generate stage's ``options.tensor_parallel`` (default 1). Both
+    the generate and the train stage read it there, so they cannot disagree."""
+    T = generate.options.get("tensor_parallel", 1)
+    if not isinstance(T, int) or isinstance(T, bool) or T < 1:
+        raise ValueError(f"stage {generate.name!r} options.tensor_parallel must be an int >= 1, got {T!r}")
+    if generate.workers % T:
+        raise ValueError(f"stage {generate.name!r} has workers={generate.workers}, which options.tensor_parallel={T} "
+                         f"does not divide (each inference replica is T workers)")
+    return T
 
 
 def _check_weights_from(spec: PipelineSpec, names: dict[str, StageSpec], where: str) -> None:

@@ -44,7 +44,7 @@ from streamrl.reshard import (
     TrainLayout,
     local_hf_views,
 )
-from streamrl.runtime.pipeline import StageSpec
+from streamrl.runtime.pipeline import StageSpec, inference_tensor_parallel
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
 from streamrl.stages.sharded_grpo import (
@@ -52,7 +52,6 @@ from streamrl.stages.sharded_grpo import (
     ShardedGrpoTrainer,
     ViewRollout,
     grpo_micro_batch,
-    inference_tensor_parallel,
     stage_option,
 )
 from streamrl.stages.tp_generation import STOP_WAIT_S, TensorParallelGeneration

@@ -51,7 +51,7 @@ from streamrl.reshard import (
     WeightReceiver,
     WeightSender,
 )
-from streamrl.runtime.pipeline import StageSpec
+from streamrl.runtime.pipeline import StageSpec, inference_tensor_parallel
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
 from streamrl.stages.sharded_grpo import (
@@ -60,7 +60,6 @@ from streamrl.stages.sharded_grpo import (
     ViewRollout,
     default_backend,
     grpo_micro_batch,
-    inference_tensor_parallel,
     join_world,
 )
 from streamrl.stages.tp_generation import TensorParallelGeneration

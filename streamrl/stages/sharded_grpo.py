@@ -54,7 +54,6 @@ from streamrl.reshard import (
     build_rank_groups,
     local_hf_views,
 )
-from streamrl.runtime.pipeline import StageSpec
 from streamrl.runtime.policy import PolicyPublisher
 from streamrl.runtime.stage import Batch, ClaimSize, Output, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
@@ -72,18 +71,6 @@ def stage_option(ctx: StageContext, name: str, default: Any, kind: type) -> Any:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(f"stage {ctx.spec.name!r} options.{name} must be {kind.__name__}, got {value!r}")
     return value
-
-
-def inference_tensor_parallel(generate: StageSpec) -> int:
-    """T of the inference layout: the generate stage's ``options.tensor_parallel`` (default 1). Both
-    the generate and the train stage read it there, so they cannot disagree."""
-    T = generate.options.get("tensor_parallel", 1)
-    if not isinstance(T, int) or isinstance(T, bool) or T < 1:
-        raise ValueError(f"stage {generate.name!r} options.tensor_parallel must be an int >= 1, got {T!r}")
-    if generate.workers % T:
-        raise ValueError(f"stage {generate.name!r} has workers={generate.workers}, which options.tensor_parallel={T} "
-                         f"does not divide (each inference replica is T workers)")
-    return T
 
 
 def default_backend(device: str) -> str:

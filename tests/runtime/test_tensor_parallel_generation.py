@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 import streamrl
-from streamrl.config import load_config
+from streamrl.config import ConfigError, load_config
+from streamrl.runtime.pipeline import load_pipeline
 from streamrl.runtime.stage import StageError
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs, only_run_dir
 
@@ -72,20 +73,27 @@ def test_a_two_rank_tp_group_learns_digits(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("config", "extra", "expected"), [
-    (DISAGGREGATED, ["stages.generate.options={tensor_parallel: 3}", "stages.generate.workers=3"],
-     "inference tensor_parallel T=3 does not fit this qwen2 model"),  # 4 heads, 2 kv heads, I = 256
     (DISAGGREGATED, ["stages.generate.options={tensor_parallel: 2}", "stages.generate.workers=3"],
      "has workers=3, which options.tensor_parallel=2 does not divide"),
     (COLOCATED, ["stages.generate.options={tensor_parallel: 2}", "algo.max_staleness=1"],
      "options.tensor_parallel=2 (colocated) needs algo.max_staleness: 0, got 1"),
     (COLOCATED, ["stages.generate.options={tensor_parallel: 0}"], "options.tensor_parallel must be an int >= 1"),
 ])
-def test_bad_tensor_parallel_settings_fail_set_up_naming_the_option(tmp_path: Path, config: Path,
-                                                                    extra: list[str], expected: str) -> None:
+def test_bad_tensor_parallel_settings_are_refused_before_anything_starts(config: Path, extra: list[str],
+                                                                          expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(load_config(config, extra))
+    assert expected in str(info.value) and "stage 'generate'" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_parallel_degree_the_model_cannot_split_fails_set_up_naming_it(tmp_path: Path) -> None:
+    """T = 3 divides the 3 workers but none of the model's head counts (4 heads, 2 kv heads): only the
+    stage that builds the layout knows the model, so set-up fails, naming what T must divide."""
     before = ipc_dirs()
-    overrides = [f"output.run_dir={tmp_path / 'runs'}", "output.progress=none", *extra]
-    load_config(config, overrides)  # the config itself is valid; the stages refuse it at set-up
+    overrides = [f"output.run_dir={tmp_path / 'runs'}", "output.progress=none",
+                 "stages.generate.options={tensor_parallel: 3}", "stages.generate.workers=3"]
     with pytest.raises(StageError) as info:
-        streamrl.run(config, overrides)
-    assert expected in str(info.value)
+        streamrl.run(DISAGGREGATED, overrides)
+    assert "inference tensor_parallel T=3 does not fit this qwen2 model" in str(info.value)
     assert_run_cleaned(only_run_dir(tmp_path / "runs"), os.getpid(), before)
