@@ -178,3 +178,21 @@ def test_a_killed_generation_worker_fails_the_run_without_hanging_the_train_grou
         assert info.value.stage == "train"
         assert "sending policy version" in str(info.value) and "generate worker 1" in str(info.value)
     assert_run_cleaned(only_run_dir(tmp_path / "runs"), os.getpid(), before)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_generation_one_version_ahead_installs_versions_between_batches(tmp_path: Path, tensor_parallel: int) -> None:
+    """max_staleness 1: generation runs one version ahead, so new versions arrive while the generators
+    hold leases. A version is installed only under the exclusive side (T = 2: on the leader's INSTALL,
+    sent from inside its exclusive update), so runs must neither deadlock nor mix versions."""
+    before = ipc_dirs()
+    extra = ([f"stages.generate.options={{tensor_parallel: {tensor_parallel}}}", "stages.generate.micro_batch=32"]
+             if tensor_parallel > 1 else [])
+    result = streamrl.run(CONFIG, _run_config(tmp_path, "algo.max_staleness=1", "algo.stop_reward=null",
+                                              "algo.steps=15", *extra))
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    assert max(r["staleness_max"] for r in rows) == 1  # it really ran ahead, and never further
+    assert sum(r["staleness_mean"] for r in rows) / len(rows) > 0.5
+    assert_run_cleaned(result.run_dir, os.getpid(), before)
