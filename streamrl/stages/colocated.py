@@ -136,7 +136,7 @@ class ColocatedTrainStage(ShardedGrpoTrainer):
     async def _start_weights(self) -> None:
         resharder = Resharder(self.spec, self.groups, config=ReshardConfig(bucket_bytes=self.bucket_bytes),
                               shard_dtype=self.engine.dtype, inference_dtype=self.engine.dtype,
-                              device=self.ctx.device)
+                              device=self.device)
         # T > 1: the slices stay through the training phase (see streamrl/stages/tp_generation.py)
         self.policy = ColocatedPolicy(self.engine, resharder, swap_training_state=self.swap,
                                       release_weights_in_training=self.T == 1)
@@ -221,7 +221,8 @@ class ColocatedGenerateStage:
             raise ColocatedSetupError(f"the colocated train stage {ctx.spec.colocate_with!r} of this process failed "
                                       f"to set up: {shared.error}")
         self.policy = shared.policy
-        model, tokenizer = build_policy(ctx.config, ctx.device)
+        # on the train stage's device: this process is one rank of the reshard world
+        model, tokenizer = build_policy(ctx.config, str(shared.policy.engine.device))
         if shared.policy.resharder.topology.inference.tensor_parallel == 1:
             self.rollout = ViewRollout(ctx, model, tokenizer, shared.policy.resharder.plan, 0)
             return

@@ -61,6 +61,7 @@ from streamrl.stages.sharded_grpo import (
     default_backend,
     grpo_micro_batch,
     join_world,
+    rank_device,
 )
 from streamrl.stages.tp_generation import TensorParallelGeneration
 
@@ -109,7 +110,7 @@ class DisaggregatedTrainStage(ShardedGrpoTrainer):
     async def _start_weights(self) -> None:
         resharder = Resharder(self.spec, self.groups, config=ReshardConfig(bucket_bytes=self.bucket_bytes),
                               shard_dtype=self.engine.dtype, inference_dtype=self.engine.dtype,
-                              device=self.ctx.device)
+                              device=self.device)
         self.sender = WeightSender(self.engine, resharder)
         # In the background: the generation workers may take version 0 only after the start barrier
         # (TP followers serve their leader's commands from then on), and set-up must not wait for them.
@@ -192,13 +193,14 @@ class DisaggregatedGenerateStage:
         bucket_bytes = train.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
         timeout_s = float(train.options.get("collective_timeout_s", 600.0))
         backend = str(train.options.get("backend", default_backend(ctx.device)))
-        model, tokenizer = build_policy(ctx.config, ctx.device)
+        device = rank_device(ctx.device, R + ctx.worker, R + G, backend)  # generate worker j = world rank R + j
+        model, tokenizer = build_policy(ctx.config, device)
         spec = ModelShardingSpec.from_config(model.config)
         groups = await join_world(ctx, train.name, R + ctx.worker, R + G, topology, backend=backend,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, device=device)
         dtype = next(model.parameters()).dtype
         resharder = Resharder(spec, groups, config=ReshardConfig(bucket_bytes=bucket_bytes), shard_dtype=dtype,
-                              inference_dtype=dtype, device=ctx.device)
+                              inference_dtype=dtype, device=device)
         self.receiver = WeightReceiver(resharder)
         if topology.inference.tensor_parallel == 1:
             self.rollout = ViewRollout(ctx, model, tokenizer, resharder.plan, 0)

@@ -80,14 +80,38 @@ def default_backend(device: str) -> str:
     return {"cuda": "nccl", "npu": "hccl"}.get(kind, "gloo")
 
 
+def rank_device(device: str, world_rank: int, world_size: int, backend: str) -> str:
+    """This rank's device in a reshard world of ``world_size`` processes on this machine.
+
+    An accelerator named without an index (``cuda``, ``npu``, or ``auto`` resolving to one) becomes
+    ``<kind>:<world_rank mod device count>``, so the ranks spread over the machine's devices; an
+    explicit index, or cpu, is kept. nccl and hccl need one device per rank: more ranks than
+    devices is refused with what to change.
+    """
+    d = resolve_device(device)
+    if d.type == "cpu":
+        return "cpu"
+    count = int(getattr(torch, d.type).device_count())
+    if backend in ("nccl", "hccl") and world_size > count:
+        raise ValueError(f"{world_size} reshard ranks (train + generation workers) but {count} {d.type} device(s): "
+                         f"{backend} needs one device per rank; use fewer workers, or options.backend: gloo on "
+                         "the train stage")
+    return str(d) if d.index is not None else f"{d.type}:{world_rank % count}"
+
+
 async def join_world(ctx: StageContext, store_name: str, rank: int, world_size: int, topology: Topology, *,
-                     backend: str, timeout_s: float) -> RankGroups:
+                     backend: str, timeout_s: float, device: str) -> RankGroups:
     """Join the torch.distributed world of ``topology`` (rank ``rank`` of ``world_size``) through a
-    FileStore in ``<run_dir>/rendezvous/<store_name>``, and create its groups (collective)."""
+    FileStore in ``<run_dir>/rendezvous/<store_name>``, and create its groups (collective).
+    ``device``: this rank's (see :func:`rank_device`); an accelerator is made current first, as
+    nccl/hccl expect."""
     store_path = ctx.run_dir / "rendezvous" / store_name
     store_path.parent.mkdir(parents=True, exist_ok=True)
 
     def join() -> RankGroups:
+        kind = torch.device(device).type
+        if kind != "cpu":
+            getattr(torch, kind).set_device(torch.device(device))
         store = dist.FileStore(str(store_path), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
@@ -184,17 +208,19 @@ class ShardedGrpoTrainer:
         # how long a rank waits in a collective for the others: covers a whole generation phase
         self.timeout_s = stage_option(ctx, "collective_timeout_s", 600.0, float)
         backend = stage_option(ctx, "backend", default_backend(ctx.device), str)
-        self.groups = await join_world(ctx, ctx.spec.name, self.rank, self._world_size(), self._topology(),
-                                       backend=backend, timeout_s=self.timeout_s)
+        world_size = self._world_size()
+        self.device = rank_device(ctx.device, self.rank, world_size, backend)  # train worker k = world rank k
+        self.groups = await join_world(ctx, ctx.spec.name, self.rank, world_size, self._topology(),
+                                       backend=backend, timeout_s=self.timeout_s, device=self.device)
         assert self.groups.train is not None
         self.group = self.groups.train.group  # None with R = 1
-        model, self.tokenizer = build_policy(cfg, ctx.device)
+        model, self.tokenizer = build_policy(cfg, self.device)
         self.spec = ModelShardingSpec.from_config(model.config)
         self.engine = ShardedTrainEngine(
             model, self.spec, self.groups.train,
             optimizer=AdamWConfig(lr=a.lr, betas=(a.betas[0], a.betas[1]), weight_decay=a.weight_decay,
                                   max_grad_norm=a.max_grad_norm),
-            device=ctx.device,
+            device=self.device,
         )
         self.loss_config = msgspec.structs.replace(a.loss, temperature=a.temperature)
         self.version = 0
@@ -364,12 +390,13 @@ class ViewRollout:
         model.eval()
         self.ctx, self.plan, self.inference_rank = ctx, plan, inference_rank
         self.params = dict(model.named_parameters())
+        device = next(iter(self.params.values())).device  # the caller built it on this rank's device
         for p in self.params.values():  # weights come from the reshard: keep no copy
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         missing = set(self.params) - {p.source for p in plan.pieces[inference_rank]}
         if missing:
             raise ValueError(f"the inference layout lacks parameters {sorted(missing)[:3]} of the rollout model")
-        self.engine = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, ctx.device)
+        self.engine = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, device)
         seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1
         self.generator = torch.Generator(device=self.engine.device).manual_seed(seed)
 

@@ -92,7 +92,7 @@ class TensorParallelGeneration:
         self.leader_rank = dist.get_global_rank(group, 0)
         T = dist.get_world_size(group)
         self.engine = TensorParallelRolloutEngine(model.config, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                                                  group=group, tensor_parallel=T, device=ctx.device)
+                                                  group=group, tensor_parallel=T, device=weights.device)
         seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1  # only the leader's stream is used
         self.generator = torch.Generator(device=self.engine.device).manual_seed(seed)
         self._commands = anyio.Lock()

@@ -1,0 +1,36 @@
+"""Pure helpers of the reshard stages: which device and backend a rank of a reshard world gets.
+
+The accelerator cases cannot run on the CPU-only test machine, so they fake the device *count*
+only (``resolve_device`` and ``torch.cuda.device_count``); the mapping is what is under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamrl.stages import sharded_grpo
+from streamrl.stages.sharded_grpo import default_backend, rank_device
+
+
+def test_cpu_ranks_stay_on_cpu_with_gloo() -> None:
+    assert default_backend("cpu") == "gloo"
+    assert [rank_device("cpu", r, 4, "gloo") for r in range(4)] == ["cpu"] * 4
+
+
+def test_accelerator_ranks_spread_over_the_devices_of_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sharded_grpo, "resolve_device", lambda d: torch.device(d))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert default_backend("cuda") == "nccl"
+    assert [rank_device("cuda", r, 4, "nccl") for r in range(4)] == [f"cuda:{r}" for r in range(4)]
+    assert rank_device("cuda:2", 0, 4, "nccl") == "cuda:2"  # an explicit index is the user's choice
+    # gloo may share devices: 6 ranks wrap around the 4 devices
+    assert [rank_device("cuda", r, 6, "gloo") for r in range(6)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3",
+                                                                    "cuda:0", "cuda:1"]
+
+
+def test_more_nccl_ranks_than_devices_is_refused_saying_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sharded_grpo, "resolve_device", lambda d: torch.device(d))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"2 reshard ranks .* but 1 cuda device\(s\): nccl needs one device per rank"):
+        rank_device("cuda", 1, 2, "nccl")
