@@ -158,11 +158,15 @@ class WeightSender:
             return report
 
     async def close(self) -> None:
-        """Tell this rank's generation workers that no more versions come (their run() returns)."""
+        """Tell this rank's generation workers that no more versions come (their run() returns).
+
+        The send runs in a daemon thread, so a caller's timeout can give up on a worker that no
+        longer listens (the header send then stays pending until the process exits).
+        """
         async with self._lock:
             if not self.closed:
                 self.closed = True
-                await anyio.to_thread.run_sync(lambda: self.resharder.send_header(HEADER_CLOSE, -1))
+                await DaemonCall(lambda: self.resharder.send_header(HEADER_CLOSE, -1), "streamrl-weight-close").wait()
 
 
 class WeightReceiver:
