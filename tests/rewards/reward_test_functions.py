@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import anyio
 
@@ -43,6 +45,17 @@ def paced_length(responses: list[str]) -> list[float]:
 
 @batched
 def half_second_length(responses: list[str]) -> list[float]:
+    time.sleep(0.5)
+    return [float(len(r)) for r in responses]
+
+
+@batched
+def half_second_length_announced(responses: list[str]) -> list[float]:
+    """half_second_length that first touches the file named by $STREAMRL_TEST_BATCH_STARTED, so a
+    test knows the server has taken a batch (not merely that the client sent one)."""
+    marker = os.environ.get("STREAMRL_TEST_BATCH_STARTED")
+    if marker:
+        Path(marker).touch()
     time.sleep(0.5)
     return [float(len(r)) for r in responses]
 

@@ -4,6 +4,7 @@ and none is scored twice."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import anyio
 import pytest
@@ -134,15 +135,22 @@ async def test_a_frozen_server_is_detected_by_heartbeat_and_recovers(servers: Se
         await wait_until(lambda: client.statistics().servers[0].state == "up", 10, "frozen server back")
 
 
-async def test_sigterm_drains_a_server_without_losing_its_batches(servers: Servers) -> None:
-    draining = servers.reward_server("tests.rewards.reward_test_functions:half_second_length")
+async def test_sigterm_drains_a_server_without_losing_its_batches(servers: Servers, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    started = tmp_path / "batch-started"
+    monkeypatch.setenv("STREAMRL_TEST_BATCH_STARTED", str(started))  # inherited by the server process
+    draining = servers.reward_server("tests.rewards.reward_test_functions:half_second_length_announced")
+    monkeypatch.delenv("STREAMRL_TEST_BATCH_STARTED")
     other = servers.reward_server(PACED)
     column = WriteOnceColumn()
     async with RewardClient([draining.endpoint, other.endpoint], timeout_s=10) as client:
         await client.wait_servers_up(timeout_s=10)
 
         async def terminate_when_busy() -> None:
-            await wait_until(lambda: client.statistics().servers[0].outstanding > 0, 10, "draining busy")
+            # Not "the client has a request outstanding": a SIGTERM before the server has read it off
+            # its socket loses the request (the client retries it elsewhere), so there would be no
+            # accepted batch to drain. Wait until the server is computing one.
+            await wait_until(started.exists, 10, "draining server took a batch")
             draining.signal(signal.SIGTERM)
 
         with anyio.fail_after(30):
