@@ -23,31 +23,30 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
     pass
 
 
-class Starting(_Msg, tag="starting"):
+class _FromWorker(_Msg):
+    """What every worker event carries: which stage worker sent it."""
+
+    stage: str
+    worker: int
+
+
+class Starting(_FromWorker, tag="starting"):
     """First message of a worker: the launcher can reach it (e.g. with Stop) while it sets up."""
 
-    stage: str
-    worker: int
     pid: int
 
 
-class Ready(_Msg, tag="ready"):
-    stage: str
-    worker: int
+class Ready(_FromWorker, tag="ready"):
     pid: int
 
 
-class StageBusy(_Msg, tag="busy"):
-    stage: str
-    worker: int
+class StageBusy(_FromWorker, tag="busy"):
     busy_s: float  # cumulative seconds inside process()/produce()
     batches: int
     samples: int
 
 
-class StageMetrics(_Msg, tag="stage_metrics"):
-    stage: str
-    worker: int
+class StageMetrics(_FromWorker, tag="stage_metrics"):
     metrics: dict[str, float]  # latest values; the launcher adds them to each step's row
 
 
@@ -56,23 +55,18 @@ class StepReport(_Msg, tag="step"):
     metrics: dict[str, float]
 
 
-class Failed(_Msg, tag="failed"):
-    stage: str
-    worker: int
+class Failed(_FromWorker, tag="failed"):
     indices: list[int]
     message: str
     traceback: str
 
 
-class StopRequest(_Msg, tag="stop_request"):
-    stage: str
-    worker: int
+class StopRequest(_FromWorker, tag="stop_request"):
     reason: str
 
 
-class Finished(_Msg, tag="finished"):
-    stage: str
-    worker: int
+class Finished(_FromWorker, tag="finished"):
+    pass
 
 
 class Go(_Msg, tag="go"):
