@@ -192,8 +192,8 @@ class WeightReceiver:
         point of its command stream.
 
         Cancelling it while it waits for the header loses nothing (the next call resumes the same
-        wait). Once the header is in, the bucket transfer finishes before a cancellation takes
-        effect (the sender is blocked on it); the version is then not published.
+        wait). Once the header is in, the rest is shielded: the version is installed, then the
+        cancellation takes effect.
         """
         if self.closed:
             return None
@@ -202,28 +202,33 @@ class WeightReceiver:
         header = await self._header.wait()
         self._header = None
         kind, version = header
-        if kind == HEADER_CLOSE:
-            self.closed = True
-            if announce is not None:
-                await announce(HEADER_CLOSE, -1)
-            return None
-        assert kind == HEADER_WEIGHTS
-        async with self.weights.update() as tensors:
-            if announce is not None:
-                await announce(HEADER_WEIGHTS, version)
-            report = await anyio.to_thread.run_sync(lambda: self.resharder.receive(tensors, version=version))
-            self.weights.publish(version)
+        # Shielded from here: the header is consumed and the sender streams this version's buckets
+        # next. Given up half-way (e.g. cancelled while waiting for a forward pass's lease), the
+        # channel would read bucket data as the next header. Every wait below ends on its own: the
+        # leases when their forward passes do, the transfer when the sender's sends do.
+        with anyio.CancelScope(shield=True):
+            if kind == HEADER_CLOSE:
+                self.closed = True
+                if announce is not None:
+                    await announce(HEADER_CLOSE, -1)
+                return None
+            assert kind == HEADER_WEIGHTS
+            async with self.weights.update() as tensors:
+                if announce is not None:
+                    await announce(HEADER_WEIGHTS, version)
+                report = await anyio.to_thread.run_sync(lambda: self.resharder.receive(tensors, version=version))
+                self.weights.publish(version)
         self.installed += 1
         self.last_report = report
         return report
 
-    async def wait_closed(self, timeout_s: float) -> bool:
+    async def wait_closed(self, timeout_s: float, announce: Announce | None = None) -> bool:
         """Install versions until the sender closes the channel, for at most ``timeout_s``.
 
         True once closed: no receive is pending, so the process group can be destroyed safely.
         """
         with anyio.move_on_after(timeout_s):
-            while await self.receive() is not None:
+            while await self.receive(announce) is not None:
                 pass
         return self.closed
 

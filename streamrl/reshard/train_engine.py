@@ -355,7 +355,7 @@ class ShardedTrainEngine:
         for name, grad in self._reduce_scatter_grads(leaves).items():
             shard = self.shards[name]
             if shard.grad is None:
-                shard.grad = grad.clone() if dp_group is not None else grad  # not a view of the flat buffer
+                shard.grad = grad  # with dp > 1 a view of this micro-batch's fresh reduce-scatter output
             else:
                 shard.grad.add_(grad)
         value = loss.detach().reshape(1).clone()

@@ -91,6 +91,11 @@ class PipelineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """Stages that claim samples: each must ack every sample before it is freed."""
         return [s.name for s in self.stages if not s.is_source]
 
+    def weights_receiver(self, train: str) -> StageSpec | None:
+        """The stage that takes the policy from reshard train stage ``train``: the one with
+        ``colocate_with: train`` (colocated) or ``weights_from: train`` (disaggregated)."""
+        return next((s for s in self.stages if train in (s.colocate_with, s.weights_from)), None)
+
     def process_groups(self) -> list[list[tuple[StageSpec, int]]]:
         """The worker processes to start: each a list of (stage, worker index) run together.
 
@@ -199,12 +204,13 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
         if s.device is not None:
             _check_device(s.device, f"{at}: device")
     _check_placement(spec, where)
-    generate = next((s for s in spec.stages if s.colocate_with is not None), None)
-    if (spec.placement == "colocated" and generate is not None and inference_tensor_parallel(generate) > 1
-            and cfg.algo.max_staleness != 0):
-        raise ConfigError(f"{where}: stage {generate.name!r} options.tensor_parallel="
-                          f"{inference_tensor_parallel(generate)} (colocated) needs algo.max_staleness: 0, got "
-                          f"{cfg.algo.max_staleness} (see docs/reshard.md §8, Inference TP)")
+    if spec.placement == "colocated":
+        for s in spec.stages:
+            if s.colocate_with is not None:
+                try:
+                    colocated_tensor_parallel(s, cfg.algo.max_staleness)
+                except ValueError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
     if spec.placement != "separate" and cfg.resources.launch != "processes":
         raise ConfigError(f"{where}: placement {spec.placement!r} joins a torch.distributed group per worker "
                           "process; it needs resources.launch: processes (not inprocess)")
@@ -268,6 +274,18 @@ def inference_tensor_parallel(generate: StageSpec) -> int:
     if generate.workers % T:
         raise ValueError(f"stage {generate.name!r} has workers={generate.workers}, which options.tensor_parallel={T} "
                          f"does not divide (each inference replica is T workers)")
+    return T
+
+
+def colocated_tensor_parallel(generate: StageSpec, max_staleness: int) -> int:
+    """:func:`inference_tensor_parallel` of a colocated generate stage, which with T > 1 needs
+    ``max_staleness`` 0: a follower cannot tell whether its leader still has an old-version batch to
+    generate when its own train stage moves on to the next reshard; with 0 there is none (every
+    prompt of the next step needs the next version), so the phases cannot deadlock."""
+    T = inference_tensor_parallel(generate)
+    if T > 1 and max_staleness != 0:
+        raise ValueError(f"stage {generate.name!r} options.tensor_parallel={T} (colocated) needs "
+                         f"algo.max_staleness: 0, got {max_staleness} (see docs/reshard.md §8, Inference TP)")
     return T
 
 

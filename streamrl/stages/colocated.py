@@ -44,7 +44,7 @@ from streamrl.reshard import (
     TrainLayout,
     local_hf_views,
 )
-from streamrl.runtime.pipeline import StageSpec, inference_tensor_parallel
+from streamrl.runtime.pipeline import colocated_tensor_parallel
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
 from streamrl.stages.sharded_grpo import (
@@ -53,6 +53,7 @@ from streamrl.stages.sharded_grpo import (
     ViewRollout,
     grpo_micro_batch,
     stage_option,
+    weights_receiver,
 )
 from streamrl.stages.tp_generation import STOP_WAIT_S, TensorParallelGeneration
 
@@ -77,15 +78,6 @@ class ColocatedRank:
     # set by the generate stage's close: the train stage destroys the process group only after it
     # (a TP generation group computes over it until its STOP)
     generation_closed: anyio.Event = field(default_factory=anyio.Event)
-
-
-def _generate_stage(ctx: StageContext) -> StageSpec:
-    """The generate stage colocated with this train stage (``colocate_with: <this stage>``)."""
-    for s in ctx.pipeline.stages if ctx.pipeline is not None else []:
-        if s.colocate_with == ctx.spec.name:
-            return s
-    raise ValueError(f"no stage says `colocate_with: {ctx.spec.name}`; the colocated train stage has no "
-                     "generate stage to hand its weights to")
 
 
 def colocated_rank(ctx: StageContext) -> ColocatedRank:
@@ -123,14 +115,7 @@ class ColocatedTrainStage(ShardedGrpoTrainer):
         return self.R
 
     def _topology(self) -> Topology:
-        generate = _generate_stage(self.ctx)
-        self.T = inference_tensor_parallel(generate)
-        if self.T > 1 and self.ctx.config.algo.max_staleness != 0:
-            # A follower cannot tell whether its leader still has an old-version batch to generate
-            # when its own train stage moves on to the next reshard; with 0 there is none (every
-            # prompt of the next step needs the next version), so the phases cannot deadlock.
-            raise ValueError(f"stage {generate.name!r} options.tensor_parallel={self.T} (colocated) needs "
-                             f"algo.max_staleness: 0, got {self.ctx.config.algo.max_staleness}")
+        self.T = colocated_tensor_parallel(weights_receiver(self.ctx), self.ctx.config.algo.max_staleness)
         return Topology.colocated(TrainLayout(self.R), self.T)
 
     async def _start_weights(self) -> None:

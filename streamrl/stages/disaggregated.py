@@ -62,27 +62,17 @@ from streamrl.stages.sharded_grpo import (
     grpo_micro_batch,
     join_world,
     rank_device,
+    weights_receiver,
 )
 from streamrl.stages.tp_generation import TensorParallelGeneration
 
 log = logging.getLogger("streamrl.stage.disaggregated")
 
-CLOSE_WAIT_S = 10.0  # how long a generation worker waits for the trainer's close before exiting without it
+CLOSE_WAIT_S = 10.0  # how long a train rank tries to deliver its close header at shutdown
 
 
 class WeightSendError(RuntimeError):
     """A train rank could not deliver a policy version to its generation workers."""
-
-
-def _generation_stage(ctx: StageContext) -> StageSpec:
-    """The stage whose workers receive this train stage's weights (``weights_from: <this stage>``)."""
-    if ctx.pipeline is None:
-        raise ValueError(f"stage {ctx.spec.name!r} needs the pipeline (placement disaggregated runs from a pipeline)")
-    for s in ctx.pipeline.stages:
-        if s.weights_from == ctx.spec.name:
-            return s
-    raise ValueError(f"no stage says `weights_from: {ctx.spec.name}`; the disaggregated train stage has no "
-                     "generation workers to send weights to")
 
 
 def _topology(train_workers: int, generate: StageSpec) -> Topology:
@@ -102,10 +92,10 @@ class DisaggregatedTrainStage(ShardedGrpoTrainer):
     placement = "disaggregated"
 
     def _world_size(self) -> int:
-        return self.R + _generation_stage(self.ctx).workers
+        return self.R + weights_receiver(self.ctx).workers
 
     def _topology(self) -> Topology:
-        return _topology(self.R, _generation_stage(self.ctx))
+        return _topology(self.R, weights_receiver(self.ctx))
 
     async def _start_weights(self) -> None:
         resharder = Resharder(self.spec, self.groups, config=ReshardConfig(bucket_bytes=self.bucket_bytes),
@@ -125,7 +115,7 @@ class DisaggregatedTrainStage(ShardedGrpoTrainer):
         try:
             return await self.sender.send(version)
         except RuntimeError as exc:  # gloo/nccl: a peer closed the connection or timed out
-            generation = _generation_stage(self.ctx).name
+            generation = weights_receiver(self.ctx).name
             workers = ", ".join(f"{generation} worker {r - self.R} (world rank {r})"
                                 for r in self.groups.weight_destinations)
             raise WeightSendError(f"sending policy version {version} to {workers} failed (did it exit? see its "
@@ -192,6 +182,9 @@ class DisaggregatedGenerateStage:
         # (the train stage checks their types; a wrong one fails its set-up with the field named)
         bucket_bytes = train.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
         timeout_s = float(train.options.get("collective_timeout_s", 600.0))
+        # A generate loop can end (its input is exhausted) while training still runs a few steps and
+        # sends their versions; close() takes them for as long as the train group may take a step.
+        self.close_wait_s = timeout_s
         backend = str(train.options.get("backend", default_backend(ctx.device)))
         device = rank_device(ctx.device, R + ctx.worker, R + G, backend)  # generate worker j = world rank R + j
         model, tokenizer = build_policy(ctx.config, device)
@@ -226,19 +219,26 @@ class DisaggregatedGenerateStage:
         if not dist.is_initialized():
             return
         name, worker = self.ctx.spec.name, self.ctx.worker
-        if self.tp is not None:
-            assert self.receiver is not None
-            if self.tp.leader:
-                await self.tp.stop()
-            elif not await self.tp.follow_until_stopped(self.receiver.receive):
-                log.warning("%s[%d]: no STOP from TP rank 0 within its wait; leaving the process group", name, worker)
-                return
-        if self.receiver is not None:
-            if not await self.receiver.wait_closed(CLOSE_WAIT_S):
-                # the trainer never closed the channel (it failed): a receive may still be blocked in
-                # gloo, and destroying the group under it could hang; the process exit cleans up
-                log.warning("%s[%d]: no close from the train group within %.0f s (%d versions received); "
-                            "leaving the process group", name, worker, CLOSE_WAIT_S, self.receiver.installed)
-                return
-            log.info("%s[%d]: weight channel closed after %d versions", name, worker, self.receiver.installed)
+        receiver, tp = self.receiver, self.tp
+        if receiver is None:
+            dist.destroy_process_group()
+            return
+        # Take every version the train group still sends, until it closes the channel (its close
+        # follows its last step); only then stop a TP group's followers, which install on the
+        # leader's word.
+        if tp is not None and not tp.leader and not await tp.follow_until_stopped(receiver.receive,
+                                                                                   self.close_wait_s):
+            log.warning("%s[%d]: no STOP from TP rank 0 within %.0f s; leaving the process group", name, worker,
+                        self.close_wait_s)
+            return
+        closed = await receiver.wait_closed(self.close_wait_s, tp.announce if tp is not None and tp.leader else None)
+        if tp is not None and tp.leader:
+            await tp.stop()
+        if not closed:
+            # the trainer never closed the channel (it failed): a receive may still be blocked in
+            # gloo, and destroying the group under it could hang; the process exit cleans up
+            log.warning("%s[%d]: no close from the train group within %.0f s (%d versions received); "
+                        "leaving the process group", name, worker, self.close_wait_s, receiver.installed)
+            return
+        log.info("%s[%d]: weight channel closed after %d versions", name, worker, receiver.installed)
         dist.destroy_process_group()

@@ -54,6 +54,7 @@ from streamrl.reshard import (
     build_rank_groups,
     local_hf_views,
 )
+from streamrl.runtime.pipeline import StageSpec
 from streamrl.runtime.policy import PolicyPublisher
 from streamrl.runtime.stage import Batch, ClaimSize, Output, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
@@ -125,6 +126,15 @@ async def join_world(ctx: StageContext, store_name: str, rank: int, world_size: 
     raise TimeoutError(f"stage {ctx.spec.name!r} worker {ctx.worker}: joining the torch.distributed world "
                        f"{store_name!r} ({world_size} ranks) took over resources.start_timeout_s={wait_s:g} s; "
                        "a rank did not start (see the other workers' logs)")
+
+
+def weights_receiver(ctx: StageContext) -> StageSpec:
+    """The generate stage this train stage hands its weights to (see ``PipelineSpec.weights_receiver``)."""
+    generate = ctx.pipeline.weights_receiver(ctx.spec.name) if ctx.pipeline is not None else None
+    if generate is None:
+        raise ValueError(f"no stage says `colocate_with: {ctx.spec.name}` or `weights_from: {ctx.spec.name}`; the "
+                         f"train stage {ctx.spec.name!r} has no generate stage to hand its weights to")
+    return generate
 
 
 def grpo_micro_batch(cols: Mapping[str, Any]) -> dict[str, Tensor]:

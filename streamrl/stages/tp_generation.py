@@ -192,8 +192,10 @@ class TensorParallelGeneration:
                 case Command.STOP:
                     self.stopped = True
 
-    async def follow_until_stopped(self, receive: Callable[[], Awaitable[Any]] | None = None) -> bool:
-        """A follower's shutdown: keep serving until the leader's STOP (bounded). True if it came."""
-        with anyio.move_on_after(STOP_WAIT_S):
+    async def follow_until_stopped(self, receive: Callable[[], Awaitable[Any]] | None = None,
+                                   timeout_s: float = STOP_WAIT_S) -> bool:
+        """A follower's shutdown: keep serving until the leader's STOP (at most ``timeout_s``). True
+        if it came."""
+        with anyio.move_on_after(timeout_s):
             await self.follow(receive)
         return self.stopped
