@@ -48,6 +48,8 @@ from streamrl.rewards.zmqio import AsyncSocket
 log = logging.getLogger(__name__)
 
 
+LAST_REPLIES_READ_S = 0.25  # connections stay up this long after a drain's last replies (see serve)
+
 class RewardServerStatistics(msgspec.Struct, frozen=True):
     endpoint: str
     #: Batches accepted and not yet answered (running or waiting for a worker).
@@ -184,6 +186,11 @@ class RewardServer:
                             self.grace_s,
                             self._in_flight,
                         )
+                    # Keep the connections up a moment after the last replies: a client socket
+                    # with ZMQ_IMMEDIATE (as RewardClient's) discards, when its peer disconnects,
+                    # the messages it has received but not yet read (seen: a drained batch's reply
+                    # lost about 1 run in 4 when the server closed right after sending it).
+                    await anyio.sleep(LAST_REPLIES_READ_S)
                     group.cancel_scope.cancel()
         finally:
             self._refuse_queued()
