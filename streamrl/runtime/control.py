@@ -6,17 +6,41 @@ after setup, wait for ``Go`` (so every stage starts together and start-up is tim
 training), then stream ``StageBusy`` and ``StepReport`` events. A worker that fails sends
 ``Failed`` with the stage, worker and sample indices before it exits; one that wants the run
 to end (target reached) sends ``StopRequest``. The launcher answers with ``Stop``.
+
+Trust: a ``Failed`` or ``StopRequest`` ends the run, so the launcher takes events only from the
+workers it started. Each worker's spec carries the run's random ``token`` (spec files are written
+0600); ``Starting`` must present it, and from then on the launcher accepts events only from that
+socket's routing id, and only as the (stage, worker) it registered as. Anything else (undecodable
+bytes, a wrong token, an unknown worker, an event from a socket that never said ``Starting``) is
+dropped and counted in :meth:`ControlServer.statistics`; the launcher keeps serving everyone else.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
-from typing import Any
+import secrets
+from typing import Annotated, Any
 
 import anyio
 import msgspec
 import zmq
 import zmq.asyncio
+
+from streamrl import wire
+
+log = logging.getLogger("streamrl.control")
+
+# A worker event is small: the largest is Failed, whose traceback the client trims to TRACEBACK_CHARS.
+MAX_EVENT_BYTES = 1 << 20
+TRACEBACK_CHARS = 64_000
+WorkerIndex = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
+def new_token() -> str:
+    """A run's control token: 128 random bits, hex."""
+    return secrets.token_hex(16)
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
@@ -27,13 +51,14 @@ class _FromWorker(_Msg):
     """What every worker event carries: which stage worker sent it."""
 
     stage: str
-    worker: int
+    worker: WorkerIndex
 
 
 class Starting(_FromWorker, tag="starting"):
     """First message of a worker: the launcher can reach it (e.g. with Stop) while it sets up."""
 
     pid: int
+    token: str = ""  # the run's token from the worker's spec; see the module's note on trust
 
 
 class Ready(_FromWorker, tag="ready"):
@@ -88,7 +113,8 @@ command_decoder = msgspec.msgpack.Decoder(LauncherCommand)
 class ControlClient:
     """A worker's end. Sends are fire-and-forget from the event loop thread."""
 
-    def __init__(self, endpoint: str, stage: str, worker: int, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, endpoint: str, stage: str, worker: int, context: zmq.asyncio.Context | None = None,
+                 *, token: str = "") -> None:
         self.stage = stage
         self.worker = worker
         self.ctx = context or zmq.asyncio.Context.instance()
@@ -96,7 +122,7 @@ class ControlClient:
         self.sock.setsockopt(zmq.LINGER, 2000)  # let the final Failed/Finished reach the launcher
         self.sock.connect(endpoint)
         self.stop_reason: str | None = None
-        self._send(Starting(stage, worker, os.getpid()))
+        self._send(Starting(stage, worker, os.getpid(), token))
 
     def _send(self, msg: _Msg) -> None:
         self.sock.send(encoder.encode(msg))
@@ -104,12 +130,18 @@ class ControlClient:
     def ready(self) -> None:
         self._send(Ready(self.stage, self.worker, os.getpid()))
 
+    async def _command(self) -> LauncherCommand | None:
+        try:
+            return wire.decode(command_decoder, await self.sock.recv())
+        except wire.WireError as exc:  # only the launcher is connected; still, never die of bytes
+            log.warning("dropping an undecodable control command: %s", exc)
+            return None
+
     async def wait_go(self, timeout_s: float) -> bool:
         """True on Go, False on Stop (the run ended before this worker started)."""
         with anyio.fail_after(timeout_s):
             while True:
-                cmd = command_decoder.decode(await self.sock.recv())
-                match cmd:
+                match await self._command():
                     case Go():
                         return True
                     case Stop(reason=reason):
@@ -118,7 +150,7 @@ class ControlClient:
 
     async def wait_stop(self) -> str:
         while True:
-            cmd = command_decoder.decode(await self.sock.recv())
+            cmd = await self._command()
             if isinstance(cmd, Stop):
                 self.stop_reason = cmd.reason
                 return cmd.reason
@@ -133,7 +165,9 @@ class ControlClient:
         self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}))
 
     def failed(self, indices: list[int], message: str, traceback: str) -> None:
-        self._send(Failed(self.stage, self.worker, indices, message, traceback))
+        # the launcher refuses events over MAX_EVENT_BYTES: keep the traceback's end (the raise)
+        tb = traceback if len(traceback) <= TRACEBACK_CHARS else "...\n" + traceback[-TRACEBACK_CHARS:]
+        self._send(Failed(self.stage, self.worker, indices[:10_000], message[:TRACEBACK_CHARS], tb))
 
     def stop_request(self, reason: str) -> None:
         self._send(StopRequest(self.stage, self.worker, reason))
@@ -146,29 +180,59 @@ class ControlClient:
 
 
 class ControlServer:
-    """The launcher's end."""
+    """The launcher's end: events from the workers it started, commands to them."""
 
-    def __init__(self, bind: str, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, bind: str, context: zmq.asyncio.Context | None = None, *, token: str = "",
+                 workers: set[tuple[str, int]] | None = None) -> None:
+        """``token``: what every worker's ``Starting`` must carry. ``workers``: the (stage, worker)
+        pairs that may register; None accepts any (tests that drive the channel by hand)."""
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        wire.limit_socket(self.sock, MAX_EVENT_BYTES)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.token = token
+        self.workers = workers
         self.identities: dict[tuple[str, int], bytes] = {}
+        self.senders: dict[bytes, tuple[str, int]] = {}  # routing id -> the worker it registered as
+        self.dropped = dict.fromkeys(("frames", "undecodable", "token", "unknown_worker", "unregistered"), 0)
 
     async def recv(self) -> WorkerEvent | None:
-        """The next event; None for a message that is not a valid event (logged by the caller)."""
+        """The next event; None for a message that is not a trusted, valid event (counted)."""
         frames = await self.sock.recv_multipart()
         if len(frames) != 2:
-            return None  # not [identity, event]: ignore it, the launcher serves everyone else
+            return self._drop("frames", "a message of %d frames", len(frames))
         identity, payload = frames
         try:
-            event = event_decoder.decode(payload)
-        except msgspec.DecodeError:
-            return None
-        if isinstance(event, Starting | Ready):
-            self.identities[(event.stage, event.worker)] = identity
+            event = wire.decode(event_decoder, payload)
+        except wire.WireError as exc:
+            return self._drop("undecodable", "an undecodable event: %s", exc)
+        if isinstance(event, Starting):
+            who = (event.stage, event.worker)
+            if not hmac.compare_digest(event.token.encode(), self.token.encode()):
+                return self._drop("token", "Starting for %s with a wrong token", who)
+            if self.workers is not None and who not in self.workers:
+                return self._drop("unknown_worker", "Starting for %s, which this run did not start", who)
+            old = self.identities.get(who)
+            if old is not None and old != identity:
+                self.senders.pop(old, None)  # a restarted worker: its new socket replaces the old one
+            self.identities[who] = identity
+            self.senders[identity] = who
+            return event
+        who = self.senders.get(identity)
+        if who is None or (isinstance(event, _FromWorker) and (event.stage, event.worker) != who):
+            return self._drop("unregistered", "%s from a socket not registered as its sender",
+                              type(event).__name__)
         return event
+
+    def _drop(self, reason: str, what: str, *args: object) -> None:
+        n = self.dropped[reason] = self.dropped[reason] + 1
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: a flood of garbage must not flood the log
+            log.warning("control channel: dropping " + what + " (%d dropped for this reason)", *args, n)
+
+    def statistics(self) -> dict[str, Any]:
+        return {"workers": len(self.identities), "dropped": dict(self.dropped)}
 
     async def broadcast(self, msg: Any) -> None:
         data = encoder.encode(msg)

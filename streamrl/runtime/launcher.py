@@ -193,7 +193,9 @@ class _Launch:
         try:
             self.progress.message(f"streamrl: run dir {self.run_dir}")
             dock.start()
-            server = c.ControlServer(f"ipc://{tmp}/control")
+            token = c.new_token()
+            server = c.ControlServer(f"ipc://{tmp}/control", token=token,
+                                     workers={(w.stage, w.index) for w in self.workers})
             weights = f"ipc://{tmp}/weights"
             # colocated and disaggregated stages join torch.distributed through FileStores here
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
@@ -203,6 +205,7 @@ class _Launch:
                     spec = WorkerSpec(config=cfg, stage=host, worker=k, colocated=[s for s, _ in rest],
                                       dock_endpoint=dock.controller_endpoint, control_endpoint=server.endpoint,
                                       weights_endpoint=weights, run_dir=str(self.run_dir), pipeline=self.pipeline,
+                                      token=token,
                                       parent_pid=os.getpid() if cfg.resources.launch == "processes" else 0)
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     if cfg.resources.launch == "processes":

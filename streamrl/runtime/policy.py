@@ -13,6 +13,13 @@ holds a request until a version >= ``need`` exists or ``timeout_s`` passes.
 Buffer lifetime: ``publish`` snapshots (clones) the weights, so the optimizer may update the
 live parameters while earlier snapshots are still being sent; a snapshot is freed once it is
 replaced and every send that references it has completed (pyzmq holds references until then).
+
+Limits (the publisher serves every generator from the trainer's process, so no request may hurt
+it): requests are at most ``MAX_REQUEST_BYTES`` (ZMQ_MAXMSGSIZE: a request is ~50 bytes), decoded
+through :func:`streamrl.wire.decode` with ``timeout_s`` in [0, 3600]; each peer has at most one
+request waiting (a newer one replaces it: a subscriber only ever waits for its latest), and at
+most ``MAX_WAITING`` peers wait at once (beyond that the longest-waiting is answered at once
+with the current version, which a subscriber treats as a timed-out long poll and asks again).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated
 
 import anyio
 import msgspec
@@ -30,6 +38,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from streamrl import wire
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.protocol import TensorColumn
 
@@ -45,7 +54,7 @@ class WeightsRequest(_Msg, tag="weights_request"):
     have: int  # the version the subscriber holds (-1: none); weights come only if newer
     need: int  # answer once a version >= need exists
     want_weights: bool
-    timeout_s: float
+    timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)]  # long-poll wait; NaN/inf refused
 
 
 class WeightsReply(_Msg, tag="weights_reply"):
@@ -60,6 +69,9 @@ class WeightsReply(_Msg, tag="weights_reply"):
 _request_decoder = msgspec.msgpack.Decoder(WeightsRequest)
 _reply_decoder = msgspec.msgpack.Decoder(WeightsReply)
 _encoder = msgspec.msgpack.Encoder()
+
+MAX_REQUEST_BYTES = 64 * 1024
+MAX_WAITING = 4096  # peers whose long poll is held at once (a run has one per generate worker)
 
 
 class PolicyTimeout(TimeoutError):
@@ -80,13 +92,15 @@ class PolicyPublisher:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        wire.limit_socket(self.sock, MAX_REQUEST_BYTES)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.version = 0
         self._names: list[str] = []
         self._tensors: list[torch.Tensor] = []
-        self._pending: list[_Pending] = []
+        self._pending: dict[bytes, _Pending] = {}  # by peer, oldest first: one waiting request each
         self.bytes_sent = 0
+        self.dropped = 0  # requests that were not valid (counted, logged sparsely)
 
     async def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         """Make ``version`` current and answer everyone waiting for it at once.
@@ -105,31 +119,38 @@ class PolicyPublisher:
             with anyio.move_on_after(self._next_timeout()):
                 frames = await self.sock.recv_multipart()
                 if len(frames) != 2:
-                    log.warning("dropping a weights request of %d frames", len(frames))
+                    self._drop(f"a weights request of {len(frames)} frames")
                     continue
                 identity, payload = frames
                 try:
-                    req = _request_decoder.decode(payload)
-                except msgspec.DecodeError as exc:
-                    log.warning("dropping malformed weights request: %s", exc)
+                    req = wire.decode(_request_decoder, payload)
+                except wire.WireError as exc:
+                    self._drop(f"a malformed weights request: {exc}")
                     continue
-                self._pending.append(_Pending(identity, req, time.monotonic() + max(0.0, req.timeout_s)))
+                self._pending.pop(identity, None)  # its older request is abandoned: keep the newest
+                self._pending[identity] = _Pending(identity, req, time.monotonic() + req.timeout_s)
+                if len(self._pending) > MAX_WAITING:
+                    oldest = next(iter(self._pending.values()))
+                    del self._pending[oldest.identity]
+                    await self._reply(oldest.identity, oldest.req)
             await self._answer()
+
+    def _drop(self, what: str) -> None:
+        self.dropped += 1
+        if self.dropped & (self.dropped - 1) == 0:  # 1st, 2nd, 4th, ...: garbage must not flood the log
+            log.warning("dropping %s (%d dropped so far)", what, self.dropped)
 
     def _next_timeout(self) -> float:
         if not self._pending:
             return 1.0  # nothing pending: publish() answers new waiters itself
-        return max(0.0, min(0.2, min(p.deadline for p in self._pending) - time.monotonic()))
+        return max(0.0, min(0.2, min(p.deadline for p in self._pending.values()) - time.monotonic()))
 
     async def _answer(self) -> None:
         now = time.monotonic()
-        keep = []
-        for item in self._pending:
-            if self.version >= item.req.need or now >= item.deadline:
-                await self._reply(item.identity, item.req)
-            else:
-                keep.append(item)
-        self._pending = keep
+        due = [p for p in self._pending.values() if self.version >= p.req.need or now >= p.deadline]
+        for item in due:
+            del self._pending[item.identity]
+            await self._reply(item.identity, item.req)
 
     async def _reply(self, identity: bytes, req: WeightsRequest) -> None:
         frames: list[object] = []
@@ -190,7 +211,11 @@ class PolicySubscriber:
             with anyio.fail_after(wait_s + reply_timeout_s):
                 while True:
                     frames = await sock.recv_multipart(copy=False)
-                    reply = _reply_decoder.decode(frames[0].bytes)
+                    try:
+                        reply = wire.decode(_reply_decoder, frames[0].bytes)
+                    except wire.WireError as exc:
+                        log.warning("dropping an undecodable reply from the policy publisher: %s", exc)
+                        continue
                     if reply.req_id == rid:  # older replies belong to requests that timed out
                         self.known_version = max(self.known_version, reply.version)
                         return reply, frames[1:]

@@ -51,6 +51,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     parent_pid: int = 0  # the launcher: exit once it is gone (no orphans if it is killed)
     colocated: list[StageSpec] = msgspec.field(default_factory=list)  # more stages' worker k in this process
     pipeline: PipelineSpec | None = None  # the whole graph, for stages that pair with another stage
+    token: str = ""  # the run's control-channel token (runtime/control.py); the spec file is 0600
 
 
 def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
@@ -107,7 +108,7 @@ async def run_worker(spec: WorkerSpec) -> int:
 
 async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str, Any]) -> int:
     cfg = spec.config
-    control = ControlClient(spec.control_endpoint, sspec.name, spec.worker)
+    control = ControlClient(spec.control_endpoint, sspec.name, spec.worker, token=spec.token)
     policy = PolicySubscriber(spec.weights_endpoint)
     device = sspec.device or cfg.resources.device
     indices: list[int] = []
@@ -357,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_spec(spec: WorkerSpec, path: Path) -> None:
-    path.write_bytes(msgspec.json.encode(spec))
+    """Write the spec readable by its owner only: it holds the run's control token."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(msgspec.json.encode(spec))
 
 
 if __name__ == "__main__":
