@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -117,22 +117,44 @@ def load_model(
     when the directory is missing, has no ``config.json`` / weights, or fails to load.
     """
     path = Path(path)
+    check_model_dir(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds; name the path in one error type
+        raise ModelLoadError(f"could not load model from {str(path)!r}: {type(exc).__name__}: {exc}") from exc
+    return model.to(resolve_device(device))
+
+
+def check_model_dir(path: str | Path) -> dict[str, Any]:
+    """What ``load_model`` needs, checked without loading weights: the directory, its
+    ``config.json`` (returned, parsed) and ``*.safetensors`` weights. Raises ``ModelLoadError``."""
+    path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist (expected a save_pretrained directory)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json; is it a save_pretrained directory?")
     try:
-        json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{str(config_file)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{str(config_file)!r} must hold a JSON object, got {type(config).__name__}")
     if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
         raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights; save it with save_pretrained")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    except Exception as exc:  # transformers raises many kinds; name the path in one error type
-        raise ModelLoadError(f"could not load model from {str(path)!r}: {type(exc).__name__}: {exc}") from exc
-    return model.to(resolve_device(device))
+    return config
+
+
+def max_positions_of(config: dict[str, Any]) -> int | None:
+    """The positions a model config advertises (``max_position_embeddings``, or the older names;
+    a multimodal config keeps it under ``text_config``); None when it says none."""
+    for source in (config, config.get("text_config")):
+        if isinstance(source, dict):
+            for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+                value = source.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
 
 
 def _npu_available() -> bool:

@@ -18,6 +18,22 @@ import msgspec
 RESERVED_FIELDS = frozenset({"prompt", "response", "response_ids", "answer"})
 
 
+class TaskOptionError(TypeError, ValueError):
+    """A task option is unknown or has the wrong value (``task.options`` of a run config). Both a
+    TypeError (what ``get_task`` raised for unknown options) and a ValueError (for bad values)."""
+
+
+def int_option(task: str, name: str, value: object, minimum: int) -> int:
+    """``value`` as an int option of ``task``, refused with the option's name when it is not an int
+    (YAML ``"3"`` or ``3.0``, or a bool) or below ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TaskOptionError(f"task {task!r}: option {name} must be an int >= {minimum}, got "
+                              f"{type(value).__name__} {value!r}; write e.g. {name}: {max(minimum, 3)}")
+    if value < minimum:
+        raise TaskOptionError(f"task {task!r}: option {name} must be >= {minimum}, got {value}")
+    return value
+
+
 class Prompt(msgspec.Struct, frozen=True):
     """One prompt row: the text the policy sees, the reference answer, any extra fields."""
 

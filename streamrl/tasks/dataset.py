@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,14 @@ class PromptDatasetError(ValueError):
 
 def _row_to_prompt(row: object, where: str) -> Prompt:
     if not isinstance(row, dict):
-        raise PromptDatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        raise PromptDatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}; write "
+                                 '{"prompt": "...", "answer": "..."}')
     if "prompt" not in row:
         raise PromptDatasetError(f"{where}: field 'prompt' is missing (each row needs \"prompt\" and \"answer\")")
     prompt = row["prompt"]
     if not isinstance(prompt, str) or not prompt:
-        raise PromptDatasetError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
+        raise PromptDatasetError(f"{where}: field 'prompt' must be a non-empty string, got "
+                                 f"{type(prompt).__name__} {prompt!r}; write the prompt text in quotes")
     if "answer" not in row:
         raise PromptDatasetError(f"{where}: field 'answer' is missing (use \"\" when the reward needs none)")
     answer = row["answer"]
@@ -45,25 +47,59 @@ def _row_to_prompt(row: object, where: str) -> Prompt:
     return Prompt(prompt, answer, metadata)
 
 
+# What validation reads of a prompt file before a run: all of it up to this size, else the first
+# CHECK_ROWS rows (the rest is checked when the source stage loads it, with the same messages).
+CHECK_BYTES = 4 * 2**20
+CHECK_ROWS = 20_000
+
+
+def iter_prompts_jsonl(path: str | Path, max_rows: int | None = None) -> Iterator[tuple[int, Prompt]]:
+    """``(line number, Prompt)`` of each row of a JSONL prompt file (1-based lines; blank lines are
+    skipped), validated as they are read; stops after ``max_rows`` rows when given."""
+    path = Path(path)
+    if not path.exists():
+        raise PromptDatasetError(f"prompt file {str(path)!r} does not exist; check task.options.path")
+    if not path.is_file():
+        raise PromptDatasetError(f"prompt file {str(path)!r} is not a file; task.options.path must name a "
+                                 ".jsonl file")
+    rows = 0
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                if max_rows is not None and rows >= max_rows:
+                    return
+                where = f"{path}, line {lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise PromptDatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); each line "
+                                             'must be one JSON object like {"prompt": "...", "answer": "..."}') from None
+                rows += 1
+                yield lineno, _row_to_prompt(row, where)
+    except UnicodeDecodeError as exc:
+        raise PromptDatasetError(f"prompt file {str(path)!r} is not UTF-8 text (byte {exc.start}); save it as "
+                                 "UTF-8") from None
+    except OSError as exc:
+        raise PromptDatasetError(f"prompt file {str(path)!r} cannot be read: {exc}") from None
+    if rows == 0:
+        raise PromptDatasetError(f"prompt file {str(path)!r} has no rows; add one JSON object per line")
+
+
 def load_prompts_jsonl(path: str | Path) -> list[Prompt]:
     """Read and validate every row of a JSONL prompt file (blank lines are skipped)."""
-    path = Path(path)
-    if not path.is_file():
-        raise PromptDatasetError(f"prompt file {str(path)!r} does not exist")
-    prompts: list[Prompt] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PromptDatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-            prompts.append(_row_to_prompt(row, where))
-    if not prompts:
-        raise PromptDatasetError(f"prompt file {str(path)!r} has no rows")
-    return prompts
+    return [prompt for _, prompt in iter_prompts_jsonl(path)]
+
+
+def check_prompts_jsonl(path: str | Path, max_bytes: int = CHECK_BYTES,
+                        max_rows: int = CHECK_ROWS) -> tuple[list[tuple[int, Prompt]], bool]:
+    """The rows validation checks before a run, bounded in cost: every row of a file up to
+    ``max_bytes``, else the first ``max_rows``. Returns ``(rows, whole file checked)``."""
+    p = Path(path)
+    small = p.is_file() and p.stat().st_size <= max_bytes
+    rows = list(iter_prompts_jsonl(p, None if small else max_rows))
+    return rows, small
 
 
 class DatasetTask(BatchRewardMixin):

@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from streamrl.tasks.base import BatchRewardMixin, Prompt, as_rng
+from streamrl.tasks.base import BatchRewardMixin, Prompt, TaskOptionError, as_rng, int_option
 
 DIGITS = "0123456789"
 EOS_TEXT = "<eos>"
@@ -76,12 +76,15 @@ class FirstDigitTask(_DigitsTask):
         n_digits: int = 3,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
-        if n_digits < 1:
-            raise ValueError(f"task {name!r}: n_digits must be >= 1, got {n_digits}")
+        int_option(name, "n_digits", n_digits, 1)
         self.name = name
         super().__init__(tokenizer)
         self.answer_of = answer_of
         self.n_digits = n_digits
+
+    def max_prompt_text(self) -> str:
+        """A prompt as long as any this task makes (for the positions check before a run)."""
+        return "+".join("9" * self.n_digits) + "="
 
     def make_prompts(self, rng: random.Random | int, n: int) -> list[Prompt]:
         rng = as_rng(rng)
@@ -109,13 +112,20 @@ class DigitsReverseTask(_DigitsTask):
     def __init__(
         self, min_digits: int = 2, max_digits: int = 8, tokenizer: PreTrainedTokenizerBase | None = None
     ) -> None:
-        if not 1 <= min_digits <= max_digits:
-            raise ValueError(
-                f"task 'digits-reverse': need 1 <= min_digits <= max_digits, got {min_digits}..{max_digits}"
+        int_option("digits-reverse", "min_digits", min_digits, 1)
+        int_option("digits-reverse", "max_digits", max_digits, 1)
+        if not min_digits <= max_digits:
+            raise TaskOptionError(
+                f"task 'digits-reverse': need 1 <= min_digits <= max_digits, got {min_digits}..{max_digits}; "
+                "raise max_digits or lower min_digits"
             )
         super().__init__(tokenizer)
         self.min_digits = min_digits
         self.max_digits = max_digits
+
+    def max_prompt_text(self) -> str:
+        """A prompt as long as any this task makes (for the positions check before a run)."""
+        return "9" * self.max_digits + "="
 
     def make_prompts(self, rng: random.Random | int, n: int) -> list[Prompt]:
         rng = as_rng(rng)

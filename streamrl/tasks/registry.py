@@ -10,12 +10,12 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from streamrl.tasks import digits
-from streamrl.tasks.base import RewardFn, Task
+from streamrl.tasks.base import RewardFn, Task, TaskOptionError
 from streamrl.tasks.dataset import DatasetTask, load_prompts_jsonl
 
 
@@ -24,10 +24,6 @@ class UnknownTaskError(KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
-
-
-class TaskOptionError(TypeError):
-    """A task option is unknown or has the wrong value."""
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -71,6 +67,52 @@ def register_task(name: str, factory: Callable[..., Task], *, replace: bool = Fa
     _FACTORIES[name] = factory
 
 
+def _bind(name: str, factory: Callable[..., Task], options: Mapping[str, Any]) -> None:
+    signature = inspect.signature(factory)
+    try:
+        signature.bind(**options)
+    except TypeError as exc:
+        accepted = [p for p in signature.parameters if p != "self"]
+        raise TaskOptionError(f"task {name!r}: {exc}; accepted options: {accepted}") from exc
+
+
+def check_task(name: str, options: Mapping[str, Any], tokenizer: Any = None) -> Task | None:
+    """Find what is wrong with task ``name`` and its ``options`` before a run starts.
+
+    A built-in digits task (or a registered one) is built as the source stage will build it
+    (cheap) and returned. ``jsonl`` checks its options only and returns None: reading its rows is
+    the caller's (``check_prompts_jsonl``, bounded). ``tokenizer`` is set by streamrl from the model,
+    never by the config."""
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        get_task(name)  # raises UnknownTaskError with the did-you-mean
+    assert factory is not None
+    if "tokenizer" in options:
+        raise TaskOptionError(f"task {name!r}: option 'tokenizer' is set by streamrl from the model (model.path "
+                              "or the built-in character tokenizer); remove it from task.options")
+    _bind(name, factory, options)
+    if name != "jsonl":
+        extra = {"tokenizer": tokenizer} if name.startswith("digits") and tokenizer is not None else {}
+        return factory(**options, **extra)
+    path, reward = options.get("path"), options.get("reward")
+    if not isinstance(path, str) or not path:
+        raise TaskOptionError(f"task 'jsonl': option path must be the prompt file's path (a string), got {path!r}")
+    if not isinstance(reward, str) or not reward:
+        raise TaskOptionError(f"task 'jsonl': option reward must be a built-in task name (e.g. digits-reverse) or "
+                              f"'module:function', got {reward!r}")
+    if reward == "jsonl":
+        raise TaskOptionError("task 'jsonl': option reward 'jsonl' has no reward rule of its own; name a built-in "
+                              f"task ({', '.join(n for n in task_names() if n != 'jsonl')}) or 'module:function'")
+    try:
+        load_reward_fn(reward)
+    except UnknownTaskError as exc:
+        raise TaskOptionError(f"task 'jsonl': option reward: {exc}, or 'module:function'") from None
+    label = options.get("name")
+    if label is not None and not isinstance(label, str):
+        raise TaskOptionError(f"task 'jsonl': option name must be a string, got {label!r}")
+    return None
+
+
 def get_task(name: str, **options: Any) -> Task:
     """Build the task ``name`` with ``options`` (its factory's keyword arguments)."""
     factory = _FACTORIES.get(name)
@@ -78,10 +120,5 @@ def get_task(name: str, **options: Any) -> Task:
         close = difflib.get_close_matches(name, _FACTORIES, n=3, cutoff=0.5)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise UnknownTaskError(f"unknown task {name!r}{hint} (known tasks: {', '.join(task_names())})")
-    signature = inspect.signature(factory)
-    try:
-        signature.bind(**options)
-    except TypeError as exc:
-        accepted = [p for p in signature.parameters if p != "self"]
-        raise TaskOptionError(f"task {name!r}: {exc}; accepted options: {accepted}") from exc
+    _bind(name, factory, options)
     return factory(**options)
