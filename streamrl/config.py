@@ -9,7 +9,10 @@ field from the command line (values parse as YAML: ``true``, ``3e-4``, ``[1, 2]`
 from __future__ import annotations
 
 import difflib
+import math
+import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +44,18 @@ YamlLoader.add_implicit_resolver(
 
 def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=YamlLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error as ``line L, column C: <problem>`` (1-based; PyYAML counts from 0), so a user
+    can jump to it; its own message repeats the line with a caret we do not need."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    text = f"{context}, {problem}" if context else str(problem)
+    if mark is None:
+        return text
+    return f"line {mark.line + 1}, column {mark.column + 1}: {text}"
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -137,28 +152,88 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return cap if cap is not None else (self.algo.max_staleness + 2) * self.batch_size
 
 
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
 def _check(cfg: RunConfig, where: str) -> None:
+    """Cross-field and range checks of the config alone (no files, no imports): each rule names
+    its dotted key and says what to write instead. Checks that need the pipeline, the task or the
+    model are in :func:`streamrl.runtime.pipeline.check_run`."""
     a = cfg.algo
+    r = cfg.resources
     rules: list[tuple[bool, str]] = [
-        (a.steps >= 1, "algo.steps must be >= 1"),
-        (a.prompts_per_step >= 1, "algo.prompts_per_step must be >= 1"),
-        (a.group_size >= 2 or not a.normalize_std, "algo.group_size must be >= 2 to normalise rewards in a group"),
-        (a.max_new_tokens >= 1, "algo.max_new_tokens must be >= 1"),
-        (a.temperature > 0, "algo.temperature must be > 0"),
-        (0 < a.top_p <= 1, "algo.top_p must be in (0, 1]"),
-        (a.top_k >= 0, "algo.top_k must be >= 0 (0 = off)"),
-        (a.lr > 0, "algo.lr must be > 0"),
-        (a.max_staleness >= 0, "algo.max_staleness must be >= 0 (0 = synchronous on-policy)"),
+        (a.steps >= 1, f"algo.steps must be >= 1, got {a.steps}"),
+        (a.prompts_per_step >= 1, f"algo.prompts_per_step must be >= 1, got {a.prompts_per_step}"),
+        (a.group_size >= 1, f"algo.group_size must be >= 1, got {a.group_size}"),
+        (a.group_size >= 2 or not a.normalize_std,
+         "algo.group_size must be >= 2 to normalise rewards in a group (or set algo.normalize_std: false)"),
+        (a.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {a.max_new_tokens}"),
+        (a.temperature > 0 and _finite(a.temperature), f"algo.temperature must be > 0 and finite, got {a.temperature}"),
+        (0 < a.top_p <= 1, f"algo.top_p must be in (0, 1] (1.0 = off), got {a.top_p}"),
+        (a.top_k >= 0, f"algo.top_k must be >= 0 (0 = off), got {a.top_k}"),
+        (a.lr > 0 and _finite(a.lr), f"algo.lr must be > 0 and finite, e.g. 1e-3; got {a.lr}"),
+        (all(0 <= b < 1 for b in a.betas), f"algo.betas must both be in [0, 1), e.g. [0.9, 0.999]; got {list(a.betas)}"),
+        (a.weight_decay >= 0 and _finite(a.weight_decay), f"algo.weight_decay must be >= 0, got {a.weight_decay}"),
+        (a.max_grad_norm is None or (a.max_grad_norm > 0 and _finite(a.max_grad_norm)),
+         f"algo.max_grad_norm must be > 0, or null for no clipping; got {a.max_grad_norm}"),
+        (a.max_staleness >= 0, f"algo.max_staleness must be >= 0 (0 = synchronous on-policy), got {a.max_staleness}"),
+        (a.stop_reward is None or _finite(a.stop_reward),
+         f"algo.stop_reward must be a finite number, or null to run all algo.steps; got {a.stop_reward}"),
         (a.loss.temperature == a.temperature or a.loss.temperature == 1.0,
-         "algo.loss.temperature must equal algo.temperature (logprobs are recomputed at the sampling one)"),
-        (cfg.resources.dock.warehouses >= 1, "resources.dock.warehouses must be >= 1"),
+         "algo.loss.temperature must equal algo.temperature (logprobs are recomputed at the sampling one); "
+         "leave algo.loss.temperature out"),
+        (r.dock.warehouses >= 1, f"resources.dock.warehouses must be >= 1, got {r.dock.warehouses}"),
+        (r.dock.capacity is None or r.dock.capacity >= 1,
+         f"resources.dock.capacity must be >= 1, or null for (max_staleness + 2) steps' worth; got {r.dock.capacity}"),
         (cfg.dock_capacity >= cfg.batch_size,
-         f"resources.dock.capacity ({cfg.dock_capacity}) must hold one step: >= prompts_per_step * group_size "
-         f"({cfg.batch_size})"),
+         f"resources.dock.capacity ({cfg.dock_capacity}) must hold one step: >= algo.prompts_per_step * "
+         f"algo.group_size ({cfg.batch_size}); raise it or leave it out (null)"),
+        (r.dock.lease_ttl_s > 0 and _finite(r.dock.lease_ttl_s),
+         f"resources.dock.lease_ttl_s must be > 0 seconds, got {r.dock.lease_ttl_s}"),
+        (r.start_timeout_s > 0 and _finite(r.start_timeout_s),
+         f"resources.start_timeout_s must be > 0 seconds, got {r.start_timeout_s}"),
+        (bool(cfg.task.name.strip()), "task.name is empty; name a task, e.g. digits-max, or jsonl with task.options.path"),
+        (bool(cfg.pipeline.strip()), "pipeline is empty; name a pipeline file, e.g. pipelines/grpo.yaml"),
+        (cfg.model.path is None or bool(cfg.model.path.strip()),
+         "model.path is empty; leave it out (null) to build model.tiny, or give a save_pretrained directory"),
     ]
     for ok, message in rules:
         if not ok:
             raise ConfigError(f"{where}: {message}")
+    _check_output(cfg.output, where)
+    _check_extra_chars(cfg.model.extra_chars, where)
+
+
+def _check_output(out: OutputConfig, where: str) -> None:
+    name = out.name
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ConfigError(f"{where}: output.name {name!r} must be a plain file name (no '/'): each run writes "
+                          "<output.run_dir>/<output.name>-<timestamp>/")
+    if not out.run_dir.strip():
+        raise ConfigError(f"{where}: output.run_dir is empty; give a directory, e.g. runs")
+    # runs are made under the cwd's run_dir (the launcher's Path(run_dir)): the directory, or the
+    # first of its ancestors that exists, must be a directory we may write into
+    path = Path(out.run_dir).expanduser()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        what = "is a file" if probe == path else f"is under {str(probe)!r}, which is a file"
+        raise ConfigError(f"{where}: output.run_dir {out.run_dir!r} {what}, not a directory; "
+                          "set output.run_dir to a directory (it is created if missing)")
+    if probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where}: output.run_dir {out.run_dir!r}: cannot write into {str(probe)!r} "
+                          "(permission denied); choose another output.run_dir")
+
+
+def _check_extra_chars(extra_chars: str, where: str) -> None:
+    from streamrl.models.tokenizer import TokenizerConfigError, _check_extra_chars
+
+    try:
+        _check_extra_chars(extra_chars)
+    except TokenizerConfigError as exc:
+        raise ConfigError(f"{where}: model.{exc}") from None
 
 
 def _did_you_mean(word: str, options: list[str]) -> str:
@@ -170,53 +245,106 @@ def _fields_of(struct_type: Any) -> dict[str, Any]:
     return {f.name: f.type for f in msgspec.structs.fields(struct_type)}
 
 
+_PREFIXES = {"LossConfig.": "algo.loss.", "TinyModelSpec.": "model.tiny."}
+
+
+def _stage_path(path: str, raw: dict[str, Any]) -> str:
+    """msgspec says ``stages[...]`` for a dict value: find the stage override that fails on its own."""
+    if not path.startswith(".stages[...]"):
+        return path
+    stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
+    for name, value in (stages or {}).items():
+        try:
+            msgspec.convert(value, StageOverride)
+        except msgspec.ValidationError:
+            return f".stages.{name}" + path[len(".stages[...]"):]
+    return path
+
+
+def _type_at(parts: list[str]) -> Any:
+    """The declared type of a dotted config path (None where it cannot be followed)."""
+    struct_type: Any = RunConfig
+    if len(parts) >= 2 and parts[0] == "stages":
+        struct_type, parts = StageOverride, parts[2:]  # stages.<name>: a dict of overrides
+    for part in parts:
+        if "[" in part or not (isinstance(struct_type, type) and issubclass(struct_type, msgspec.Struct)):
+            return None
+        struct_type = _fields_of(struct_type).get(part)
+    return struct_type
+
+
+def _value_at(raw: Any, parts: list[str]) -> tuple[bool, Any]:
+    node = raw
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _allowed_values(tp: Any) -> list[Any]:
+    """The literal values a field accepts (``Literal[...]``, possibly inside ``X | None``)."""
+    if typing.get_origin(tp) is Literal:
+        return list(typing.get_args(tp))
+    return [v for arg in typing.get_args(tp) for v in _allowed_values(arg)]
+
+
 def _explain(exc: msgspec.ValidationError, raw: dict[str, Any], where: str) -> ConfigError:
-    """Turn msgspec's message into one that names the field and offers a did-you-mean."""
+    """Turn msgspec's message into one that names the dotted key, the value given and the fix."""
     text = str(exc)
+    problem, _, at = text.partition(" - at `$")
+    path = _stage_path(at.rstrip("`"), raw)
+    parts = [p for p in path.strip(".").split(".") if p]
+    key = ".".join(parts)
     if text.startswith("Object contains unknown field"):
         field = text.split("`")[1]
-        path = text.split("at `$")[-1].rstrip("`") if "at `$" in text else ""
-        if path.startswith(".stages[...]"):
-            # msgspec does not name the dict key: find the stage override that fails on its own
-            stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
-            for name, value in stages.items():
-                try:
-                    msgspec.convert(value, StageOverride)
-                except msgspec.ValidationError:
-                    path = f".stages.{name}" + path[len(".stages[...]"):]
-                    break
-        struct_type: Any = RunConfig
-        parts = [p for p in path.strip(".").split(".") if p]
-        if len(parts) >= 2 and parts[0] == "stages":
-            struct_type, parts = StageOverride, parts[2:]  # stages.<name>: a dict of overrides
-        for part in parts:
-            if "[" in part:
-                struct_type = None
-                break
-            struct_type = _fields_of(struct_type).get(part)
-            if not isinstance(struct_type, type) or not issubclass(struct_type, msgspec.Struct):
-                struct_type = None
-                break
-        options = list(_fields_of(struct_type)) if struct_type is not None else []
-        full = f"{path.strip('.')}.{field}".strip(".")
+        struct_type = _type_at(parts)
+        is_struct = isinstance(struct_type, type) and issubclass(struct_type, msgspec.Struct)
+        options = list(_fields_of(struct_type)) if is_struct else []
+        full = f"{key}.{field}".strip(".")
         return ConfigError(f"{where}: unknown key {full!r}{_did_you_mean(field, options)}")
-    return ConfigError(f"{where}: {text.replace('$.', '')}")
+    for prefix, dotted in _PREFIXES.items():  # __post_init__ checks of nested structs name their class
+        if problem.startswith(prefix):
+            return ConfigError(f"{where}: {dotted}{problem[len(prefix):]}")
+    found, value = _value_at(raw, parts)
+    given = f" (given: {value!r})" if found else ""
+    if problem.startswith("Invalid enum value"):
+        allowed = _allowed_values(_type_at(parts))
+        return ConfigError(f"{where}: {key} must be one of {allowed}, got {value!r}")
+    if problem.startswith("Object missing required field"):
+        return ConfigError(f"{where}: {key or 'the config'} misses the required key {problem.split('`')[1]!r}")
+    if problem.startswith("Expected `"):
+        hint = ""
+        if problem.startswith("Expected `object`"):
+            hint = f"; write it as a mapping, e.g. {key}: {{key: value}}"
+        elif "of length" in problem:
+            hint = f"; e.g. {key}: [0.9, 0.999]" if key.endswith("betas") else ""
+        return ConfigError(f"{where}: {key}: {problem[0].lower()}{problem[1:]}{given}{hint}")
+    return ConfigError(f"{where}: {key}: {problem}{given}" if key else f"{where}: {problem}")
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """``["algo.lr=3e-4", "resources.launch=inprocess"]`` -> nested dict."""
+    """``["algo.lr=3e-4", "resources.launch=inprocess"]`` -> nested dict (values parse as YAML)."""
     out: dict[str, Any] = {}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. algo.lr=3e-4)")
-        node = out
         parts = key.split(".")
+        if any(not part or part != part.strip() for part in parts):
+            raise ConfigError(f"override {item!r}: the key {key!r} must be dotted names without spaces or empty "
+                              "parts, e.g. algo.lr=3e-4")
+        try:
+            parsed = load_yaml(value) if value else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({yaml_problem(exc)}); quote it, "
+                              f"e.g. {key}='\"...\"'") from None
+        node = out
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} conflicts with another override of {part!r}")
-        node[parts[-1]] = load_yaml(value) if value else ""
+        node[parts[-1]] = parsed
     return out
 
 
@@ -242,9 +370,12 @@ def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list
         try:
             loaded = load_yaml(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{where}: not valid YAML: {exc}") from exc
+            raise ConfigError(f"{where}: not valid YAML: {yaml_problem(exc)}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{where}: cannot read the config file: {exc}") from None
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{where}: the top level must be a mapping of config fields")
+            raise ConfigError(f"{where}: the top level must be a mapping of config fields (key: value lines), "
+                              f"got a {type(loaded).__name__}")
         raw = loaded
         raw.setdefault("config_dir", str(path.parent.resolve()))
     if overrides:
@@ -255,7 +386,10 @@ def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list
     except msgspec.ValidationError as exc:
         raise _explain(exc, raw, where) from None
     except ValueError as exc:  # __post_init__ checks of nested structs (TinyModelSpec, LossConfig)
-        raise ConfigError(f"{where}: {exc}") from None
+        text = str(exc)
+        for prefix, dotted in _PREFIXES.items():
+            text = text.replace(prefix, dotted)
+        raise ConfigError(f"{where}: {text}") from None
     _check(cfg, where)
     return cfg
 
@@ -273,3 +407,57 @@ def resolve_path(cfg: RunConfig, path: str) -> Path:
         if (base / p).exists():
             return (base / p).resolve()
     return (Path(cfg.config_dir) / p).resolve()
+
+
+# A Hugging Face hub id: "name" or "owner/name" (letters, digits, '-', '_', '.'; no '..' or '--').
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    return bool(_HUB_ID.match(text)) and ".." not in text and "--" not in text and not text.endswith((".", "-"))
+
+
+def resolve_model_dir(cfg: RunConfig) -> Path:
+    """The directory ``model.path`` names: a local save_pretrained directory (absolute, or relative
+    to the config file or the cwd), or a hub id ``owner/name`` already in the local Hugging Face
+    cache (streamrl never downloads). Validation and every stage resolve it here, so they agree;
+    the error says everything that was tried."""
+    text = cfg.model.path
+    if text is None:
+        raise ConfigError("model.path is not set (the run builds model.tiny)")
+    p = Path(text).expanduser()
+    bases = dict.fromkeys([Path(cfg.config_dir).resolve(), Path.cwd().resolve()])
+    candidates = [p] if p.is_absolute() else [base / p for base in bases]
+    for c in candidates:
+        if c.is_dir():
+            return c.resolve()
+    files = [c for c in candidates if c.exists()]
+    if files:
+        raise ConfigError(f"model.path {text!r}: {str(files[0])!r} is a file, not a save_pretrained directory "
+                          "(a directory with config.json and *.safetensors)")
+    tried = " and ".join(repr(str(c)) for c in candidates)
+    if not _looks_like_hub_id(text) or p.is_absolute():
+        raise ConfigError(f"model.path {text!r}: no such directory (looked at {tried}); give a save_pretrained "
+                          "directory (config.json + *.safetensors), or a hub id like 'owner/name' already in the "
+                          "local Hugging Face cache")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    try:
+        return Path(snapshot_download(text, local_files_only=True))
+    except Exception as exc:  # not cached (LocalEntryNotFoundError), or an id the hub library refuses
+        raise ConfigError(
+            f"model.path {text!r}: not a local directory (looked at {tried}) and not in the Hugging Face cache "
+            f"({HF_HUB_CACHE}: {type(exc).__name__}); streamrl does not download models: run "
+            f"`huggingface-cli download {text}` first, or set model.path to a save_pretrained directory"
+        ) from None
+
+
+def task_options(cfg: RunConfig) -> dict[str, Any]:
+    """``task.options`` as the task factory gets them: a ``jsonl`` task's ``path`` resolved like the
+    pipeline (relative to the config file, the cwd or the checkout), so validation reads the same
+    file the source stage will."""
+    options = dict(cfg.task.options)
+    if cfg.task.name == "jsonl" and isinstance(options.get("path"), str) and options["path"]:
+        options["path"] = str(resolve_path(cfg, options["path"]))
+    return options
