@@ -19,7 +19,7 @@ import zmq
 from streamrl.rewards.function import RewardFunction
 from streamrl.rewards.keys import generate_keypair, load_public_keys
 from streamrl.rewards.results import RewardConfigError, RewardFunctionLoadError
-from streamrl.rewards.server import RewardServer
+from streamrl.rewards.server import DEFAULT_MAX_MESSAGE_BYTES, RewardServer
 
 #: The line a supervisor (or a test) waits for on stdout: "READY <endpoint actually bound>".
 READY_PREFIX = "READY "
@@ -54,6 +54,12 @@ def register_commands(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM, seconds to finish in-flight batches (default 30)",
+    )
+    server.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest incoming message; a peer sending more is disconnected (default 256 MiB)",
     )
     server.add_argument(
         "--curve-secret-key",
@@ -104,6 +110,7 @@ def run_reward_server(args: argparse.Namespace) -> int:
             grace_s=args.grace_s,
             curve_secret_key=args.curve_secret_key,
             curve_allowed_keys=allowed,
+            max_message_bytes=args.max_message_bytes,
         )
         server.bind()
     except (RewardConfigError, RewardFunctionLoadError) as exc:

@@ -40,16 +40,16 @@ from streamrl.rewards.protocol import (
     HelloReply,
     Ping,
     Pong,
+    ProtocolError,
     RewardSample,
     SampleResult,
     Score,
     ScoreReply,
     ScoreRequest,
     check_score,
-    client_decoder,
+    decode_server_message,
     encode,
     normalise_score,
-    peek_request_id,
 )
 from streamrl.rewards.results import (
     OnBadReply,
@@ -79,6 +79,11 @@ _MONITORED_EVENTS = (
 _OVERLOADED_BACKOFF_S = 0.1
 #: Upper bound on one wait for capacity: re-checks backoffs and the no-server deadline.
 _CAPACITY_POLL_S = 0.1
+#: ZMQ_MAXMSGSIZE of the client's sockets. A reply is one result per sample (a score or an error
+#: text the client cuts to 2000 characters anyway), so even max_batch_size in the thousands fits;
+#: a server sending more is disconnected (its requests are retried elsewhere) instead of being
+#: able to make this process allocate whatever it declares.
+MAX_REPLY_BYTES = 64 * 2**20
 
 
 class RewardEndpoint(msgspec.Struct, frozen=True):
@@ -411,6 +416,7 @@ class RewardClient:
     def _connect(self, endpoint: RewardEndpoint) -> _Server:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
         # Queue nothing for a server that is not connected: a restarted server must not receive a
         # burst of stale requests, and a send to a dead one must fail now, not wait.
         socket.setsockopt(zmq.IMMEDIATE, 1)
@@ -551,22 +557,22 @@ class RewardClient:
 
     async def _read_replies(self, server: _Server) -> None:
         while True:
-            frames = await server.socket.receive()
+            # Only the first frame is kept: a valid reply has exactly one (see receive_capped).
+            frames, count = await server.socket.receive_capped(1)
             server.last_seen = time.monotonic()
-            if len(frames) != 1:
-                self._unattributable_bad_reply(server, f"expected one frame per message, got {len(frames)}")
+            if count != 1:
+                self._unattributable_bad_reply(server, f"expected one frame per message, got {count}")
                 continue
             self._on_message(server, frames[0])
 
     def _on_message(self, server: _Server, payload: bytes) -> None:
         try:
-            message = client_decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            request_id = peek_request_id(payload)
-            if request_id is None:
-                self._unattributable_bad_reply(server, f"undecodable reply ({exc})")
+            message = decode_server_message(payload)
+        except ProtocolError as exc:
+            if exc.request_id is None:
+                self._unattributable_bad_reply(server, f"undecodable reply ({exc.reason})")
             else:
-                self._bad_reply(server, request_id, f"malformed reply: {exc}")
+                self._bad_reply(server, exc.request_id, f"malformed reply: {exc.reason}")
             return
         match message:
             case HelloReply(version=version):
@@ -590,13 +596,40 @@ class RewardClient:
                 self._on_score_reply(server, request_id, results)
             case ErrorReply(code="unsupported_version"):
                 self._set_incompatible(server, f"{message.message} (server speaks {message.versions})")
+            case ErrorReply(code=code, request_id=None) if code in TRANSIENT_ERROR_CODES:
+                # A refusal that names no request: honour what it says about the server (draining,
+                # busy) but leave the outstanding requests be; their replies or the disconnect come.
+                self._on_refusal(server, None, code, message.message)
             case ErrorReply(request_id=None):
-                server.last_error = f"server error {message.code}: {message.message}"
-                log.warning("reward server %s: %s", server.endpoint, server.last_error)
+                self._on_anonymous_error(server, f"server error {message.code}: {message.message}")
             case ErrorReply(code=code, request_id=int(request_id)) if code in TRANSIENT_ERROR_CODES:
                 self._on_refusal(server, request_id, code, message.message)
             case ErrorReply(request_id=int(request_id)):
                 self._bad_reply(server, request_id, f"server error {message.code}: {message.message}")
+
+    def _on_anonymous_error(self, server: _Server, reason: str) -> None:
+        """An ``error`` without a request id (the server could not read one of our messages).
+
+        It concerns one of the requests outstanding there, but not knowably which, so every one of
+        them fails over now, as if the connection had been lost: each counts as an attempt and goes
+        to another server. Waiting for the deadline instead would stall the batch for timeout_s,
+        and applying on_bad_reply="fail" to all of them would fail batches that were fine.
+        Exactly-once makes the duplicate scoring of an innocent batch harmless.
+        """
+        server.last_error = reason
+        pending = [a for a in server.outstanding.values() if a.outcome is None and not a.job.finished]
+        log.warning(
+            "reward server %s: %s; failing over its %d outstanding request(s)",
+            server.endpoint,
+            reason,
+            len(pending),
+        )
+        for attempt in pending:
+            server.outstanding.pop(attempt.request_id, None)
+            attempt.outcome, attempt.reason = "lost", reason
+            server.counts["lost"] += 1
+            attempt.job.wake.set()
+        self._signal_capacity()
 
     def _take(self, server: _Server, request_id: int) -> _Attempt | None:
         """The pending attempt this reply answers, or None (and counted) for a late/unknown reply."""
@@ -636,8 +669,8 @@ class RewardClient:
             ]
         )
 
-    def _on_refusal(self, server: _Server, request_id: int, code: str, text: str) -> None:
-        attempt = self._take(server, request_id)
+    def _on_refusal(self, server: _Server, request_id: int | None, code: str, text: str) -> None:
+        attempt = None if request_id is None else self._take(server, request_id)
         server.counts["refusals"] += 1
         if code == "shutting_down":
             server.state = "draining"  # until it disconnects and a successor says hello

@@ -120,7 +120,8 @@ class RewardFunction:
         return {k: v for k, v in kwargs.items() if k in self._keywords}
 
     def _sample_kwargs(self, sample: RewardSample) -> dict[str, Any]:
-        clashes = [k for k in sample.metadata if k in _SAMPLE_FIELDS]
+        metadata = sample.metadata or {}  # never None after construction; "or" for the type checker
+        clashes = [k for k in metadata if k in _SAMPLE_FIELDS]
         if clashes:
             raise ValueError(f"metadata keys {clashes} clash with sample fields; rename them in metadata")
         kwargs: dict[str, Any] = {"prompt": sample.prompt, "response": sample.response}
@@ -128,7 +129,7 @@ class RewardFunction:
             kwargs["prompt_ids"] = sample.prompt_ids
         if sample.response_ids is not None:
             kwargs["response_ids"] = sample.response_ids
-        kwargs.update(sample.metadata)
+        kwargs.update(metadata)
         return self._filter(kwargs)
 
     def _batch_kwargs(self, samples: Sequence[RewardSample]) -> dict[str, Any]:
@@ -138,7 +139,7 @@ class RewardFunction:
                 "responses": [s.response for s in samples],
                 "prompt_ids": [s.prompt_ids for s in samples],
                 "response_ids": [s.response_ids for s in samples],
-                "metadata": [s.metadata for s in samples],
+                "metadata": [s.metadata or {} for s in samples],
             }
         )
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import zmq
 
@@ -35,12 +36,13 @@ from streamrl.rewards.protocol import (
     HelloReply,
     Ping,
     Pong,
+    ProtocolError,
     ScoreReply,
     ScoreRequest,
     ServerMessage,
+    clip_text,
+    decode_client_message,
     encode,
-    peek_request_id,
-    server_decoder,
 )
 from streamrl.rewards.results import RewardConfigError
 from streamrl.rewards.zmqio import AsyncSocket
@@ -49,6 +51,13 @@ log = logging.getLogger(__name__)
 
 
 LAST_REPLIES_READ_S = 0.25  # connections stay up this long after a drain's last replies (see serve)
+#: Default ZMQ_MAXMSGSIZE: a frame declaring more is refused by ZeroMQ before anything is allocated
+#: and its connection closed (spec §9). 64 samples of 100k-token responses with text fit easily.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
+#: Frames kept of one incoming message: [routing id, b"", payload] from a REQ peer is the most a
+#: valid message has; the rest of a message with more is read and dropped (see receive_capped).
+_MAX_FRAMES = 3
+
 
 class RewardServerStatistics(msgspec.Struct, frozen=True):
     endpoint: str
@@ -85,7 +94,7 @@ class RewardServer:
         grace_s: float = 30.0,
         curve_secret_key: str | Path | None = None,
         curve_allowed_keys: Iterable[bytes] | None = None,
-        max_message_bytes: int = 256 * 2**20,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         context: zmq.Context | None = None,
     ) -> None:
         if isinstance(function, str):
@@ -98,6 +107,10 @@ class RewardServer:
             raise RewardConfigError(f"max_pending={max_pending} must be >= workers={workers}")
         if grace_s <= 0:
             raise RewardConfigError(f"grace_s={grace_s}; seconds to finish in-flight batches, must be > 0")
+        if max_message_bytes < 1024:
+            raise RewardConfigError(
+                f"max_message_bytes={max_message_bytes}; too small for any score request, use >= 1024"
+            )
         if curve_allowed_keys is not None and curve_secret_key is None:
             raise RewardConfigError("a CURVE allow-list needs the server's own key: pass curve_secret_key")
         self.function = function
@@ -245,39 +258,42 @@ class RewardServer:
 
     def _bad_request(self, envelope: list[bytes], message: str, request_id: int | None = None) -> None:
         self._counts["bad_requests"] += 1
+        message = clip_text(message)
         log.warning("bad request: %s", message)
         self._send(envelope, ErrorReply(code="bad_request", message=message, request_id=request_id))
 
     async def _receive_loop(self, group: anyio.abc.TaskGroup) -> None:
         assert self._socket is not None
         while True:
-            self._dispatch(await self._socket.receive(), group)
+            frames, count = await self._socket.receive_capped(_MAX_FRAMES)
+            self._dispatch(frames, count, group)
 
     def _refuse_queued(self) -> None:
         """Answer what arrived during the last moments of a shutdown (score requests get
         ``shutting_down``), so those clients retry at once instead of waiting for the disconnect."""
         assert self._socket is not None and self._shutdown_requested
-        while True:
-            try:
-                frames = self._socket.socket.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._dispatch(frames, None)
+        while (received := self._socket.receive_capped_nowait(_MAX_FRAMES)) is not None:
+            self._dispatch(*received, None)
 
-    def _dispatch(self, frames: list[bytes], group: anyio.abc.TaskGroup | None) -> None:
-        """Handle one incoming message; scoring is started in ``group`` (None only when refusing)."""
+    def _dispatch(self, frames: list[bytes], count: int, group: anyio.abc.TaskGroup | None) -> None:
+        """Handle one incoming message of ``count`` frames (the first ``_MAX_FRAMES`` in ``frames``);
+        scoring is started in ``group`` (None only when refusing).
+
+        Every payload goes through decode_client_message, the one decode-and-validate path, which
+        turns anything malformed into a ProtocolError: no message can raise out of here.
+        """
         # [routing id, payload] from a DEALER; [routing id, b"", payload] from a REQ socket.
-        if len(frames) == 2:
+        if count == 2:
             envelope, payload = frames[:1], frames[1]
-        elif len(frames) == 3 and frames[1] == b"":
+        elif count == 3 and frames[1] == b"":
             envelope, payload = frames[:2], frames[2]
         else:
-            self._bad_request(frames[:1], f"expected one msgpack frame per message, got {len(frames) - 1}")
+            self._bad_request(frames[:1], f"expected one msgpack frame per message, got {count - 1}")
             return
         try:
-            message = server_decoder.decode(payload)
-        except msgspec.DecodeError as exc:
-            self._bad_request(envelope, f"invalid message: {exc}", peek_request_id(payload))
+            message = decode_client_message(payload)
+        except ProtocolError as exc:
+            self._bad_request(envelope, exc.reason, exc.request_id)
             return
         match message:
             case Hello(versions=versions):
@@ -299,9 +315,11 @@ class RewardServer:
         common = set(versions) & set(PROTOCOL_VERSIONS)
         if common:
             return HelloReply(version=max(common), server=self.name, workers=self.workers)
+        # The offer is the peer's: show a few of its versions, never a reply as large as its hello.
+        offered = ", ".join(map(str, versions[:8])) + (", ..." if len(versions) > 8 else "")
         return ErrorReply(
             code="unsupported_version",
-            message=f"client speaks protocol versions {versions}; this server speaks {list(PROTOCOL_VERSIONS)}",
+            message=f"client speaks protocol versions [{offered}]; this server speaks {list(PROTOCOL_VERSIONS)}",
             versions=list(PROTOCOL_VERSIONS),
         )
 

@@ -51,6 +51,48 @@ class AsyncSocket:
                 finally:
                     self._wait_scope = None
 
+    async def receive_capped(self, max_frames: int) -> tuple[list[bytes], int]:
+        """The next multipart message's first ``max_frames`` frames, and how many it had in all.
+
+        ``MAXMSGSIZE`` bounds each frame, not their number: a peer may send a message of millions
+        of small frames. The frames past ``max_frames`` are read and dropped one by one, so such a
+        message costs this process no more memory than a valid one.
+        """
+        while True:
+            try:
+                first = self.socket.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            else:
+                return self._rest_of_message(first, max_frames)
+            if self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                continue
+            with anyio.CancelScope() as scope:
+                self._wait_scope = scope
+                try:
+                    await anyio.wait_readable(self.socket.FD)
+                finally:
+                    self._wait_scope = None
+
+    def receive_capped_nowait(self, max_frames: int) -> tuple[list[bytes], int] | None:
+        """:meth:`receive_capped` without waiting: None when no message is queued."""
+        try:
+            first = self.socket.recv(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return self._rest_of_message(first, max_frames)
+
+    def _rest_of_message(self, first: bytes, max_frames: int) -> tuple[list[bytes], int]:
+        # ZeroMQ delivers a multipart message atomically: once its first frame is here, so are the
+        # others, and these non-blocking reads cannot fail with EAGAIN.
+        frames, count = [first], 1
+        while self.socket.get(zmq.RCVMORE):
+            frame = self.socket.recv(flags=zmq.NOBLOCK)
+            count += 1
+            if len(frames) < max_frames:
+                frames.append(frame)
+        return frames, count
+
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket; the receiving task must have been cancelled first."""
         if not self._closed:

@@ -1,69 +1,171 @@
 """The score stage: a reward per completion, in process or from external reward servers.
 
-Options (pipeline ``options:`` or run config ``stages.score.options``):
+Options (pipeline ``options:`` or run config ``stages.score.options``), checked by
+:meth:`ScoreStage.check_options` in ``setup`` — before the run's first sample — with errors that
+name the option:
 
 ``backend``: ``inprocess`` (default) or ``zmq``.
-``reward``: ``module:function`` (``f(prompt, response, **metadata) -> float | dict``, see
-  docs/reward-protocol.md); default for ``inprocess``: the task's own rule.
-``endpoints``: reward-server addresses for ``zmq`` (``tcp://host:port``); several share the load.
-``timeout_s``, ``max_in_flight_per_server``, ``on_bad_reply`` (fail | retry | default),
-``on_sample_error`` (fail | default), ``default_score``, ``curve_client_secret_key``,
-``curve_server_public_key``: passed to :class:`streamrl.rewards.RewardClient`.
-``score_key``: which entry of a dict of named scores is the reward (default ``reward``).
+``reward`` (inprocess only): ``module:function`` (``f(prompt, response, **metadata) -> float | dict``,
+  see docs/reward-protocol.md §11); default: the task's own rule.
+``endpoints`` (zmq only, required): reward-server addresses (``tcp://host:port``); several share the load.
+``timeout_s``, ``max_in_flight_per_server``, ``max_batch_size``, ``max_attempts``, ``on_bad_reply``
+  (fail | retry | default), ``heartbeat_interval_s``, ``heartbeat_timeout_s``, ``no_server_timeout_s``,
+  ``curve_client_secret_key``, ``curve_server_public_key`` (zmq only): passed to
+  :class:`streamrl.rewards.RewardClient`.
+``on_sample_error`` (fail | default) and ``default_score``: what a sample whose reward function
+  failed gets (both backends).
+``score_key`` / ``score_weights``: how a *map of named scores* becomes the one reward (below).
 
-Each sample is sent with its prompt, response (text and ids) and metadata ``{"answer": ...}``.
+Named scores (a reward returning ``{"correct": 1.0, "format": 0.5}``). A plain number is always
+the reward. For a map:
+
+1. ``score_key: NAME`` — the entry NAME (a map without it fails the run, naming the keys it has);
+2. ``score_weights: {NAME: WEIGHT, ...}`` — the weighted sum of those entries (each must be present;
+   other entries are ignored);
+3. neither set — a map with a single entry is that entry, a map with an entry named ``reward`` is
+   that entry; any other map fails the run at its first occurrence, with the names to choose from.
+
+No silent default aggregation (such as the sum of all entries): named scores are usually on
+different scales (a 0/1 correctness next to a length in tokens), and summing them would train on
+a reward nobody chose.
+
+What each sample carries (docs/reward-protocol.md §3): ``id`` (the dock's global sample index),
+``prompt`` (the prompt text), ``response`` (``response_ids`` decoded *without* special tokens:
+no pad/EOS text), ``response_ids`` (every sampled id, EOS included when emitted) and
+``metadata: {"answer": ...}``. Never ``prompt_ids``. In process the function gets the same fields.
 Per-server latency p50/p99, retries and timeouts go to metrics.jsonl as ``score/...``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Literal
 
-from streamrl.rewards import InProcessRewardBackend, RewardClient, RewardSample
+import msgspec
+
+from streamrl.rewards import InProcessRewardBackend, RewardClient, RewardConfigError, RewardSample
+from streamrl.rewards.results import RewardBackend
 from streamrl.runtime.stage import Batch, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
 
-_CLIENT_OPTIONS = ("timeout_s", "max_in_flight_per_server", "on_bad_reply", "on_sample_error", "default_score",
-                   "max_attempts", "curve_client_secret_key", "curve_server_public_key", "max_batch_size")
-_KNOWN = {"backend", "reward", "endpoints", "score_key", *_CLIENT_OPTIONS}
+
+class ScoreOptionsError(RewardConfigError):
+    """The score stage's options are invalid, or do not say how to turn named scores into one reward."""
+
+
+class ScoreOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The score stage's ``options`` (see the module docstring). None = not set."""
+
+    backend: Literal["inprocess", "zmq"] = "inprocess"
+    reward: str | None = None
+    endpoints: list[str] | None = None
+    score_key: str | None = None
+    score_weights: dict[str, float] | None = None
+    on_sample_error: Literal["fail", "default"] = "fail"
+    default_score: float | dict[str, float] | None = None
+    # RewardClient's (backend zmq only).
+    timeout_s: float | None = None
+    max_in_flight_per_server: int | None = None
+    max_batch_size: int | None = None
+    max_attempts: int | None = None
+    on_bad_reply: Literal["fail", "retry", "default"] | None = None
+    heartbeat_interval_s: float | None = None
+    heartbeat_timeout_s: float | None = None
+    no_server_timeout_s: float | None = None
+    curve_client_secret_key: str | None = None
+    curve_server_public_key: str | None = None
+
+
+#: ScoreOptions fields forwarded to RewardClient as keyword arguments when set.
+_CLIENT_ONLY = (
+    "timeout_s", "max_in_flight_per_server", "max_batch_size", "max_attempts", "on_bad_reply",
+    "heartbeat_interval_s", "heartbeat_timeout_s", "no_server_timeout_s", "curve_client_secret_key",
+    "curve_server_public_key",
+)  # fmt: skip
+_KNOWN = frozenset(ScoreOptions.__struct_fields__)
 
 
 class ScoreStage:
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> ScoreOptions:
+        """The typed options, or :class:`ScoreOptionsError` naming the bad one. Pure: opens
+        nothing, so a config check can call it before anything starts."""
+        unknown = sorted(set(options) - _KNOWN)
+        if unknown:
+            raise ScoreOptionsError(f"score stage: unknown options {unknown}; known: {sorted(_KNOWN)}")
+        try:
+            opts = msgspec.convert(options, ScoreOptions)
+        except msgspec.ValidationError as exc:
+            raise ScoreOptionsError(f"score stage: {str(exc).replace('`$.', '`options.')}") from None
+        if opts.backend == "zmq":
+            if not opts.endpoints:
+                raise ScoreOptionsError(
+                    "score stage: backend zmq needs options.endpoints: [tcp://HOST:PORT, ...]"
+                )
+            if opts.reward is not None:
+                raise ScoreOptionsError(
+                    "score stage: options.reward is the in-process function; with backend zmq the reward "
+                    "servers host the function. Remove options.reward (or use backend: inprocess)"
+                )
+        else:
+            misplaced = [name for name in ("endpoints", *_CLIENT_ONLY) if getattr(opts, name) is not None]
+            if misplaced:
+                raise ScoreOptionsError(
+                    f"score stage: options {misplaced} only apply to backend: zmq (reward servers); "
+                    "remove them or set options.backend: zmq"
+                )
+        if opts.score_key is not None and opts.score_weights is not None:
+            raise ScoreOptionsError(
+                "score stage: set options.score_key (one named score is the reward) or options.score_weights "
+                "(a weighted sum of named scores), not both"
+            )
+        if opts.score_key is not None and not opts.score_key:
+            raise ScoreOptionsError("score stage: options.score_key is empty; give the name of a named score")
+        if opts.score_weights is not None:
+            if not opts.score_weights:
+                raise ScoreOptionsError(
+                    "score stage: options.score_weights is empty; give {name: weight} for at least one named score"
+                )
+            bad = {k: w for k, w in opts.score_weights.items() if not math.isfinite(w)}
+            if bad:
+                raise ScoreOptionsError(f"score stage: options.score_weights {bad} are not finite numbers")
+        return opts
+
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
-        opts = ctx.options
-        unknown = sorted(set(opts) - _KNOWN)
-        if unknown:
-            raise ValueError(f"score stage: unknown options {unknown}; known: {sorted(_KNOWN)}")
+        opts = self.check_options(ctx.options)
+        self.options = opts
         self.tokenizer = build_tokenizer(ctx.config)
-        self.score_key = str(opts.get("score_key", "reward"))
-        backend = opts.get("backend", "inprocess")
-        self.backend: Any
-        if backend == "inprocess":
-            if opts.get("reward"):
-                fn: Any = opts["reward"]
+        policy: dict[str, Any] = {"on_sample_error": opts.on_sample_error}
+        if opts.default_score is not None:
+            policy["default_score"] = opts.default_score
+        self.backend: RewardBackend
+        if opts.backend == "inprocess":
+            if opts.reward:
+                fn: Any = opts.reward
             else:
                 task = build_task(ctx.config, self.tokenizer)
 
                 def fn(prompt: str, response: str, **meta: Any) -> float:
                     return task.reward(prompt, response, meta.pop("response_ids", []), meta.pop("answer", ""),
-                                       **meta)
+                                       **meta)  # fmt: skip
 
-            self.backend = InProcessRewardBackend(fn, on_sample_error=opts.get("on_sample_error", "fail"))
-        elif backend == "zmq":
-            endpoints = opts.get("endpoints")
-            if not endpoints or not isinstance(endpoints, list):
-                raise ValueError("score stage: backend zmq needs options.endpoints: [tcp://HOST:PORT, ...]")
-            client_opts = {k: opts[k] for k in _CLIENT_OPTIONS if k in opts}
-            self.backend = RewardClient(endpoints, **client_opts)
-            await self.backend.start(ctx.tasks)  # type: ignore[attr-defined]
+            self.backend = InProcessRewardBackend(fn, **policy)
         else:
-            raise ValueError(f"score stage: options.backend must be 'inprocess' or 'zmq', got {backend!r}")
+            assert opts.endpoints is not None  # check_options
+            client_opts = {
+                name: getattr(opts, name) for name in _CLIENT_ONLY if getattr(opts, name) is not None
+            }
+            client = RewardClient(opts.endpoints, **policy, **client_opts)
+            await client.start(ctx.tasks)  # type: ignore[attr-defined]  # the worker's task group (worker.py)
+            self.backend = client
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         cols = batch.columns
         ids = [t.tolist() for t in cols["response_ids"]]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+        # Rewards judge the text the model wrote, not the tokenizer's pad/EOS markers (a reward
+        # comparing "4<eos>" with "4" would be wrong); the ids still carry everything.
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         samples = [
             RewardSample(id=i, prompt=p, response=r, response_ids=rid, metadata={"answer": a})
             for i, p, r, rid, a in zip(batch.indices, cols["prompt"], texts, ids, cols["answer"], strict=True)
@@ -71,21 +173,13 @@ class ScoreStage:
         results = await self.backend.score(samples)
         rewards = []
         for res in results:
-            score = res.score
-            if isinstance(score, dict):
-                if self.score_key not in score:
-                    raise ValueError(f"sample {res.sample_id}: the reward server ({res.source}) returned named "
-                                     f"scores {sorted(score)} without {self.score_key!r} (set options.score_key)")
-                score = score[self.score_key]
-            if score is None:
+            if res.score is None:
                 raise ValueError(f"sample {res.sample_id}: no score ({res.error})")
-            rewards.append(float(score))
+            rewards.append(reward_of(res.score, self.options, sample_id=res.sample_id, source=res.source))
         self._report()
         return {"reward": rewards}
 
     def _report(self) -> None:
-        import msgspec
-
         stats = msgspec.to_builtins(self.backend.statistics())
         flat: dict[str, float] = {}
         for key in ("retries", "timeouts", "late_replies", "bad_replies", "defaulted_samples"):
@@ -103,3 +197,36 @@ class ScoreStage:
 
     async def close(self) -> None:
         await self.backend.aclose()
+
+
+def reward_of(
+    score: float | dict[str, float], options: ScoreOptions, *, sample_id: int, source: str
+) -> float:
+    """The one reward of a sample's score, by the named-scores rule of the module docstring."""
+    if not isinstance(score, dict):
+        return float(score)
+    names = sorted(score)
+    where = f"sample {sample_id}'s reward (from {source or 'the reward function'}) is a map of named scores {names}"
+    if options.score_weights is not None:
+        missing = sorted(set(options.score_weights) - set(score))
+        if missing:
+            raise ScoreOptionsError(
+                f"score stage: {where} without {missing}, which options.score_weights weights; "
+                f"set options.score_weights to weights of {names}"
+            )
+        return float(sum(weight * score[name] for name, weight in options.score_weights.items()))
+    if options.score_key is not None:
+        if options.score_key not in score:
+            raise ScoreOptionsError(
+                f"score stage: {where} without options.score_key={options.score_key!r}; "
+                f"set options.score_key to one of {names}"
+            )
+        return float(score[options.score_key])
+    if len(score) == 1:
+        return float(next(iter(score.values())))
+    if "reward" in score:
+        return float(score["reward"])
+    raise ScoreOptionsError(
+        f"score stage: {where} and it is not said which is the reward: set options.score_key to one of "
+        f"{names}, or options.score_weights: {{{', '.join(f'{n}: 1.0' for n in names)}}} for their weighted sum"
+    )
