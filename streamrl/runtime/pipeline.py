@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from streamrl.config import ConfigError, RunConfig, StageOverride, load_yaml, resolve_path
+from streamrl.config import ConfigError, RunConfig, StageOverride, load_yaml, resolve_path, yaml_problem
 
 
 class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename={"cls": "class"}):
@@ -71,6 +71,7 @@ class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename
 
 
 PLACEMENTS = ("separate", "colocated", "disaggregated")
+_PIPELINE_FIELDS = ["name", "stages", "placement"]
 
 
 class PipelineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -116,6 +117,16 @@ def _explain_stage_error(text: str, raw: Any) -> str:
     """msgspec says ``at `$.stages[2].micro_batch```: name the stage, and suggest a field name."""
     m = re.search(r"\$\.stages\[(\d+)\](?:\.(\w+))?", text)
     if not m or not isinstance(raw, dict) or not isinstance(raw.get("stages"), list):
+        if text.startswith("Object contains unknown field") and text.endswith("at `$`"):
+            field = text.split("`")[1]
+            close = difflib.get_close_matches(field, _PIPELINE_FIELDS, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(_PIPELINE_FIELDS)})"
+            return f"unknown top-level field {field!r}{hint}"
+        if text.startswith("Object missing required field"):
+            field = text.split("`")[1]
+            example = "name: my_pipeline" if field == "name" else "stages: [{name: ..., class: module:Class}, ...]"
+            at = text.partition(" - at `$")[2].rstrip("`")
+            return f"the required field {field!r} is missing{' at ' + at.strip('.') if at else ''}; add e.g. `{example}`"
         return text.replace("$.", "")
     k = int(m.group(1))
     stage = raw["stages"][k] if k < len(raw["stages"]) else {}
@@ -152,17 +163,27 @@ def _apply_overrides(stage: StageSpec, over: StageOverride) -> StageSpec:
 
 
 def load_pipeline(cfg: RunConfig) -> PipelineSpec:
-    """The run's pipeline with its per-stage overrides applied, validated."""
+    """The run's pipeline with its per-stage overrides applied, validated, and the whole run checked
+    (:func:`check_run`): everything that can be known before a process starts."""
     path = resolve_path(cfg, cfg.pipeline)
     where = str(path)
     if not path.is_file():
-        raise ConfigError(f"pipeline {cfg.pipeline!r}: no such file (looked relative to {cfg.config_dir}, the cwd "
-                          "and the streamrl checkout)")
+        what = "is a directory, not a file" if path.is_dir() else "no such file"
+        raise ConfigError(f"pipeline {cfg.pipeline!r}: {what} (looked relative to {cfg.config_dir}, the cwd "
+                          "and the streamrl checkout); set pipeline to a file such as pipelines/grpo.yaml")
     try:
         raw = load_yaml(path.read_text()) or {}
-        spec = msgspec.convert({**raw, "path": where}, PipelineSpec)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{where}: not valid YAML: {yaml_problem(exc)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read the pipeline file: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: a pipeline file is a mapping with `name:` and `stages:` (a list of stages), "
+                          f"got a {type(raw).__name__}")
+    if "path" in raw:
+        raise ConfigError(f"{where}: unknown field 'path' (streamrl sets it); known: {_PIPELINE_FIELDS}")
+    try:
+        spec = msgspec.convert({**raw, "path": where}, PipelineSpec)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{where}: {_explain_stage_error(str(exc), raw)}") from None
     names = [s.name for s in spec.stages]
@@ -172,6 +193,7 @@ def load_pipeline(cfg: RunConfig) -> PipelineSpec:
                               f"(stages: {names})")
     spec.stages = [_apply_overrides(s, cfg.stages[s.name]) if s.name in cfg.stages else s for s in spec.stages]
     validate_pipeline(spec, cfg)
+    check_run(spec, cfg)
     return spec
 
 
@@ -348,6 +370,7 @@ def _check_class(s: StageSpec, at: str, pipeline: PipelineSpec) -> None:
     if isinstance(placement, str) and placement != pipeline.placement:
         raise ConfigError(f"{at}: {s.cls!r} works only with `placement: {placement}` at the top of the pipeline, "
                           f"which says {pipeline.placement!r}")
+    _check_options(s, cls, at)
     needed = ["setup", "close", "produce" if s.is_source else "process"]
     missing = [m for m in needed if not callable(getattr(cls, m, None))]
     if missing:
@@ -368,3 +391,305 @@ def _check_device(device: str, at: str) -> None:
 def pipeline_from_path(path: str | Path, cfg: RunConfig) -> PipelineSpec:
     """Load a pipeline from an explicit path (for tests and `streamrl validate`)."""
     return load_pipeline(msgspec.structs.replace(cfg, pipeline=str(path)))
+
+
+# ------------------------------------------------------------------ stage options
+
+class NoOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A built-in stage that takes no options."""
+
+
+class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    gate_on_policy: bool = True  # wait for policy version step - max_staleness before each step's prompts
+
+
+class ReshardTrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    bucket_bytes: int = 64 * 2**20  # reshard bucket cap (bytes)
+    collective_timeout_s: float = 600.0  # how long a rank waits in a collective for the others
+    backend: str | None = None  # torch.distributed backend; None: gloo on CPU, nccl on CUDA, hccl on NPU
+
+
+class ColocatedTrainOptions(ReshardTrainOptions, forbid_unknown_fields=True, kw_only=True):
+    swap: bool = True  # training state to host memory while generating
+
+
+class ReshardGenerateOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tensor_parallel: int = 1  # T: workers per inference replica
+
+
+# The built-in stages' options (``module:Class`` as imported). A class of its own may declare
+# them too: a static ``check_options(options)`` that raises ValueError/TypeError naming the option
+# (the score stage does), or an ``Options`` msgspec Struct with forbid_unknown_fields.
+BUILTIN_STAGE_OPTIONS: dict[str, type[msgspec.Struct]] = {
+    "streamrl.stages.source:SourceStage": SourceOptions,
+    "streamrl.stages.generate:GenerateStage": NoOptions,
+    "streamrl.stages.advantage:AdvantageStage": NoOptions,
+    "streamrl.stages.reference:ReferenceStage": NoOptions,
+    "streamrl.stages.train:TrainStage": NoOptions,
+    "streamrl.stages.colocated:ColocatedTrainStage": ColocatedTrainOptions,
+    "streamrl.stages.colocated:ColocatedGenerateStage": ReshardGenerateOptions,
+    "streamrl.stages.disaggregated:DisaggregatedTrainStage": ReshardTrainOptions,
+    "streamrl.stages.disaggregated:DisaggregatedGenerateStage": ReshardGenerateOptions,
+}
+_BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
+
+
+def _class_key(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _check_options(s: StageSpec, cls: type, at: str) -> None:
+    """The stage's ``options`` against what its class takes, before a worker imports anything."""
+    at = f"{at.rsplit(' class', 1)[0]} options"
+    check = getattr(cls, "check_options", None)
+    if callable(check):
+        try:
+            check(dict(s.options))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{at}: {exc}") from None
+    schema = getattr(cls, "Options", None)
+    if not (isinstance(schema, type) and issubclass(schema, msgspec.Struct)):
+        schema = BUILTIN_STAGE_OPTIONS.get(_class_key(cls))
+    if schema is not None:
+        try:
+            opts = msgspec.convert(s.options, schema)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            known = [f.name for f in msgspec.structs.fields(schema)]
+            if text.startswith("Object contains unknown field"):
+                field = text.split("`")[1]
+                if not known:
+                    raise ConfigError(f"{at}: unknown option {field!r}: {cls.__name__} takes no options; remove "
+                                      f"options.{field}") from None
+                close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+                raise ConfigError(f"{at}: unknown option {field!r} ({hint})") from None
+            problem, _, path = text.partition(" - at `$")
+            name = path.rstrip("`").strip(".")
+            value = s.options.get(name.split(".")[0].split("[")[0])
+            raise ConfigError(f"{at}.{name}: {problem[0].lower()}{problem[1:]}, got {value!r}") from None
+        _check_option_values(opts, at)
+    if _class_key(cls) == "streamrl.stages.score:ScoreStage":
+        _check_endpoints(s.options.get("endpoints"), at)
+        reward = s.options.get("reward")
+        if isinstance(reward, str) and s.options.get("backend", "inprocess") == "inprocess":
+            from streamrl.rewards.function import load_reward_function
+
+            try:  # imports the user's module now rather than in the worker
+                load_reward_function(reward)
+            except Exception as exc:  # RewardFunctionLoadError, or whatever importing the module raised
+                raise ConfigError(f"{at}.reward: {exc}") from None
+
+
+def _check_option_values(opts: msgspec.Struct, at: str) -> None:
+    if isinstance(opts, ReshardTrainOptions):
+        if opts.bucket_bytes < 1:
+            raise ConfigError(f"{at}.bucket_bytes must be >= 1 (bytes), got {opts.bucket_bytes}")
+        if not opts.collective_timeout_s > 0:
+            raise ConfigError(f"{at}.collective_timeout_s must be > 0 seconds, got {opts.collective_timeout_s}")
+        if opts.backend is not None and opts.backend not in _BACKENDS:
+            raise ConfigError(f"{at}.backend must be one of {list(_BACKENDS)} (or left out), got {opts.backend!r}")
+
+
+# tcp://HOST:PORT with HOST a name, an IPv4 address or [IPv6]; a connect address, so no '*'
+_TCP = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]+)$")
+
+
+def _check_endpoints(endpoints: Any, at: str) -> None:
+    """Reward-server addresses the client connects to: ``tcp://HOST:PORT`` or ``ipc://PATH``."""
+    if endpoints is None:
+        return
+    if isinstance(endpoints, str):
+        raise ConfigError(f"{at}.endpoints must be a list of addresses, e.g. [{endpoints!r}]")
+    if not isinstance(endpoints, list):
+        raise ConfigError(f"{at}.endpoints must be a list like [tcp://HOST:PORT, ...], got {endpoints!r}")
+    for i, e in enumerate(endpoints):
+        bad = f"{at}.endpoints[{i}] {e!r}"
+        if not isinstance(e, str):
+            raise ConfigError(f"{bad} must be a string like 'tcp://127.0.0.1:5555'")
+        if e.startswith("tcp://"):
+            m = _TCP.match(e)
+            if m is None:
+                raise ConfigError(f"{bad} is not tcp://HOST:PORT (e.g. 'tcp://127.0.0.1:5555'; no '*', which "
+                                  "only a server binds)")
+            if not 1 <= int(m["port"]) <= 65535:
+                raise ConfigError(f"{bad}: port {m['port']} is not in 1..65535")
+        elif e.startswith(("ipc://", "inproc://")):
+            if not e.partition("://")[2]:
+                raise ConfigError(f"{bad} has no path after '://'; e.g. 'ipc:///tmp/reward.sock'")
+        else:
+            raise ConfigError(f"{bad} must start with tcp:// or ipc:// (e.g. 'tcp://127.0.0.1:5555')")
+
+
+# ------------------------------------------------------------------ the whole run, before it starts
+
+def check_run(spec: PipelineSpec, cfg: RunConfig) -> None:
+    """What the stages would find out only in their workers, found before any process starts: the
+    batching each stage class needs, the reshard worlds, the task and its options or prompt file,
+    the model directory, and that prompt + completion fit the model's positions."""
+    where = spec.path or f"pipeline {spec.name!r}"
+    classes = {s.name: _import_quietly(s.cls) for s in spec.stages}
+    _check_batching(spec, cfg, classes, where)
+    keys = {_class_key(c) for c in classes.values() if c is not None}
+    if not any(k.startswith("streamrl.stages.") for k in keys):
+        return  # only a user's own stages: the model and the task are theirs to use or not
+    tokenizer, max_positions, positions_key = _check_model(cfg)
+    generates = any(k.startswith("streamrl.stages.") and "Generate" in k for k in keys)
+    _check_task(cfg, tokenizer, max_positions if generates else None, positions_key)
+
+
+def _import_quietly(spec: str) -> type | None:
+    try:
+        cls = import_object(spec, "class")
+    except ValueError:
+        return None  # validate_pipeline(import_classes=False) left it out on purpose
+    return cls if inspect.isclass(cls) else None
+
+
+def _is_sharded_trainer(cls: type | None) -> bool:
+    return cls is not None and any(c.__name__ == "ShardedGrpoTrainer" for c in cls.__mro__)
+
+
+def _check_batching(spec: PipelineSpec, cfg: RunConfig, classes: dict[str, type | None], where: str) -> None:
+    a = cfg.algo
+    G, batch = a.group_size, cfg.batch_size
+    for s in spec.stages:
+        cls = classes[s.name]
+        at = f"{where}: stage {s.name!r}"
+        key = _class_key(cls) if cls is not None else ""
+        if key == "streamrl.stages.advantage:AdvantageStage" and not s.whole_groups:
+            raise ConfigError(f"{at}: the advantage stage normalises rewards within a group; set whole_groups: true")
+        share = batch
+        if _is_sharded_trainer(cls):
+            if batch % s.workers:
+                raise ConfigError(f"{at}: algo.prompts_per_step x algo.group_size = {batch} samples per step must "
+                                  f"divide evenly over its workers={s.workers}; change one of them")
+            share = batch // s.workers
+            if a.old_logprobs != "rollout":
+                raise ConfigError(f"{at}: algo.old_logprobs={a.old_logprobs!r} is not supported by "
+                                  f"{cls.__name__} yet; set algo.old_logprobs: rollout")  # type: ignore[union-attr]
+            if spec.weights_receiver(s.name) is None:
+                link = "colocate_with" if spec.placement == "colocated" else "weights_from"
+                raise ConfigError(f"{at}: no stage says `{link}: {s.name}`, so its policy versions reach no "
+                                  f"generate stage; add `{link}: {s.name}` to the generate stage")
+            _check_reshard_world(spec, s, cfg, at)
+        # a stage that sizes its claims to complete its step exactly needs whole groups to add up to
+        # every claim; otherwise a claim waits for a sample count no set of groups makes
+        sized = cls is not None and callable(getattr(cls, "claim_size", None))
+        if s.whole_groups and sized and (s.micro_batch % G or share % G):
+            raise ConfigError(f"{at}: whole_groups: true with micro_batch={s.micro_batch} and {share} samples "
+                                  f"per step: both must be multiples of algo.group_size={G}, or claims of whole "
+                                  "groups never add up; change micro_batch, or set whole_groups: false")
+
+
+def _check_reshard_world(spec: PipelineSpec, train: StageSpec, cfg: RunConfig, at: str) -> None:
+    """nccl/hccl need one device per rank of the reshard world (train + disaggregated generate)."""
+    from streamrl.models.build import DeviceUnavailableError, resolve_device
+
+    receiver = spec.weights_receiver(train.name)
+    world = train.workers + (receiver.workers if receiver is not None and receiver.weights_from else 0)
+    device = train.device or cfg.resources.device
+    try:
+        kind = resolve_device(device).type
+    except (DeviceUnavailableError, ValueError):
+        return  # the device check names it
+    backend = train.options.get("backend") or {"cuda": "nccl", "npu": "hccl"}.get(kind, "gloo")
+    need = _BACKENDS.get(str(backend))
+    if need not in (None, "cpu") and need != kind:
+        raise ConfigError(f"{at} options.backend: {backend!r} needs {need} devices, but the stage runs on "
+                          f"{device!r}; use backend: gloo, or device: {need}")
+    if need in ("cuda", "npu"):
+        import torch
+
+        count = int(getattr(torch, need).device_count())
+        if world > count:
+            raise ConfigError(f"{at}: {world} reshard ranks (train + generation workers) but {count} {need} "
+                              f"device(s): {backend} needs one device per rank; use fewer workers, or "
+                              "options.backend: gloo")
+
+
+def _check_model(cfg: RunConfig) -> tuple[Any, int | None, str]:
+    """The tokenizer the stages will use, the model's positions and the key that sets them."""
+    if cfg.model.path is None:
+        from streamrl.models.tokenizer import build_char_tokenizer
+
+        return build_char_tokenizer(cfg.model.extra_chars), cfg.model.tiny.max_positions, "model.tiny.max_positions"
+    from streamrl.config import resolve_model_dir
+    from streamrl.models.build import ModelLoadError, check_model_dir, max_positions_of
+
+    try:
+        directory = resolve_model_dir(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"run config: {exc}") from None
+    try:
+        config = check_model_dir(directory)
+    except ModelLoadError as exc:
+        raise ConfigError(f"run config: model.path {cfg.model.path!r}: {exc}") from None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds: name the directory and the fix
+        raise ConfigError(f"run config: model.path {cfg.model.path!r}: cannot load its tokenizer from "
+                          f"{str(directory)!r} ({type(exc).__name__}: {exc}); save one there with "
+                          "tokenizer.save_pretrained") from None
+    return tokenizer, max_positions_of(config), f"max_position_embeddings in {directory / 'config.json'}"
+
+
+def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, positions_key: str) -> None:
+    from streamrl.config import task_options
+    from streamrl.tasks.dataset import PromptDatasetError, check_prompts_jsonl
+    from streamrl.tasks.registry import TaskOptionError, UnknownTaskError, check_task
+
+    name, options = cfg.task.name, task_options(cfg)
+    try:
+        task = check_task(name, options, tokenizer)
+    except UnknownTaskError as exc:
+        raise ConfigError(f"run config: task.name: {exc}; or register your own with "
+                          "streamrl.tasks.register_task") from None
+    except (TaskOptionError, ValueError, TypeError) as exc:
+        raise ConfigError(f"run config: task.options: {exc}") from None
+    new = cfg.algo.max_new_tokens
+
+    def too_long(tokens: int) -> bool:
+        return max_positions is not None and tokens + new > max_positions
+
+    def fix(tokens: int) -> str:
+        room = (max_positions or 0) - tokens
+        lower = f"lower algo.max_new_tokens to {room} or less, " if room >= 1 else ""
+        return f"{lower}or raise {positions_key} to {tokens + new} or more"
+
+    if task is None:  # jsonl: read its rows now (bounded), with the messages the source stage would give
+        try:
+            rows, _ = check_prompts_jsonl(options["path"])
+        except PromptDatasetError as exc:
+            raise ConfigError(f"run config: task.options.path: {exc}") from None
+        known = _char_vocabulary(cfg) if cfg.model.path is None else None
+        for lineno, prompt in rows:
+            at = f"run config: task.options.path: {options['path']}, line {lineno}"
+            if known is not None:
+                unknown = sorted(set(prompt.text) - known)
+                if unknown:
+                    raise ConfigError(f"{at}: the prompt has characters the built-in character tokenizer does not "
+                                      f"know: {''.join(unknown)!r} (each would read as <unk>); add them to "
+                                      f"model.extra_chars, e.g. model.extra_chars: {''.join(unknown)!r}")
+            tokens = len(prompt.text) if known is not None else len(tokenizer.encode(prompt.text,
+                                                                                     add_special_tokens=False))
+            if too_long(tokens):
+                raise ConfigError(f"{at}: the prompt is {tokens} tokens; with algo.max_new_tokens={new} that is "
+                                  f"{tokens + new} > the model's {max_positions} positions; shorten the prompt, "
+                                  f"{fix(tokens)}")
+        return
+    longest = getattr(task, "max_prompt_text", None)
+    texts = [longest()] if callable(longest) else [p.text for p in task.make_prompts(cfg.task.seed, 64)]
+    tokens = max(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+    if too_long(tokens):
+        label = "the longest prompt" if callable(longest) else "a prompt"
+        raise ConfigError(f"run config: algo.max_new_tokens={new} + {label} of task {name!r} ({tokens} tokens) = "
+                          f"{tokens + new} > the model's {max_positions} positions ({positions_key}); {fix(tokens)}")
+
+
+def _char_vocabulary(cfg: RunConfig) -> set[str]:
+    from streamrl.models.tokenizer import SPECIAL_TOKENS, VOCAB_TOKENS
+
+    return {t for t in VOCAB_TOKENS if t not in SPECIAL_TOKENS} | set(cfg.model.extra_chars)

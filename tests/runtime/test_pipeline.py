@@ -52,11 +52,13 @@ def test_the_shipped_pipelines_are_valid() -> None:
 
 
 def test_stage_overrides_from_the_run_config_apply(tmp_path: Path) -> None:
-    path = _write(tmp_path, lambda p: _stage(p, "score").__setitem__("options", {"a": 1, "b": 2}))
-    spec = _load(path, ["stages.score.workers=2", "stages.score.micro_batch=8", "stages.score.options={b: 3}",
+    path = _write(tmp_path, lambda p: _stage(p, "score").__setitem__("options", {"on_sample_error": "default",
+                                                                                "score_key": "a"}))
+    spec = _load(path, ["stages.score.workers=2", "stages.score.micro_batch=8", "stages.score.options={score_key: b}",
                         "stages.train.threads=1"])
     score = spec.stage("score")
-    assert (score.workers, score.micro_batch, score.options) == (2, 8, {"a": 1, "b": 3})
+    assert (score.workers, score.micro_batch, score.options) == (2, 8, {"on_sample_error": "default",
+                                                                        "score_key": "b"})
     assert spec.stage("train").threads == 1
     assert spec.stage("generate").micro_batch == 64  # untouched stages keep the file's values
 
