@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from streamrl.config import RunConfig, resolve_path
+from streamrl.config import RunConfig, resolve_model_dir, task_options
 from streamrl.models.build import build_model, load_model
 from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.runtime.stage import Batch, ClaimSize
@@ -21,7 +21,8 @@ def build_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
     if cfg.model.path is not None:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(resolve_path(cfg, cfg.model.path)))
+        # the directory validation checked (a local one, or a hub id in the local cache): never a download
+        return AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg)), local_files_only=True)
     return build_char_tokenizer(cfg.model.extra_chars)
 
 
@@ -29,14 +30,14 @@ def build_policy(cfg: RunConfig, device: str) -> tuple[PreTrainedModel, PreTrain
     """The initial policy (version 0): every stage that needs it builds the identical model."""
     tokenizer = build_tokenizer(cfg)
     if cfg.model.path is not None:
-        model = load_model(str(resolve_path(cfg, cfg.model.path)), dtype=torch.float32, device=device)
+        model = load_model(str(resolve_model_dir(cfg)), dtype=torch.float32, device=device)
     else:
         model = build_model(cfg.model.tiny, tokenizer).to(device)
     return model, tokenizer
 
 
 def build_task(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> Task:
-    options: dict[str, Any] = dict(cfg.task.options)
+    options: dict[str, Any] = task_options(cfg)  # a jsonl path resolved as validation resolved it
     if cfg.task.name.startswith("digits") and tokenizer is not None:
         options.setdefault("tokenizer", tokenizer)
     return get_task(cfg.task.name, **options)
