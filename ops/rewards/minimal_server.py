@@ -1,8 +1,9 @@
 """A complete reward server written from docs/reward-protocol.md alone: pyzmq + msgpack, no streamrl.
 
 It shows what a server in any language has to do; port it line by line. The reward is exact match
-against ``metadata["answer"]`` when the sample has one, else a named pair of scores:
-``{"length": len(response), "has_answer_tag": 0 or 1}``.
+against ``metadata["answer"]`` when the sample has one (the conformance suite's reference rule, like
+``streamrl.rewards.builtin:exact_match``), else a named pair of scores:
+``{"length": len(response), "has_answer_tag": 0 or 1}``. It passes ops/conformance/reward_server.py.
 
     python ops/rewards/minimal_server.py --bind tcp://127.0.0.1:5555
 
@@ -18,6 +19,39 @@ import msgpack
 import zmq
 
 PROTOCOL_VERSIONS = [1]
+ID_MAX = 2**63 - 1  # request ids, sample ids and nonces are ints in 0..2^63-1 (spec §2)
+
+
+def is_id(value):
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= ID_MAX
+
+
+def problem(message):
+    """Why a request map breaks the spec (naming the field), or None. Nil means absent (§2)."""
+    kind = message.get("type")
+    if kind == "hello":
+        versions = message.get("versions")
+        if not isinstance(versions, list) or not all(is_id(v) for v in versions):
+            return "$.versions must be an array of ints"
+    elif kind == "ping":
+        if not is_id(message.get("nonce")):
+            return "$.nonce must be an int in 0..2^63-1"
+    elif kind == "score":
+        if not is_id(message.get("request_id")):
+            return "$.request_id must be an int in 0..2^63-1"
+        if not isinstance(message.get("samples"), list):
+            return "$.samples must be an array"
+        for i, sample in enumerate(message["samples"]):
+            if not isinstance(sample, dict):
+                return f"$.samples[{i}] must be a map"
+            if not is_id(sample.get("id")):
+                return f"$.samples[{i}].id must be an int in 0..2^63-1"
+            for field, kind_of in (("prompt", str), ("response", str), ("metadata", dict)):
+                if sample.get(field) is not None and not isinstance(sample[field], kind_of):
+                    return f"$.samples[{i}].{field} must be a {kind_of.__name__}"
+    else:
+        return f"$.type: unknown message type {kind!r}"
+    return None
 
 
 def reward(sample):
@@ -33,9 +67,20 @@ def reward(sample):
 
 def handle(message):
     """The reply map for one request map."""
-    kind = message.get("type") if isinstance(message, dict) else None
+    if not isinstance(message, dict):
+        return {"type": "error", "code": "bad_request", "message": "a message must be a map", "request_id": None}
+    why = problem(message)
+    if why is not None:
+        request_id = message.get("request_id")
+        return {
+            "type": "error",
+            "code": "bad_request",
+            "message": why,
+            "request_id": request_id if is_id(request_id) else None,  # echoed when readable
+        }
+    kind = message["type"]
     if kind == "hello":
-        common = set(message.get("versions", [])) & set(PROTOCOL_VERSIONS)
+        common = set(message["versions"]) & set(PROTOCOL_VERSIONS)
         if not common:
             return {
                 "type": "error",
@@ -45,22 +90,14 @@ def handle(message):
             }
         return {"type": "hello_reply", "version": max(common), "server": "minimal-python", "workers": 1}
     if kind == "ping":
-        return {"type": "pong", "nonce": message.get("nonce", 0), "in_flight": 0}
-    if kind == "score":
-        results = []
-        for sample in message.get("samples", []):
-            try:
-                results.append({"id": sample["id"], "score": reward(sample)})
-            except Exception as exc:  # one bad sample must not take the server down
-                results.append({"id": sample.get("id"), "error": f"{type(exc).__name__}: {exc}"})
-        return {"type": "score_reply", "request_id": message["request_id"], "results": results}
-    request_id = message.get("request_id") if isinstance(message, dict) else None
-    return {
-        "type": "error",
-        "code": "bad_request",
-        "message": f"unknown message type {kind!r}",
-        "request_id": request_id,
-    }
+        return {"type": "pong", "nonce": message["nonce"], "in_flight": 0}
+    results = []
+    for sample in message["samples"]:
+        try:
+            results.append({"id": sample["id"], "score": reward(sample)})
+        except Exception as exc:  # one bad sample must not take the server down
+            results.append({"id": sample["id"], "error": f"{type(exc).__name__}: {exc}"})
+    return {"type": "score_reply", "request_id": message["request_id"], "results": results}
 
 
 def main():
@@ -74,6 +111,7 @@ def main():
 
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.MAXMSGSIZE, 256 * 2**20)  # a peer declaring more is disconnected (§9)
     socket.bind(args.bind)
     print("READY", socket.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
 
@@ -83,11 +121,15 @@ def main():
         if not poller.poll(100):  # wake up regularly to notice SIGTERM
             continue
         frames = socket.recv_multipart()
-        envelope, payload = frames[:-1], frames[-1]  # [client id] or [client id, b""] for REQ clients
+        # [client id, payload] from a DEALER, [client id, b"", payload] from a REQ; nothing else.
+        envelope, payload = frames[:-1], frames[-1]
+        if not (len(frames) == 2 or (len(frames) == 3 and frames[1] == b"")):
+            envelope, payload = frames[:1], None
         try:
-            message = msgpack.unpackb(payload, raw=False)
-            reply = handle(message)
-        except Exception as exc:
+            if payload is None:
+                raise ValueError(f"expected one msgpack frame per message, got {len(frames) - 1}")
+            reply = handle(msgpack.unpackb(payload, raw=False))
+        except Exception as exc:  # undecodable: invalid msgpack or UTF-8, nested too deep, ...
             reply = {
                 "type": "error",
                 "code": "bad_request",
