@@ -79,3 +79,9 @@ async def async_batched_length(responses: list[str], metadata: list[dict]) -> li
         ValueError("flagged") if m.get("flag") else float(len(r))
         for r, m in zip(responses, metadata, strict=True)
     ]
+
+
+def exact_named(response: str, answer: str) -> dict[str, float]:
+    """Named scores for the score stage's tests: whether the response is the answer, and whether
+    the tokenizer's EOS marker leaked into the response text (it must not)."""
+    return {"exact": 1.0 if response == answer else 0.0, "eos_in_text": float("<eos>" in response)}
