@@ -117,7 +117,7 @@ def _explain_stage_error(text: str, raw: Any) -> str:
     """msgspec says ``at `$.stages[2].micro_batch```: name the stage, and suggest a field name."""
     m = re.search(r"\$\.stages\[(\d+)\](?:\.(\w+))?", text)
     if not m or not isinstance(raw, dict) or not isinstance(raw.get("stages"), list):
-        if text.startswith("Object contains unknown field") and text.endswith("at `$`"):
+        if text.startswith("Object contains unknown field") and " - at `$." not in text:  # top level
             field = text.split("`")[1]
             close = difflib.get_close_matches(field, _PIPELINE_FIELDS, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(_PIPELINE_FIELDS)})"
@@ -656,8 +656,10 @@ def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, posit
 
     def fix(tokens: int) -> str:
         room = (max_positions or 0) - tokens
-        lower = f"lower algo.max_new_tokens to {room} or less, " if room >= 1 else ""
-        return f"{lower}or raise {positions_key} to {tokens + new} or more"
+        lower = f"lower algo.max_new_tokens to {room} or less" if room >= 1 else "use shorter prompts"
+        if cfg.model.path is not None:  # a pretrained model's positions are what it was trained for
+            return lower
+        return f"{lower}, or raise {positions_key} to {tokens + new} or more"
 
     if task is None:  # jsonl: read its rows now (bounded), with the messages the source stage would give
         try:
@@ -677,8 +679,8 @@ def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, posit
                                                                                      add_special_tokens=False))
             if too_long(tokens):
                 raise ConfigError(f"{at}: the prompt is {tokens} tokens; with algo.max_new_tokens={new} that is "
-                                  f"{tokens + new} > the model's {max_positions} positions; shorten the prompt, "
-                                  f"{fix(tokens)}")
+                                  f"{tokens + new} > the model's {max_positions} positions ({positions_key}); shorten the "
+                                  f"prompt, or {fix(tokens)}")
         return
     longest = getattr(task, "max_prompt_text", None)
     texts = [longest()] if callable(longest) else [p.text for p in task.make_prompts(cfg.task.seed, 64)]
