@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import streamrl
+from streamrl.config import ConfigError
 from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.runtime.launcher import RunResult
 from streamrl.runtime.stage import StageError
@@ -212,7 +213,9 @@ def test_score_with_a_user_reward_function(tmp_path: Path) -> None:
 
 
 def test_score_rejects_unknown_options(tmp_path: Path) -> None:
-    with pytest.raises(StageError) as info:
+    # caught by validation before any stage starts (streamrl.runtime.pipeline.check_run)
+    with pytest.raises(ConfigError) as info:
         _run(tmp_path, SCORE.replace('{reward: "tests.stages.user_rewards:closeness"}', "{rewrd: x}"),
              algo={"steps": 1, "prompts_per_step": 1, "group_size": 2})
-    assert info.value.stage == "score" and "unknown options ['rewrd']" in str(info.value)
+    assert "stage 'score' options" in str(info.value) and "unknown options ['rewrd']" in str(info.value)
+    assert not (tmp_path / "runs").exists()
