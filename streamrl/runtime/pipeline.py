@@ -533,9 +533,12 @@ def check_run(spec: PipelineSpec, cfg: RunConfig) -> None:
     keys = {_class_key(c) for c in classes.values() if c is not None}
     if not any(k.startswith("streamrl.stages.") for k in keys):
         return  # only a user's own stages: the model and the task are theirs to use or not
-    tokenizer, max_positions, positions_key = _check_model(cfg)
+    tokenizer, model_config, positions_key = _check_model(cfg)
+    max_positions = model_config.get("max_positions")
     generates = any(k.startswith("streamrl.stages.") and "Generate" in k for k in keys)
     _check_task(cfg, tokenizer, max_positions if generates else None, positions_key)
+    if spec.placement != "separate":
+        _check_reshard_model(spec, cfg, model_config, where)
 
 
 def _import_quietly(spec: str) -> type | None:
@@ -608,15 +611,25 @@ def _check_reshard_world(spec: PipelineSpec, train: StageSpec, cfg: RunConfig, a
                               "options.backend: gloo")
 
 
-def _check_model(cfg: RunConfig) -> tuple[Any, int | None, str]:
-    """The tokenizer the stages will use, the model's positions and the key that sets them."""
+def _check_model(cfg: RunConfig) -> tuple[Any, dict[str, Any], str]:
+    """The tokenizer the stages will use, the model's config (``config.json`` keys, plus
+    ``max_positions``) and the key that sets its positions."""
     if cfg.model.path is None:
         from streamrl.models.tokenizer import build_char_tokenizer
 
-        return build_char_tokenizer(cfg.model.extra_chars), cfg.model.tiny.max_positions, "model.tiny.max_positions"
+        t = cfg.model.tiny
+        tokenizer = build_char_tokenizer(cfg.model.extra_chars)
+        config = {"model_type": t.arch, "hidden_size": t.hidden, "num_attention_heads": t.heads,
+                  "num_key_value_heads": t.kv_heads or t.heads, "intermediate_size": t.intermediate,
+                  "num_hidden_layers": t.layers, "vocab_size": len(tokenizer), "tie_word_embeddings": t.tie_embeddings,
+                  "max_positions": t.max_positions}
+        return tokenizer, config, "model.tiny.max_positions"
     from streamrl.config import resolve_model_dir
     from streamrl.models.build import ModelLoadError, check_model_dir, max_positions_of
 
+    if cfg.model.extra_chars:
+        raise ConfigError("run config: model.extra_chars only extends the built-in character tokenizer; a "
+                          "model.path brings its own tokenizer: remove model.extra_chars")
     try:
         directory = resolve_model_dir(cfg)
     except ConfigError as exc:
@@ -633,7 +646,36 @@ def _check_model(cfg: RunConfig) -> tuple[Any, int | None, str]:
         raise ConfigError(f"run config: model.path {cfg.model.path!r}: cannot load its tokenizer from "
                           f"{str(directory)!r} ({type(exc).__name__}: {exc}); save one there with "
                           "tokenizer.save_pretrained") from None
-    return tokenizer, max_positions_of(config), f"max_position_embeddings in {directory / 'config.json'}"
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ConfigError(f"run config: model.path {cfg.model.path!r}: its tokenizer has {len(tokenizer)} tokens but "
+                          f"config.json says vocab_size={vocab}; token ids past it would index outside the "
+                          "embeddings: save the tokenizer the model was trained with")
+    config = {**config, "max_positions": max_positions_of(config)}
+    return tokenizer, config, f"max_position_embeddings in {directory / 'config.json'}"
+
+
+def _check_reshard_model(spec: PipelineSpec, cfg: RunConfig, model_config: dict[str, Any], where: str) -> None:
+    """The reshard placements shard the model: its type needs a sharding spec, and the generate
+    stage's tensor_parallel T must split its heads and MLP evenly (checked from the config alone)."""
+    from types import SimpleNamespace
+
+    from streamrl.reshard.spec import LayoutError, ModelShardingSpec
+
+    model = f"model.path {cfg.model.path!r}" if cfg.model.path is not None else "model.tiny"
+    try:
+        sharding = ModelShardingSpec.from_config(SimpleNamespace(**model_config))
+    except (LayoutError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: placement {spec.placement!r} shards the model, but {model}: {exc}") from None
+    for s in spec.stages:
+        if s.colocate_with is None and s.weights_from is None:
+            continue
+        T = inference_tensor_parallel(s)
+        try:
+            sharding.check_inference_tp(T)
+        except LayoutError as exc:
+            raise ConfigError(f"{where}: stage {s.name!r} options.tensor_parallel={T}: {exc} ({model}); pick a T "
+                              "that divides them") from None
 
 
 def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, positions_key: str) -> None:
