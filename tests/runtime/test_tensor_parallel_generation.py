@@ -17,8 +17,7 @@ import pytest
 import streamrl
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime.pipeline import load_pipeline
-from streamrl.runtime.stage import StageError
-from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs, only_run_dir
+from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 COLOCATED = REPO / "configs" / "grpo_digits_colocated.yaml"
@@ -87,13 +86,14 @@ def test_bad_tensor_parallel_settings_are_refused_before_anything_starts(config:
 
 
 @pytest.mark.timeout(60)
-def test_a_tensor_parallel_degree_the_model_cannot_split_fails_set_up_naming_it(tmp_path: Path) -> None:
-    """T = 3 divides the 3 workers but none of the model's head counts (4 heads, 2 kv heads): only the
-    stage that builds the layout knows the model, so set-up fails, naming what T must divide."""
-    before = ipc_dirs()
+def test_a_tensor_parallel_degree_the_model_cannot_split_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """T = 3 divides the 3 workers but none of the model's head counts (4 heads, 2 kv heads): validation
+    builds the model's sharding spec from its config (no weights) and refuses it, naming what T must
+    divide, before any process or run dir exists."""
     overrides = [f"output.run_dir={tmp_path / 'runs'}", "output.progress=none",
                  "stages.generate.options={tensor_parallel: 3}", "stages.generate.workers=3"]
-    with pytest.raises(StageError) as info:
+    with pytest.raises(ConfigError) as info:
         streamrl.run(DISAGGREGATED, overrides)
     assert "inference tensor_parallel T=3 does not fit this qwen2 model" in str(info.value)
-    assert_run_cleaned(only_run_dir(tmp_path / "runs"), os.getpid(), before)
+    assert "stage 'generate'" in str(info.value)
+    assert not (tmp_path / "runs").exists()
