@@ -132,13 +132,13 @@ def test_colocated_grpo_with_two_ranks_learns_digits_like_the_single_process_run
 
 @pytest.mark.timeout(120)
 def test_a_colocated_setup_error_fails_the_run_and_stops_every_process(tmp_path: Path) -> None:
-    """64 samples a step cannot be split over 3 train ranks: the train stage says so, the colocated
-    generate stage in the same process stops with it, and nothing is left running."""
+    """A train stage fails in set-up (a failure validation cannot foresee: tests/runtime/failing_stages.py),
+    the colocated generate stage in the same process stops with it, and nothing is left running."""
     before = ipc_dirs()
-    pipe = _write(tmp_path, COLOCATED, **{"generate.workers": 3, "train.workers": 3})
+    pipe = _write(tmp_path, COLOCATED, **{"train.class": "tests.runtime.failing_stages:SetupFailsColocatedTrain"})
     with pytest.raises(StageError) as info:
         streamrl.run(REPO / "configs" / "grpo_digits_colocated.yaml",
                      _run_config(tmp_path, f"pipeline={pipe}", "resources.start_timeout_s=60"))
     assert info.value.stage in ("train", "generate")
-    assert "64 samples per step must divide evenly over the train stage's workers=3" in str(info.value)
+    assert "set-up failed on purpose before joining the world" in str(info.value)
     assert_run_cleaned(only_run_dir(tmp_path / "runs"), os.getpid(), before)

@@ -120,16 +120,16 @@ def test_disaggregated_grpo_learns_digits_with_weights_sent_bucket_by_bucket(tmp
 
 @pytest.mark.timeout(120)
 def test_a_train_setup_error_stops_the_generation_workers_waiting_to_join(tmp_path: Path) -> None:
-    """64 samples a step cannot be split over 3 train ranks: the train stage says so before it joins
-    the world, and the generation workers blocked in the rendezvous are stopped at once (not after
-    the start timeout), leaving nothing behind."""
+    """A train stage fails in set-up before it joins the world (a failure validation cannot foresee:
+    tests/runtime/failing_stages.py), and the generation workers blocked in the rendezvous are
+    stopped at once (not after the start timeout), leaving nothing behind."""
     before = ipc_dirs()
-    pipe = _write(tmp_path, DISAGGREGATED, **{"train.workers": 3})
+    pipe = _write(tmp_path, DISAGGREGATED, **{"train.class": "tests.runtime.failing_stages:SetupFailsDisaggregatedTrain"})
     t0 = time.monotonic()
     with pytest.raises(StageError) as info:
         streamrl.run(CONFIG, _run_config(tmp_path, f"pipeline={pipe}", "resources.start_timeout_s=100"))
     assert info.value.stage == "train"
-    assert "64 samples per step must divide evenly over the train stage's workers=3" in str(info.value)
+    assert "set-up failed on purpose before joining the world" in str(info.value)
     assert time.monotonic() - t0 < 25  # the launcher's reap would wait 30 s for a worker ignoring Stop
     run_dir = only_run_dir(tmp_path / "runs")
     assert "stop received during set-up" in (run_dir / "logs" / "generate-0.log").read_text()
