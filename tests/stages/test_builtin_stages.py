@@ -18,7 +18,6 @@ import streamrl
 from streamrl.config import ConfigError
 from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.runtime.launcher import RunResult
-from streamrl.runtime.stage import StageError
 from streamrl.tasks.registry import get_task
 
 pytestmark = pytest.mark.timeout(90)
@@ -168,13 +167,13 @@ def test_advantage_normalises_within_groups(tmp_path: Path, normalize_std: bool)
     assert [r["advantage"] for r in rows[4:8]] == [0.0] * 4
 
 
-def test_advantage_without_whole_groups_fails_at_setup(tmp_path: Path) -> None:
+def test_advantage_without_whole_groups_is_refused_before_anything_starts(tmp_path: Path) -> None:
     pipeline = ADVANTAGE.replace("whole_groups: true", "whole_groups: false").replace(
         "writes: [x, tag, reward]", f"writes: [x, tag, reward]\n    options: {{n: 4, rewards: {REWARDS[:4]}}}")
-    with pytest.raises(StageError) as info:
+    with pytest.raises(ConfigError) as info:  # validation (check_run), not the stage's set-up
         _run(tmp_path, pipeline)
-    assert info.value.stage == "advantage" and info.value.indices == []
-    assert "set whole_groups: true" in str(info.value)
+    assert "stage 'advantage'" in str(info.value) and "set whole_groups: true" in str(info.value)
+    assert not (tmp_path / "runs").exists()
 
 
 # ---------------------------------------------------------------- the score stage with a user's reward function
