@@ -79,11 +79,13 @@ _MONITORED_EVENTS = (
 _OVERLOADED_BACKOFF_S = 0.1
 #: Upper bound on one wait for capacity: re-checks backoffs and the no-server deadline.
 _CAPACITY_POLL_S = 0.1
-#: ZMQ_MAXMSGSIZE of the client's sockets. A reply is one result per sample (a score or an error
-#: text the client cuts to 2000 characters anyway), so even max_batch_size in the thousands fits;
-#: a server sending more is disconnected (its requests are retried elsewhere) instead of being
-#: able to make this process allocate whatever it declares.
-MAX_REPLY_BYTES = 64 * 2**20
+#: ZMQ_MAXMSGSIZE of the client's sockets: this many bytes per sample of a request
+#: (max_batch_size), at least MIN_REPLY_BYTES. A reply is one result per sample — a score, a few
+#: named scores, or an error text (streamrl's server cuts those to 2000 characters) — so this is
+#: far above any honest reply, and a server sending more is disconnected (its requests are retried
+#: elsewhere) instead of making this process decode millions of results it never asked for.
+REPLY_BYTES_PER_SAMPLE = 64 * 2**10
+MIN_REPLY_BYTES = 2**20
 
 
 class RewardEndpoint(msgspec.Struct, frozen=True):
@@ -416,7 +418,7 @@ class RewardClient:
     def _connect(self, endpoint: RewardEndpoint) -> _Server:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        socket.setsockopt(zmq.MAXMSGSIZE, max(MIN_REPLY_BYTES, REPLY_BYTES_PER_SAMPLE * self.max_batch_size))
         # Queue nothing for a server that is not connected: a restarted server must not receive a
         # burst of stale requests, and a send to a dead one must fail now, not wait.
         socket.setsockopt(zmq.IMMEDIATE, 1)
@@ -755,6 +757,22 @@ class RewardClient:
     def _say_hello(self, server: _Server) -> None:
         server.send(Hello(versions=list(PROTOCOL_VERSIONS), client=f"streamrl/{__version__}"))
 
+    def _reconnect(self, server: _Server) -> None:
+        """Replace the connection to ``server`` with a fresh one.
+
+        ZeroMQ reconnects by itself after a connection drop, but not after a protocol error on
+        its side — and a reply larger than the socket's MAXMSGSIZE is one: without this, one
+        oversized reply would cut the client off that server for good. Disconnect-then-connect is
+        right in both cases (it never leaves two connections to one server); a server that is down
+        is then retried every RECONNECT_IVL as before.
+        """
+        socket = server.socket.socket
+        try:
+            socket.disconnect(server.endpoint)
+        except zmq.ZMQError:  # ENOENT: ZeroMQ already dropped the endpoint
+            pass
+        socket.connect(server.endpoint)
+
     async def _read_monitor(self, server: _Server) -> None:
         while True:
             event = parse_monitor_message(await server.monitor.receive())["event"]
@@ -763,6 +781,7 @@ class RewardClient:
                 self._say_hello(server)
             elif event == zmq.EVENT_DISCONNECTED:
                 self._server_lost(server, "connection lost")
+                self._reconnect(server)
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 server.last_error = "CURVE authentication refused by the server (is this client's public key on its allow-list?)"
             elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):

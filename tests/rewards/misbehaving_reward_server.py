@@ -10,6 +10,7 @@ pyzmq + msgpack only (like ops/rewards/minimal_server.py). Modes:
   bad_utf8     score replies whose error text is not valid UTF-8
   deep         score replies nested far too deeply to decode
   many_frames  score replies of many frames
+  huge_reply   score replies padded to 4 MiB (an unknown key), more than a client takes for a small batch
 
     python misbehaving_reward_server.py MODE --bind tcp://127.0.0.1:0
 """
@@ -43,6 +44,13 @@ def reply_for(mode, message):
     results = [{"id": s["id"], "score": float(len(s.get("response") or ""))} for s in samples]
     if mode == "nil_fields":
         results = [{**r, "error": None} for r in results]
+    if mode == "huge_reply":
+        return {
+            "type": "score_reply",
+            "request_id": message["request_id"],
+            "results": results,
+            "pad": "x" * 2**22,
+        }
     if mode == "wrong_count":
         results = results[:-1]
     elif mode == "wrong_type":
@@ -64,6 +72,7 @@ def main():
             "bad_utf8",
             "deep",
             "many_frames",
+            "huge_reply",
         ],
     )
     parser.add_argument("--bind", required=True)

@@ -472,3 +472,15 @@ async def test_hostile_replies_are_bad_replies_not_crashes(servers: Servers, mod
         # The client is still healthy: its heartbeats keep the (handshake-correct) server up.
         await anyio.sleep(0.2)
         assert client.statistics().servers[0].state == "up"
+
+
+@pytest.mark.anyio
+async def test_a_reply_over_the_size_limit_disconnects_that_server(servers: Servers) -> None:
+    """The client takes replies up to 64 KiB per sample of max_batch_size (at least 1 MiB): a 4 MiB
+    reply to a 3-sample batch is refused by ZeroMQ before it is read, and the batch fails over."""
+    huge = servers.script(MISBEHAVING_SERVER, "huge_reply", "--bind", LOOPBACK)
+    async with RewardClient([huge.endpoint], max_batch_size=3, max_attempts=2) as client:
+        with anyio.fail_after(REPLY_TIMEOUT_S), pytest.raises(RewardRetriesExhaustedError) as caught:
+            await client.score(SAMPLES)
+        assert "connection lost" in str(caught.value)
+        assert client.statistics().servers[0].lost == 2
