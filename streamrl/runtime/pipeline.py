@@ -709,16 +709,25 @@ def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, posit
         except PromptDatasetError as exc:
             raise ConfigError(f"run config: task.options.path: {exc}") from None
         known = _char_vocabulary(cfg) if cfg.model.path is None else None
-        for lineno, prompt in rows:
+        if known is not None:  # one token per character
+            lengths = [len(prompt.text) for _, prompt in rows]
+        elif max_positions is not None:  # a model's own tokenizer: one batched call, not one per row
+            encoded = tokenizer([prompt.text for _, prompt in rows], add_special_tokens=False)["input_ids"]
+            lengths = [len(ids) for ids in encoded]
+        else:
+            lengths = [0] * len(rows)
+        for (lineno, prompt), tokens in zip(rows, lengths, strict=True):
             at = f"run config: task.options.path: {options['path']}, line {lineno}"
             if known is not None:
-                unknown = sorted(set(prompt.text) - known)
+                unknown = "".join(sorted(set(prompt.text) - known))
+                if "\n" in unknown or "\r" in unknown:
+                    raise ConfigError(f"{at}: the prompt has a line break, which the built-in character tokenizer "
+                                      "cannot encode (it would be dropped); remove it from the prompt, or use a "
+                                      "model.path with its own tokenizer")
                 if unknown:
                     raise ConfigError(f"{at}: the prompt has characters the built-in character tokenizer does not "
-                                      f"know: {''.join(unknown)!r} (each would read as <unk>); add them to "
-                                      f"model.extra_chars, e.g. model.extra_chars: {''.join(unknown)!r}")
-            tokens = len(prompt.text) if known is not None else len(tokenizer.encode(prompt.text,
-                                                                                     add_special_tokens=False))
+                                      f"know: {unknown!r} (each would read as <unk>); add them to "
+                                      f"model.extra_chars, e.g. model.extra_chars: {unknown!r}")
             if too_long(tokens):
                 raise ConfigError(f"{at}: the prompt is {tokens} tokens; with algo.max_new_tokens={new} that is "
                                   f"{tokens + new} > the model's {max_positions} positions ({positions_key}); shorten the "
