@@ -4,6 +4,11 @@ A run config picks a pipeline (the stage graph, ``pipelines/*.yaml``) and sets t
 task, the algorithm's hyper-parameters and the resources. Every field has a default documented
 here; unknown keys are errors with a did-you-mean. ``streamrl run CONFIG algo.lr=3e-4`` sets a
 field from the command line (values parse as YAML: ``true``, ``3e-4``, ``[1, 2]``).
+
+``load_config`` checks the config alone (types, ranges, cross-field rules, output paths); the
+checks that need the pipeline, the task or the model run in ``load_pipeline``
+(:func:`streamrl.runtime.pipeline.check_run`). Errors are ``ConfigError`` naming the file, the
+dotted key (``algo.max_new_tokens``) and the fix.
 """
 
 from __future__ import annotations

@@ -25,10 +25,16 @@ in the same processes through the allgather-swap reshard; see docs/reshard.md §
 workers of the stage that says ``weights_from: <train stage>``, which join the same
 torch.distributed world; see docs/reshard.md §8).
 
-The checks: names unique; every read column has exactly one writer stage; no column is
-written twice; the column graph has no cycle (policy versions are the only way back); classes
-import and have the right methods; resources are satisfiable (devices exist, workers >= 1).
-Each error names the file, the stage and the field.
+The checks (``validate_pipeline``): names unique; every read column has exactly one writer stage;
+no column is written twice; the column graph has no cycle (policy versions are the only way back);
+classes import and have the right methods; each stage's ``options`` are the ones its class takes
+(``check_options`` / ``Options`` on the class, or ``BUILTIN_STAGE_OPTIONS``); resources are
+satisfiable (devices exist, workers >= 1). Then ``check_run``, the run as a whole: whole groups vs
+claims, the reshard trainers' batch split and worlds, the model's sharding vs tensor_parallel, the
+task and its options, a JSONL prompt file's rows (bounded: see ``streamrl.tasks.dataset``), the
+model directory, and prompt + ``algo.max_new_tokens`` vs the model's positions. Every error is a
+``ConfigError`` naming the file, the stage or dotted key, or the row, and what to change;
+``streamrl validate``, ``streamrl run`` and ``streamrl.run`` all get it before anything starts.
 """
 
 from __future__ import annotations
