@@ -24,10 +24,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -42,6 +41,9 @@ from streamrl.dock.errors import (
     RemoteError,
     WireFormatError,
 )
+from streamrl.dock.limits import DockLimits
+
+_R = TypeVar("_R")
 
 LONG_POLL_S = 1.0  # a waiting claim re-asks this often, so no single request outlives its timeout
 
@@ -114,10 +116,14 @@ class DockClient:
         request_timeout_s: float = 30.0,
         connect_timeout_s: float = 60.0,
         max_in_flight: int = 64,
+        max_message_mib: int = DockLimits.max_message_mib,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
-        if lease_ttl_s <= 0 or request_timeout_s <= 0:
-            raise ValueError("lease_ttl_s and request_timeout_s must be positive (seconds)")
+        if not p.MIN_TTL_S <= lease_ttl_s <= p.MAX_TTL_S:
+            raise ValueError(f"lease_ttl_s must be in [{p.MIN_TTL_S}, {p.MAX_TTL_S}] seconds, got {lease_ttl_s}")
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be positive (seconds), got {request_timeout_s}")
+        self.max_message_bytes = DockLimits(max_message_mib=max_message_mib).max_message_bytes
         self.controller_endpoint = controller
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.lease_ttl_s = lease_ttl_s
@@ -146,7 +152,7 @@ class DockClient:
             self._ctl = self._open("controller", self.controller_endpoint)
             hello = p.Hello(self._next_id(), self.client_id, p.PROTOCOL_VERSION, self.lease_ttl_s)
             reply, _ = await self._request(self._ctl, hello, timeout=self.connect_timeout_s)
-            assert isinstance(reply, p.HelloReply)
+            reply = _expect(reply, p.HelloReply, "controller")
             if reply.protocol != p.PROTOCOL_VERSION:
                 raise DockError(f"the dock speaks protocol {reply.protocol}, this client {p.PROTOCOL_VERSION}: "
                                 "upgrade one side")
@@ -185,6 +191,8 @@ class DockClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)  # finite; requests in flight are bounded well below this
         sock.setsockopt(zmq.RCVHWM, 1000)
+        # a server (or impostor) announcing a frame beyond this is disconnected before we allocate it
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.connect(endpoint)
         conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight))
         self._conns.append(conn)
@@ -195,9 +203,8 @@ class DockClient:
     async def _reader(self, conn: _Conn) -> None:
         while True:
             frames = await conn.sock.recv_multipart(copy=False)
-            try:
-                msg = p.reply_decoder.decode(frames[0].bytes)
-            except msgspec.DecodeError:
+            msg = p.decode_reply(frames[0].bytes) if len(frames) <= p.MAX_FRAMES + 1 else None
+            if msg is None:
                 self._counters["errors"] += 1
                 continue  # not a reply we can route: drop it, the request will time out
             self._counters["bytes_received"] += sum(len(f) for f in frames)
@@ -282,13 +289,13 @@ class DockClient:
         req = p.Reserve(self._next_id(), self.client_id, n, group_size, timeout)
         wait = (timeout if timeout is not None else math.inf) + self.request_timeout_s
         reply, _ = await self._request(self._ctl, req, timeout=wait)
-        return list(reply.indices)
+        return list(_expect(reply, p.Reserved, "controller").indices)
 
     async def reserve_nowait(self, n: int, group_size: int = 1) -> list[int]:
         """Like :meth:`reserve` but raises :class:`DockFull` at once instead of waiting (one round trip)."""
         assert self._ctl is not None
         reply, _ = await self._request(self._ctl, p.Reserve(self._next_id(), self.client_id, n, group_size, 0.0))
-        return list(reply.indices)
+        return list(_expect(reply, p.Reserved, "controller").indices)
 
     async def put(
         self,
@@ -411,6 +418,7 @@ class DockClient:
         req = p.Claim(self._next_id(), self.client_id, consumer, list(reads), n, min_n, whole_groups, balance,
                       min_version, wait_s, partial_at_timeout)
         reply, _ = await self._request(self._ctl, req, timeout=wait_s + self.request_timeout_s)
+        reply = _expect(reply, p.Claimed, "controller")
         if reply.end and not reply.samples:
             raise EndOfStream(f"consumer {consumer!r} has had every sample and the input is closed")
         lease = Lease(reply.lease_id, consumer, list(reply.samples), reply.dropped_stale)
@@ -425,8 +433,11 @@ class DockClient:
         async def get(wid: int, pos: list[int]) -> None:
             idx = [indices[k] for k in pos]
             reply, frames = await self._request(self._warehouses[wid], p.Get(self._next_id(), idx, list(columns)))
+            reply = _expect(reply, p.Fetched, f"warehouse {wid}")
             try:
-                values = decode_columns(reply.columns, frames, len(idx))
+                if reply.indices != idx:
+                    raise WireFormatError(f"asked for indices {idx[:8]}..., got {reply.indices[:8]}...")
+                values = decode_columns(reply.columns, frames, len(idx), exact=True)
             except WireFormatError as exc:
                 raise WireFormatError(f"warehouse {wid} sent a bad reply: {exc}") from exc
             for name, vals in values.items():
@@ -513,3 +524,11 @@ class DockClient:
             "in_flight": sum(len(c.pending) for c in self._conns),
             **self._counters,
         }
+
+
+def _expect(reply: Any, kind: type[_R], server: str) -> _R:
+    """The reply if it has the type this request is answered with; a misbehaving server's other
+    reply becomes a :class:`WireFormatError` naming it, not an AttributeError later."""
+    if type(reply) is not kind:
+        raise WireFormatError(f"{server} answered with {type(reply).__name__}, expected {kind.__name__}")
+    return reply

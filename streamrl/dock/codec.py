@@ -127,11 +127,42 @@ def _frame_tensor(frame: Frame) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-def decode_columns(columns: Sequence[Column], frames: Sequence[Frame], n: int) -> dict[str, list[Any]]:
-    """Rebuild column values from header columns and tensor frames; checks every size and bound."""
+def decode_columns(
+    columns: Sequence[Column], frames: Sequence[Frame], n: int, *, exact: bool = False
+) -> dict[str, list[Any]]:
+    """Rebuild column values from header columns and tensor frames; checks every size and bound.
+
+    ``exact`` (for a whole message's columns: a put, a fetched reply) also refuses frames the
+    header does not account for: a frame no value references, or one longer than its values
+    plus the alignment padding (``ALIGN - 1`` bytes per value at most). Without it, a peer could
+    make a receiver hold far more memory than the header declares (values are views of frames).
+    """
+    return _decode(columns, frames, n, exact, None)
+
+
+def decode_put(
+    columns: Sequence[Column], frames: Sequence[Frame], n: int
+) -> tuple[dict[str, list[Any]], list[tuple[int, set[int]]]]:
+    """:func:`decode_columns` with ``exact``, plus per frame ``(bytes, positions of the samples
+    whose values view it)``: what a store needs to count the memory it really holds."""
+    users: list[set[int]] = [set() for _ in frames]
+    values = _decode(columns, frames, n, True, users)
+    return values, [(_frame_len(f), u) for f, u in zip(frames, users, strict=True)]
+
+
+def _frame_len(frame: Frame) -> int:
+    return len(frame.buffer if hasattr(frame, "buffer") else frame)
+
+
+def _decode(
+    columns: Sequence[Column], frames: Sequence[Frame], n: int, exact: bool, users: list[set[int]] | None
+) -> dict[str, list[Any]]:
     raw = [_frame_tensor(f) for f in frames]
     aligned: dict[tuple[int, int], torch.Tensor] = {}
     out: dict[str, list[Any]] = {}
+    # per frame: bytes its values may span (each padded to ALIGN) and the end of the last value
+    budget = [0] * len(raw) if exact else None
+    ends = [-1] * len(raw) if exact else None
     for col in columns:
         match col:
             case ObjectColumn(name=name, values=values):
@@ -146,7 +177,7 @@ def decode_columns(columns: Sequence[Column], frames: Sequence[Frame], n: int) -
                     raise WireFormatError(f"column {name!r}: shapes/frames/offsets must have {n} entries")
                 itemsize = torch.empty(0, dtype=dtype).element_size()
                 values_out: list[Any] = []
-                for shape, fid, off in zip(shapes, fids, offs, strict=True):
+                for k, (shape, fid, off) in enumerate(zip(shapes, fids, offs, strict=True)):
                     if not 0 <= fid < len(raw):
                         raise WireFormatError(f"column {name!r}: frame {fid} missing ({len(raw)} frames)")
                     if any(d < 0 for d in shape):
@@ -161,6 +192,11 @@ def decode_columns(columns: Sequence[Column], frames: Sequence[Frame], n: int) -
                             f"column {name!r}: bytes [{off}, {off + nbytes}) fall outside frame {fid} "
                             f"of {buf.numel()} bytes or are misaligned"
                         )
+                    if budget is not None and ends is not None:
+                        budget[fid] += nbytes + (-nbytes) % ALIGN
+                        ends[fid] = max(ends[fid], off + nbytes)
+                    if users is not None:
+                        users[fid].add(k)
                     if nbytes == 0:
                         values_out.append(torch.empty(shape, dtype=dtype))
                         continue
@@ -172,4 +208,15 @@ def decode_columns(columns: Sequence[Column], frames: Sequence[Frame], n: int) -
                         buf = aligned[key]
                     values_out.append(buf[off : off + nbytes].view(dtype).reshape(shape))
                 out[name] = values_out
+    if budget is not None and ends is not None:
+        for fid, (size, end) in enumerate(zip(budget, ends, strict=True)):
+            length = raw[fid].numel()
+            if end < 0:
+                raise WireFormatError(f"tensor frame {fid} ({length} bytes) is referenced by no value: send "
+                                      "only frames the header describes")
+            if length > size:
+                raise WireFormatError(
+                    f"tensor frame {fid} is {length} bytes but its values need at most {size} (their bytes, "
+                    f"each padded to {ALIGN}): frames must be as long as the header describes"
+                )
     return out

@@ -1,8 +1,9 @@
 """The dock's metadata controller: who may read which sample, never the data itself.
 
 State per live sample: its group, policy version, length, a bitmask of the columns that are
-ready, and per consumer one of PENDING / CLAIMED / DONE. Per consumer a *view* (fixed by its
-first claim: the columns it reads and whether it claims whole groups) keeps a FIFO of samples
+ready, and per consumer one of PENDING / CLAIMED / DONE. Per consumer a *view* (the columns it
+reads and whether it claims whole groups: declared at start by the launcher, which knows the
+pipeline, or else fixed by the consumer's first claim) keeps a FIFO of samples
 (or groups) that are ready and pending for it. A column becoming ready appends to the views it
 completes; a claim pops from the front. So a claim costs O(samples claimed), never O(capacity).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
+import hmac
 import itertools
 import logging
 import os
@@ -27,6 +29,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +37,7 @@ import msgspec
 import zmq
 
 from streamrl.dock import protocol as p
+from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.watch import ParentWatch
 
 log = logging.getLogger("streamrl.dock.controller")
@@ -64,6 +68,14 @@ class _Sample:
         self.n_done = 0
 
 
+@dataclass(frozen=True)
+class ConsumerView:
+    """What a consumer reads and whether it claims whole groups, declared when the controller starts."""
+
+    reads: list[str]
+    whole_groups: bool = False
+
+
 @dataclass
 class _View:
     """A consumer's fixed way of claiming, and its FIFO of claimable samples (or group starts)."""
@@ -85,14 +97,14 @@ class _Lease:
     indices: set[int]
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: `in`/remove on the waiting lists stay O(1) per item
 class _PendingClaim:
     identity: bytes
     req: p.Claim
     deadline: float
 
 
-@dataclass
+@dataclass(eq=False)
 class _PendingReserve:
     identity: bytes
     req: p.Reserve
@@ -102,7 +114,13 @@ class _PendingReserve:
 class ControllerState:
     """All controller bookkeeping, independent of sockets (unit-testable, deterministic)."""
 
-    def __init__(self, consumers: list[str], capacity: int, n_warehouses: int) -> None:
+    def __init__(
+        self,
+        consumers: list[str],
+        capacity: int,
+        n_warehouses: int,
+        views: Mapping[str, ConsumerView] | None = None,
+    ) -> None:
         if not consumers:
             raise ValueError("the dock needs at least one consumer: the stage names that must ack each sample")
         if len(set(consumers)) != len(consumers):
@@ -116,6 +134,15 @@ class ControllerState:
         self.samples: dict[int, _Sample] = {}
         self.column_bits: dict[str, int] = {}
         self.views: list[_View | None] = [None] * len(consumers)
+        # declared views (the launcher knows every stage's reads): fixed now, so no client's claim
+        # can pick them; without declarations (tests, benchmarks) a consumer's first claim fixes its view
+        self.declared = bool(views)
+        if views:
+            unknown = sorted(set(views) - set(consumers))
+            missing = [c for c in consumers if c not in views]
+            if unknown or missing:
+                raise ValueError(f"consumer views must be declared for exactly the consumers {consumers}: "
+                                 f"undeclared {missing}, not consumers {unknown}")
         self.done_count = [0] * len(consumers)  # samples each consumer acked or dropped, ever
         self.claimed_count = [0] * len(consumers)  # samples each consumer holds under leases now
         self.next_index = 0
@@ -130,6 +157,11 @@ class ControllerState:
              "samples_released", "dropped_stale", "leases_expired", "errors"),
             0,
         )
+        for name, view in (views or {}).items():
+            if len(view.reads) > p.MAX_COLUMNS:
+                raise ValueError(f"consumer {name!r} reads {len(view.reads)} columns, more than {p.MAX_COLUMNS}")
+            cid = self.consumer_ids[name]
+            self.views[cid] = _View(cid, self._mask(view.reads), sorted(view.reads), view.whole_groups)
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -172,9 +204,19 @@ class ControllerState:
     def _bit(self, column: str) -> int:
         bit = self.column_bits.get(column)
         if bit is None:
+            if len(self.column_bits) >= p.MAX_COLUMNS:
+                # each sample's readiness is a bitmask over every column name ever seen: bounded
+                raise ProtocolViolation("too_many_columns", f"column {column!r} would be the dock's "
+                                        f"{p.MAX_COLUMNS + 1}th distinct column name (limit MAX_COLUMNS)")
             bit = 1 << len(self.column_bits)
             self.column_bits[column] = bit
         return bit
+
+    def _mask(self, columns: list[str]) -> int:
+        mask = 0
+        for c in columns:
+            mask |= self._bit(c)
+        return mask
 
     def columns_ready(
         self,
@@ -184,9 +226,7 @@ class ControllerState:
         lengths: list[int] | None,
     ) -> tuple[set[int], list[int]]:
         """Mark columns ready. Returns (consumers with new claimable samples, unknown indices)."""
-        mask = 0
-        for c in columns:
-            mask |= self._bit(c)
+        mask = self._mask(columns)
         touched: set[int] = set()
         unknown: list[int] = []
         for k, i in enumerate(indices):
@@ -247,20 +287,20 @@ class ControllerState:
             )
         view = self.views[cid]
         if view is None:
-            mask = 0
-            for c in req.reads:
-                mask |= self._bit(c)
+            mask = self._mask(req.reads)
             view = _View(cid, mask, sorted(req.reads), req.whole_groups)
             self.views[cid] = view
             # one O(live samples) scan when the consumer first shows up; incremental afterwards
             for s in self.samples.values():
                 if s.state[cid] == PENDING and (s.ready & mask) == mask:
                     self._enqueue(view, s, front=False)
-        elif view.reads != sorted(req.reads) or view.whole_groups != req.whole_groups:
+        elif view.whole_groups != req.whole_groups or view.reads != sorted(req.reads):
+            how = "is declared (by the launcher, from the pipeline) with" if self.declared else "already claims"
             raise ProtocolViolation(
                 "bad_field",
-                f"consumer {req.consumer!r} already claims reads={view.reads} whole_groups={view.whole_groups}; "
-                f"got reads={sorted(req.reads)} whole_groups={req.whole_groups}. A consumer's reads are fixed.",
+                f"consumer {req.consumer!r} {how} reads={view.reads} whole_groups={view.whole_groups}; "
+                f"this claim has reads={sorted(req.reads)} whole_groups={req.whole_groups}. A consumer's reads "
+                "are fixed: claim with exactly those.",
             )
         return view
 
@@ -463,8 +503,19 @@ class ControllerState:
         }
 
 
+DEFAULT_TTL_S = 10.0  # lease TTL of a client that never sent hello
+FORGET_EVERY_S = 1.0  # how often idle clients are looked for (also at once when the client limit is reached)
+
+
 class ControllerServer:
-    """Serves :class:`ControllerState` on a ROUTER socket. One process, one thread."""
+    """Serves :class:`ControllerState` on a ROUTER socket. One process, one thread.
+
+    Every message goes through :meth:`handle`: frame count, then the socket's one typed decoder
+    (:func:`protocol.decode_request`: types, bounds, UTF-8, nesting), then :meth:`_dispatch`, whose
+    refusals are :class:`ProtocolViolation` answered with an ``error`` reply. Per-peer state is
+    bounded: at most ``limits.max_clients`` client ids (idle ones are forgotten after their TTL)
+    and ``limits.max_parked`` claims/reserves held open.
+    """
 
     def __init__(
         self,
@@ -473,42 +524,65 @@ class ControllerServer:
         capacity: int,
         n_warehouses: int,
         *,
+        secret: str,
+        limits: DockLimits | None = None,
+        views: Mapping[str, ConsumerView] | None = None,
         context: zmq.Context | None = None,
         hwm: int = 100_000,
     ) -> None:
-        self.state = ControllerState(consumers, capacity, n_warehouses)
+        if not secret:
+            raise ValueError("the controller needs a non-empty warehouse secret (the launcher generates one per run)")
+        if not 1 <= n_warehouses <= 65_536:
+            raise ValueError(f"n_warehouses must be in [1, 65536], got {n_warehouses}")
+        self.state = ControllerState(consumers, capacity, n_warehouses, views)
+        self.limits = limits or DockLimits()
+        self._secret = secret.encode()
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         # finite high-water marks: a flood of requests queues in bounded memory, then TCP pushes back
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
+        # only headers come here: a longer frame disconnects its sender inside libzmq, unallocated
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, never blocks
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of workers connect at once at start-up
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.warehouses: dict[int, tuple[bytes, str]] = {}
-        self.pending_hellos: list[tuple[bytes, p.Hello]] = []
+        self.warehouses: dict[int, tuple[bytes, str]] = {}  # warehouse id -> (routing id, endpoint)
+        self.warehouse_ids: dict[bytes, int] = {}  # routing id of a registered warehouse -> its id
+        self.pending_hellos: dict[str, tuple[bytes, p.Hello]] = {}  # by client id: a repeated hello replaces
         self.pending_claims: dict[int, list[_PendingClaim]] = {}
         self.pending_reserves: deque[_PendingReserve] = deque()
         self.deadlines: list[tuple[float, int, Any]] = []  # heap of (deadline, seq, pending item)
+        self.stale_deadlines = 0  # heap entries of items answered before their deadline
         self.seq = itertools.count()
         self.client_ttl: dict[str, float] = {}
         self.client_seen: dict[str, float] = {}
+        self.refused = dict.fromkeys(("warehouse_hello", "columns_ready", "clients"), 0)
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
         self._next_expiry_scan = 0.0
+        self._next_forget = 0.0
+        self._warned: dict[str, float] = {}
 
     # ------------------------------------------------------------------ replies
     def _send(self, identity: bytes, msg: msgspec.Struct) -> None:
         try:
             self.sock.send_multipart([identity, p.encoder.encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out and retry
-            log.warning("dropping reply %s to %r: %s", type(msg).__name__, identity, exc)
+            self._warn("reply", "dropping reply %s to %r: %s", type(msg).__name__, identity, exc)
 
     def _error(self, identity: bytes, req_id: int, code: str, message: str) -> None:
         self.state.counters["errors"] += 1
         self._send(identity, p.ErrorReply(req_id, code, message))
+
+    def _warn(self, key: str, fmt: str, *args: object) -> None:
+        """Log at most once a second per kind: a peer sending garbage in a loop must not fill the disk."""
+        now = time.monotonic()
+        if now >= self._warned.get(key, 0.0):
+            self._warned[key] = now + 1.0
+            log.warning(fmt, *args)
 
     # ------------------------------------------------------------------ main loop
     def stop(self) -> None:
@@ -538,22 +612,24 @@ class ControllerServer:
         now = time.monotonic()
         nxt = now + 0.1  # expiry scans at least every 100 ms
         if self.deadlines:
-            nxt = min(nxt, self.deadlines[0][0])
+            nxt = min(nxt, self.deadlines[0][0])  # deadlines are finite: timeouts are bounded on the wire
         return max(0, int((nxt - now) * 1000) + 1)
 
     def handle(self, frames: list[bytes]) -> None:
+        """One message: every request goes through this decode-and-validate path."""
         if len(frames) < 2:
-            log.warning("dropping message with %d frames (need routing id + header)", len(frames))
+            self._warn("frames", "dropping message with %d frames (need routing id + header)", len(frames))
             return
         identity, header = frames[0], frames[1]
         if len(frames) > 2:
             rid = p.salvage_req_id(header)
             if rid is not None:
-                self._error(identity, rid, "bad_frames", "controller messages carry no tensor frames")
+                self._error(identity, rid, "bad_frames", "controller messages carry no tensor frames: send the "
+                            "header alone")
             return
         msg, error = p.decode_request(p.controller_request_decoder, header)
         if msg is None:
-            log.warning("undecodable controller message from %r", identity)
+            self._warn("decode", "undecodable controller message from %r", identity)
             if error is not None:
                 self._error(identity, error.req_id, error.code, error.message)
             return
@@ -565,14 +641,65 @@ class ControllerServer:
             log.exception("internal error handling %s", type(msg).__name__)
             self._error(identity, getattr(msg, "req_id", -1), "internal", f"{type(exc).__name__}: {exc}")
 
+    # ------------------------------------------------------------------ clients
     def _touch(self, client_id: str) -> None:
+        """Client ``client_id`` is alive (renews its leases); a new one counts against max_clients."""
+        seen = self.client_seen
+        if client_id not in seen and len(seen) >= self.limits.max_clients:
+            self._forget_idle(time.monotonic())
+            if len(seen) >= self.limits.max_clients:
+                self.refused["clients"] += 1
+                raise ProtocolViolation(
+                    "too_many_clients",
+                    f"the controller already keeps state for {len(seen)} clients, its limit (resources.dock."
+                    f"max_clients, controller flag --max-clients): client {client_id!r} refused. Raise the "
+                    "limit, or reuse client ids; a client holding no lease is forgotten once silent for its "
+                    "lease TTL.",
+                )
+        seen[client_id] = time.monotonic()
+
+    def _forget_idle(self, now: float) -> None:
+        """Drop the state of clients that hold no lease and were silent longer than their TTL."""
+        self._next_forget = now + FORGET_EVERY_S
+        holding = self.state.client_leases
+        ttl = self.client_ttl
+        idle = [cid for cid, seen in self.client_seen.items()
+                if cid not in holding and now - seen > ttl.get(cid, DEFAULT_TTL_S)]
+        for cid in idle:
+            del self.client_seen[cid]
+            ttl.pop(cid, None)
+            self.pending_hellos.pop(cid, None)
+
+    def _granted(self, client_id: str) -> None:
+        """A parked claim was granted: its lease's TTL runs from now, even if the (possibly idle)
+        client was forgotten meanwhile; otherwise the lease would never expire."""
         self.client_seen[client_id] = time.monotonic()
 
+    def _park(self, item: _PendingClaim | _PendingReserve) -> None:
+        parked = len(self.pending_reserves) + sum(len(v) for v in self.pending_claims.values())
+        if parked >= self.limits.max_parked:
+            raise ProtocolViolation(
+                "busy", f"the controller already holds {parked} claims/reserves open, its limit (resources.dock."
+                "max_parked, controller flag --max-parked): retry later with a shorter timeout_s, or raise it")
+        heapq.heappush(self.deadlines, (item.deadline, next(self.seq), item))
+
+    def _answered(self, item: _PendingClaim | _PendingReserve) -> None:
+        """``item`` was answered before its deadline: its heap entry is stale. Rebuild the heap once
+        stale entries dominate, so answered long-polls do not pile up until their deadlines."""
+        item.deadline = -1.0
+        self.stale_deadlines += 1
+        if self.stale_deadlines > 1024 and 2 * self.stale_deadlines > len(self.deadlines):
+            self.deadlines = [e for e in self.deadlines if e[2].deadline >= 0]
+            heapq.heapify(self.deadlines)
+            self.stale_deadlines = 0
+
+    # ------------------------------------------------------------------ dispatch
     def _dispatch(self, identity: bytes, msg: p.ControllerRequest) -> None:
         st = self.state
         match msg:
             case p.Heartbeat(client_id=cid):
-                self._touch(cid)
+                if cid in self.client_seen:  # no reply, and an unknown client has nothing to renew
+                    self.client_seen[cid] = time.monotonic()
             case p.Claim():
                 self._touch(msg.client_id)
                 view = st.validate_claim(msg)
@@ -583,19 +710,24 @@ class ControllerServer:
                     self._send(identity, p.Claimed(msg.req_id, 0, [], 0, False))
                 else:
                     item = _PendingClaim(identity, msg, time.monotonic() + msg.timeout_s)
+                    self._park(item)
                     self.pending_claims.setdefault(view.consumer, []).append(item)
-                    heapq.heappush(self.deadlines, (item.deadline, next(self.seq), item))
             case p.Ack(client_id=cid, lease_id=lid, indices=idx):
                 self._touch(cid)
                 consumer = st.ack(cid, lid, idx)
                 self._send(identity, p.Ok(msg.req_id))
                 self._serve_reserves()
                 self._serve_claims(consumer)  # this ack may be the one that ends the stream
-            case p.ColumnsReady(indices=idx, columns=cols, versions=vers, lengths=lens):
+            case p.ColumnsReady(warehouse_id=wid, indices=idx, columns=cols, versions=vers, lengths=lens):
+                if self.warehouse_ids.get(identity) != wid:
+                    # only the registered warehouse may say its data is stored: anyone else could
+                    # make consumers claim samples whose columns exist nowhere
+                    self.refused["columns_ready"] += 1
+                    raise ProtocolViolation("unauthorized", f"columns_ready is accepted only from the connection "
+                                            f"that registered as warehouse {wid} (warehouse_hello)")
                 n = len(idx)
                 if (vers is not None and len(vers) != n) or (lens is not None and len(lens) != n):
-                    log.warning("columns_ready with mismatched versions/lengths from %r dropped", identity)
-                    return
+                    raise ProtocolViolation("bad_field", f"columns_ready: versions/lengths need {n} entries")
                 touched, unknown = st.columns_ready(idx, cols, vers, lens)
                 if unknown:
                     self._send(identity, p.Free(unknown))  # data for dead indices: drop it
@@ -612,24 +744,15 @@ class ControllerServer:
             case p.Hello(client_id=cid):
                 if msg.protocol != p.PROTOCOL_VERSION:
                     raise ProtocolViolation(
-                        "protocol", f"client speaks protocol {msg.protocol}, controller {p.PROTOCOL_VERSION}"
+                        "protocol", f"client speaks protocol {msg.protocol}, controller {p.PROTOCOL_VERSION}: "
+                        "upgrade the older side"
                     )
-                if not 0.05 <= msg.lease_ttl_s <= 3600:
-                    raise ProtocolViolation("bad_field", f"lease_ttl_s={msg.lease_ttl_s} outside [0.05, 3600]")
-                self.client_ttl[cid] = msg.lease_ttl_s
                 self._touch(cid)
-                self.pending_hellos.append((identity, msg))
+                self.client_ttl[cid] = msg.lease_ttl_s  # bounds checked by the decoder (Ttl)
+                self.pending_hellos[cid] = (identity, msg)
                 self._answer_hellos()
-            case p.WarehouseHello(warehouse_id=wid, endpoint=ep):
-                if msg.protocol != p.PROTOCOL_VERSION:
-                    log.error("warehouse %d speaks protocol %d, controller %d: ignored", wid, msg.protocol,
-                              p.PROTOCOL_VERSION)
-                    return
-                if not 0 <= wid < st.n_warehouses:
-                    log.warning("warehouse id %d out of range [0, %d): ignored", wid, st.n_warehouses)
-                    return
-                self.warehouses[wid] = (identity, ep)
-                self._answer_hellos()
+            case p.WarehouseHello():
+                self._register_warehouse(identity, msg)
             case p.CloseInput(client_id=cid):
                 self._touch(cid)
                 st.input_closed = True
@@ -641,14 +764,43 @@ class ControllerServer:
                 stats["pending_claims"] = sum(len(v) for v in self.pending_claims.values())
                 stats["pending_reserves"] = len(self.pending_reserves)
                 stats["clients"] = len(self.client_seen)
+                stats["refused"] = dict(self.refused)
+                stats["warehouses_registered"] = len(self.warehouses)
                 self._send(identity, p.Stats(rid, stats))
+
+    def _register_warehouse(self, identity: bytes, msg: p.WarehouseHello) -> None:
+        wid = msg.warehouse_id
+        # the secret first: a peer without it learns nothing else about the dock
+        if not hmac.compare_digest(msg.secret.encode(), self._secret):
+            self.refused["warehouse_hello"] += 1
+            raise ProtocolViolation("unauthorized", "warehouse_hello with a wrong secret: start warehouses with "
+                                    "the run's secret in STREAMRL_DOCK_SECRET (LocalDock and ThreadDock do)")
+        if msg.protocol != p.PROTOCOL_VERSION:
+            raise ProtocolViolation("protocol", f"warehouse speaks protocol {msg.protocol}, controller "
+                                    f"{p.PROTOCOL_VERSION}: run both from the same streamrl")
+        if wid >= self.state.n_warehouses:
+            raise ProtocolViolation("bad_field", f"warehouse_id {wid} outside [0, {self.state.n_warehouses}): this "
+                                    "dock was started with that many warehouses")
+        known = self.warehouses.get(wid)
+        other = self.warehouse_ids.get(identity)
+        if (known is not None and known[0] != identity) or (other is not None and other != wid):
+            self.refused["warehouse_hello"] += 1
+            raise ProtocolViolation(
+                "already_registered",
+                f"warehouse {wid} is already registered from another connection (or this connection is warehouse "
+                f"{other}): a warehouse id is taken once per run",
+            )
+        self.warehouses[wid] = (identity, msg.endpoint)
+        self.warehouse_ids[identity] = wid
+        self._send(identity, p.Ok(msg.req_id))
+        self._answer_hellos()
 
     def _answer_hellos(self) -> None:
         st = self.state
         if len(self.warehouses) < st.n_warehouses:
             return  # clients wait until every warehouse has registered
         eps = [self.warehouses[w][1] for w in range(st.n_warehouses)]
-        for identity, hello in self.pending_hellos:
+        for identity, hello in self.pending_hellos.values():
             self._send(identity, p.HelloReply(hello.req_id, p.PROTOCOL_VERSION, eps, st.consumers, st.capacity))
         self.pending_hellos.clear()
 
@@ -665,20 +817,20 @@ class ControllerServer:
         # backpressure: the producer waits, FIFO, until consumers free enough samples
         deadline = time.monotonic() + (msg.timeout_s if msg.timeout_s is not None else 1e9)
         item = _PendingReserve(identity, msg, deadline)
+        self._park(item)
         self.pending_reserves.append(item)
-        heapq.heappush(self.deadlines, (deadline, next(self.seq), item))
 
     def _serve_reserves(self) -> None:
         st = self.state
         while self.pending_reserves and st.free_slots >= self.pending_reserves[0].req.n:
             item = self.pending_reserves.popleft()
+            self._answered(item)
             try:
                 indices, groups = st.reserve(item.req.n, item.req.group_size)
             except ProtocolViolation as exc:
                 self._error(item.identity, item.req.req_id, exc.code, str(exc))
                 continue
             self._send(item.identity, p.Reserved(item.req.req_id, indices, groups))
-            item.deadline = -1.0  # answered: its heap entry is stale
 
     def _serve_claims(self, consumer: int) -> None:
         waiting = self.pending_claims.get(consumer)
@@ -689,7 +841,9 @@ class ControllerServer:
             if reply is None:
                 return
             waiting.pop(0)
-            item.deadline = -1.0
+            self._answered(item)
+            if reply.lease_id:
+                self._granted(item.req.client_id)
             self._send(item.identity, reply)
 
     def _on_timers(self) -> None:
@@ -697,14 +851,18 @@ class ControllerServer:
         while self.deadlines and self.deadlines[0][0] <= now:
             _, _, item = heapq.heappop(self.deadlines)
             if item.deadline < 0:
+                self.stale_deadlines = max(0, self.stale_deadlines - 1)
                 continue
             if isinstance(item, _PendingClaim):
-                waiting = self.pending_claims.get(self.state.consumer_ids[item.req.consumer], [])
+                cid = self.state.consumer_ids[item.req.consumer]
+                waiting = self.pending_claims.get(cid, [])
                 if item in waiting:
                     waiting.remove(item)
-                view = self.state.views[self.state.consumer_ids[item.req.consumer]]
+                view = self.state.views[cid]
                 assert view is not None
                 reply = self.state.try_claim(item.req, view, force=item.req.partial_at_timeout)
+                if reply is not None and reply.lease_id:
+                    self._granted(item.req.client_id)
                 end = self.state.at_end(view.consumer)
                 self._send(item.identity, reply or p.Claimed(item.req.req_id, 0, [], 0, end))
             else:
@@ -716,11 +874,13 @@ class ControllerServer:
         if now >= self._next_expiry_scan:
             self._next_expiry_scan = now + 0.05
             for cid in list(self.state.client_leases):
-                ttl = self.client_ttl.get(cid, 10.0)
+                ttl = self.client_ttl.get(cid, DEFAULT_TTL_S)
                 if now - self.client_seen.get(cid, now) > ttl:
                     log.warning("client %s silent for > %.2f s: its leases go back to the pool", cid, ttl)
                     for consumer in self.state.expire_client(cid):
                         self._serve_claims(consumer)
+        if now >= self._next_forget:
+            self._forget_idle(now)
 
     def _flush_frees(self) -> None:
         freed = self.state.take_freed()
@@ -739,6 +899,15 @@ class ControllerServer:
         self._serve_reserves()
 
 
+def parse_views(text: str) -> dict[str, ConsumerView]:
+    """``--views`` JSON: ``{"consumer": {"reads": [...], "whole_groups": false}, ...}``."""
+    try:
+        raw = msgspec.json.decode(text, type=dict[str, ConsumerView])
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"--views must be JSON {{consumer: {{reads: [...], whole_groups: bool}}}}: {exc}") from None
+    return raw
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m streamrl.dock.controller", description=__doc__.splitlines()[0])
     ap.add_argument("--bind", required=True, help="tcp://127.0.0.1:0 (port from the OS) or ipc:///path")
@@ -746,11 +915,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, required=True, help="samples in flight before producers wait")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     ap.add_argument("--warehouses", type=int, default=1, help="number of warehouses that will register")
+    ap.add_argument("--views", default="", help='JSON {"consumer": {"reads": [...], "whole_groups": false}}: '
+                    "each consumer's fixed reads (default: fixed by its first claim)")
+    DockLimits.add_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
     try:
         server = ControllerServer(
-            args.bind, [c for c in args.consumers.split(",") if c], args.capacity, args.warehouses
+            args.bind, [c for c in args.consumers.split(",") if c], args.capacity, args.warehouses,
+            secret=secret_from_env(),  # from the environment, never argv (readable by any local user)
+            limits=DockLimits.from_args(args), views=parse_views(args.views) if args.views else None,
         )
     except (ValueError, zmq.ZMQError) as exc:
         print(f"controller: {exc}", file=sys.stderr)

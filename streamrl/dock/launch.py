@@ -2,12 +2,18 @@
 
 Each server is ``python -m streamrl.dock.{controller,warehouse}`` in its own process group,
 announcing the endpoint it bound with a ``READY <endpoint>`` line (so ``tcp://127.0.0.1:0``
-gets its port from the OS). ``stop()`` sends SIGTERM, waits, then SIGKILLs stragglers, and
-removes the private ipc directory: nothing outlives the :class:`LocalDock`.
+gets its port from the OS; a warehouse prints it only once the controller accepted it).
+``stop()`` sends SIGTERM, waits, then SIGKILLs stragglers, and removes the private ipc
+directory: nothing outlives the :class:`LocalDock`.
+
+Each dock gets a fresh secret (:func:`streamrl.dock.limits.new_secret`), handed to the
+controller and its warehouses in the environment (not argv, which any local user can read):
+only warehouses that know it can register, so no other peer can pose as one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import shutil
@@ -19,7 +25,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, TYPE_CHECKING, Literal
+
+from streamrl.dock.controller import ConsumerView, ControllerServer
+from streamrl.dock.limits import SECRET_ENV, DockLimits, new_secret
+
+if TYPE_CHECKING:
+    from streamrl.dock.warehouse import WarehouseServer
 
 Transport = Literal["tcp", "ipc"]
 
@@ -63,10 +75,15 @@ class LocalDock:
     transport: Transport = "tcp"
     start_timeout_s: float = 60.0
     log_level: str = "WARNING"
+    limits: DockLimits = field(default_factory=DockLimits)
+    # each consumer's reads/whole_groups, fixed at start (the launcher passes the pipeline's);
+    # None: each consumer's first claim fixes its view (tests, benchmarks)
+    views: dict[str, ConsumerView] | None = None
     controller_endpoint: str = ""
     warehouse_endpoints: list[str] = field(default_factory=list)
     _procs: list[subprocess.Popen[str]] = field(default_factory=list)
     _ipc_dir: str | None = None
+    _secret: str = field(default_factory=new_secret, repr=False)
 
     def _bind(self, name: str) -> str:
         if self.transport == "tcp":
@@ -75,7 +92,7 @@ class LocalDock:
         return f"ipc://{self._ipc_dir}/{name}"
 
     def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
-        env = {**os.environ, "STREAMRL_LOG": self.log_level, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "STREAMRL_LOG": self.log_level, "PYTHONUNBUFFERED": "1", SECRET_ENV: self._secret}
         # stderr to a temp file, not a pipe: a chatty server must never block on a full pipe
         log = tempfile.TemporaryFile(mode="w+", prefix="streamrl-dock-")  # noqa: SIM115 - closed in stop()
         # own session: a Ctrl-C at the terminal reaches the launcher, which then stops us in order
@@ -94,10 +111,12 @@ class LocalDock:
             # short path: ipc socket paths are limited to ~100 bytes
             self._ipc_dir = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
         try:
+            views = ["--views", _views_json(self.views)] if self.views else []
             ctl = self._spawn([
                 "streamrl.dock.controller", "--bind", self._bind("controller"),
                 "--consumers", ",".join(self.consumers), "--capacity", str(self.capacity),
                 "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
+                *self.limits.argv(), *views,
             ])
             self.controller_endpoint = _read_ready(ctl, "dock controller", self.start_timeout_s)
             whs = [
@@ -105,6 +124,7 @@ class LocalDock:
                     "streamrl.dock.warehouse", "--bind", self._bind(f"warehouse-{w}"),
                     "--controller", self.controller_endpoint, "--id", str(w),
                     "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
+                    "--register-timeout", str(self.start_timeout_s), *self.limits.argv(),
                 ])
                 for w in range(self.n_warehouses)
             ]
@@ -151,6 +171,10 @@ class LocalDock:
         self.stop()
 
 
+def _views_json(views: dict[str, ConsumerView]) -> str:
+    return json.dumps({name: {"reads": list(v.reads), "whole_groups": v.whole_groups} for name, v in views.items()})
+
+
 def _close(stream: IO[str] | None) -> None:
     if stream is not None:
         try:
@@ -166,27 +190,44 @@ class ThreadDock:
     consumers: list[str]
     capacity: int
     n_warehouses: int = 1
+    limits: DockLimits = field(default_factory=DockLimits)
+    views: dict[str, ConsumerView] | None = None
+    start_timeout_s: float = 60.0
     controller_endpoint: str = ""
     warehouse_endpoints: list[str] = field(default_factory=list)
     _servers: list[object] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> ThreadDock:
-        from streamrl.dock.controller import ControllerServer
-        from streamrl.dock.warehouse import WarehouseServer
+        from streamrl.dock.warehouse import WarehouseServer  # torch: only when a ThreadDock starts
 
-        ctl = ControllerServer("tcp://127.0.0.1:0", self.consumers, self.capacity, self.n_warehouses)
+        secret = new_secret()
+        ctl = ControllerServer("tcp://127.0.0.1:0", self.consumers, self.capacity, self.n_warehouses,
+                               secret=secret, limits=self.limits, views=self.views)
         self.controller_endpoint = ctl.endpoint
-        servers: list[ControllerServer | WarehouseServer] = [ctl]
-        for w in range(self.n_warehouses):
-            servers.append(WarehouseServer("tcp://127.0.0.1:0", ctl.endpoint, w, self.n_warehouses))
-        self.warehouse_endpoints = [s.endpoint for s in servers[1:]]
-        for s in servers:
-            t = threading.Thread(target=s.serve_forever, name=f"dock-{type(s).__name__}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        self._servers = list(servers)
+        self._run(ctl)  # serving before the warehouses register: they wait for its answer
+        try:
+            for w in range(self.n_warehouses):
+                wh = WarehouseServer("tcp://127.0.0.1:0", ctl.endpoint, w, self.n_warehouses, secret=secret,
+                                     limits=self.limits)
+                try:
+                    wh.register(self.start_timeout_s)
+                except BaseException:
+                    wh.sock.close(linger=0)
+                    wh.ctl.close(linger=0)
+                    raise
+                self.warehouse_endpoints.append(wh.endpoint)
+                self._run(wh)
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    def _run(self, server: ControllerServer | WarehouseServer) -> None:
+        t = threading.Thread(target=server.serve_forever, name=f"dock-{type(server).__name__}", daemon=True)
+        t.start()
+        self._servers.append(server)
+        self._threads.append(t)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         for s in self._servers:

@@ -3,18 +3,49 @@
 Every message is a multipart ZeroMQ message: ``[header, *tensor_frames]`` as seen by a DEALER
 (a ROUTER sees the peer's routing id in front). The header is msgpack of one of the Structs
 below, tagged by its ``type`` field; tensor frames carry raw bytes described by the header
-(see :mod:`streamrl.dock.codec`). Each socket has exactly one typed decoder: a message of the
-wrong type is a decode error, answered with :class:`ErrorReply` when a request id can be read.
+(see :mod:`streamrl.dock.codec`). Each socket has exactly one typed decoder, and every message
+goes through :func:`decode_request` / :func:`decode_reply`: a message of the wrong type, with a
+value outside its bound, with text that is not UTF-8 or nested too deeply is a decode error,
+answered with :class:`ErrorReply` (code ``malformed``) when a request id can be read, never an
+exception that reaches a server loop.
+
+Bounds are declared once, as ``Annotated[..., Meta(...)]`` on the fields, so msgspec checks them
+in C while decoding (no Python loop per value). Every bound is listed in docs/dock-protocol.md §4.
 The full byte-level spec is ``docs/dock-protocol.md``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
-PROTOCOL_VERSION = 1
+# 2: warehouse_hello carries req_id + secret and is answered; every field has a documented bound
+PROTOCOL_VERSION = 2
+
+# ---------------------------------------------------------------- bounds (docs/dock-protocol.md §4.0)
+INT63 = (1 << 63) - 1  # ids, indices, versions, lengths, offsets: non-negative int64, so any language's int64 fits
+MAX_ITEMS = 1 << 20  # entries of any list in a header (indices, values, shapes, ...): far above a micro-batch
+MAX_COLUMNS = 256  # columns per message, and distinct column names per dock (the controller keeps a bitmask)
+MAX_NAME = 256  # characters of a client id, consumer or column name
+MAX_NDIM = 32  # dimensions of one tensor value
+MAX_FRAMES = 1 << 16  # tensor frames after one header
+MAX_DEPTH = 32  # nesting of arrays/maps inside one object-column value
+MAX_TIMEOUT_S = 86_400.0  # a day: any longer wait is a bug (timeout_s nil still means "for ever" on reserve)
+MIN_TTL_S, MAX_TTL_S = 0.05, 3600.0
+
+Id = Annotated[int, Meta(ge=0, le=INT63)]
+Count = Annotated[int, Meta(ge=1, le=MAX_ITEMS)]
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
+Seconds = Annotated[float, Meta(ge=0.0, le=MAX_TIMEOUT_S)]  # rejects NaN, inf and negatives
+Ttl = Annotated[float, Meta(ge=MIN_TTL_S, le=MAX_TTL_S)]
+ProtocolNo = Annotated[int, Meta(ge=0, le=65_535)]
+WarehouseId = Annotated[int, Meta(ge=0, le=65_535)]
+Ids = Annotated[list[Id], Meta(max_length=MAX_ITEMS)]
+Names = Annotated[list[Name], Meta(max_length=MAX_COLUMNS)]
+Shape = Annotated[list[Annotated[int, Meta(ge=0, le=INT63)]], Meta(max_length=MAX_NDIM)]
+FrameIdx = Annotated[int, Meta(ge=0, lt=MAX_FRAMES)]
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
@@ -26,101 +57,107 @@ class TensorColumn(msgspec.Struct, tag="tensor", tag_field="kind", forbid_unknow
     """One column's tensors: value i has ``shapes[i]`` and lives in tensor frame ``frames[i]``
     starting at byte ``offsets[i]``. All values of one column share ``dtype`` (torch name)."""
 
-    name: str
-    dtype: str
-    shapes: list[list[int]]
-    frames: list[int]
-    offsets: list[int]
+    name: Name
+    dtype: Annotated[str, Meta(max_length=32)]
+    shapes: Annotated[list[Shape], Meta(max_length=MAX_ITEMS)]
+    frames: Annotated[list[FrameIdx], Meta(max_length=MAX_ITEMS)]
+    offsets: Ids
 
 
 class ObjectColumn(msgspec.Struct, tag="object", tag_field="kind", forbid_unknown_fields=True):
-    """One column of small msgpack-able values (numbers, strings, lists, maps), one per sample."""
+    """One column of small msgpack-able values (numbers, strings, lists, maps), one per sample.
+    Nesting is bounded (``MAX_DEPTH``) by :func:`check_depth`, which decode_request runs."""
 
-    name: str
-    values: list[Any]
+    name: Name
+    values: Annotated[list[Any], Meta(max_length=MAX_ITEMS)]
 
 
 Column = TensorColumn | ObjectColumn
+Columns = Annotated[list[Column], Meta(max_length=MAX_COLUMNS)]
 
 
 class SampleInfo(msgspec.Struct, array_like=True):
     """What the controller knows of one claimed sample (sent as a 5-array for compactness)."""
 
-    index: int
-    group: int
-    group_size: int
-    version: int
-    length: int
+    index: Id
+    group: Id
+    group_size: Count
+    version: Id
+    length: Id
 
 
 # ---------------------------------------------------------------- controller socket: requests
 class Hello(_Msg, tag="hello"):
-    req_id: int
-    client_id: str
-    protocol: int  # no default: always on the wire, so a newer controller can tell versions apart
-    lease_ttl_s: float = 10.0  # leases of this client expire this long after its last message
+    req_id: Id
+    client_id: Name
+    protocol: ProtocolNo  # no default: always on the wire, so a newer controller can tell versions apart
+    lease_ttl_s: Ttl = 10.0  # leases of this client expire this long after its last message
 
 
 class WarehouseHello(_Msg, tag="warehouse_hello"):
-    warehouse_id: int
-    endpoint: str
-    protocol: int  # no default: always on the wire
+    """A warehouse registers; only one that knows the run's secret is accepted (answered ok/error)."""
+
+    req_id: Id
+    warehouse_id: WarehouseId
+    endpoint: Annotated[str, Meta(min_length=1, max_length=1024)]
+    protocol: ProtocolNo  # no default: always on the wire
+    secret: Annotated[str, Meta(max_length=1024)]  # the per-run secret the launcher handed to the dock
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
-    client_id: str  # no reply: renews every lease the client holds
+    client_id: Name  # no reply: renews every lease the client holds
 
 
 class Reserve(_Msg, tag="reserve"):
-    req_id: int
-    client_id: str
-    n: int
-    group_size: int = 1
-    timeout_s: float | None = None  # None: wait for capacity as long as it takes; 0: fail at once
+    req_id: Id
+    client_id: Name
+    n: Count
+    group_size: Count = 1
+    timeout_s: Seconds | None = None  # None: wait for capacity as long as it takes; 0: fail at once
 
 
 class Claim(_Msg, tag="claim"):
-    req_id: int
-    client_id: str
-    consumer: str
-    reads: list[str]
-    n: int
-    min_n: int = 1
+    req_id: Id
+    client_id: Name
+    consumer: Name
+    reads: Names
+    n: Count
+    min_n: Count = 1
     whole_groups: bool = False
     balance_by_length: bool = False
-    min_version: int | None = None
-    timeout_s: float | None = 0.0  # how long the controller holds the claim open waiting for samples
+    min_version: Id | None = None
+    timeout_s: Seconds | None = 0.0  # how long the controller holds the claim open waiting for samples
     partial_at_timeout: bool = True  # at timeout, hand out fewer than min_n rather than none
 
 
 class Ack(_Msg, tag="ack"):
-    req_id: int
-    client_id: str
-    lease_id: int
-    indices: list[int] | None = None  # None: the whole lease
+    req_id: Id
+    client_id: Name
+    lease_id: Id
+    indices: Ids | None = None  # None: the whole lease
 
 
 class Release(_Msg, tag="release"):
-    req_id: int
-    client_id: str
-    lease_id: int  # give the lease's unacked samples back to the pool
+    req_id: Id
+    client_id: Name
+    lease_id: Id  # give the lease's unacked samples back to the pool
 
 
 class ColumnsReady(_Msg, tag="columns_ready"):
-    warehouse_id: int
-    indices: list[int]
-    columns: list[str]
-    versions: list[int] | None = None
-    lengths: list[int] | None = None
+    warehouse_id: WarehouseId
+    indices: Ids
+    columns: Names
+    versions: Ids | None = None
+    lengths: Ids | None = None
 
 
 class CloseInput(_Msg, tag="close_input"):
-    req_id: int
-    client_id: str
+    req_id: Id
+    client_id: Name
 
 
 class StatsRequest(_Msg, tag="stats"):
-    req_id: int
+    req_id: Id
 
 
 ControllerRequest = (
@@ -130,21 +167,21 @@ ControllerRequest = (
 
 # ---------------------------------------------------------------- warehouse socket: requests
 class Put(_Msg, tag="put"):
-    req_id: int
-    indices: list[int]
-    columns: list[Column]
-    versions: list[int] | None = None  # policy version of each sample, forwarded to the controller
-    lengths: list[int] | None = None  # length of each sample (tokens), for length-balanced claims
+    req_id: Id
+    indices: Ids
+    columns: Columns
+    versions: Ids | None = None  # policy version of each sample, forwarded to the controller
+    lengths: Ids | None = None  # length of each sample (tokens), for length-balanced claims
 
 
 class Get(_Msg, tag="get"):
-    req_id: int
-    indices: list[int]
-    columns: list[str]
+    req_id: Id
+    indices: Ids
+    columns: Names
 
 
 class Free(_Msg, tag="free"):
-    indices: list[int]  # controller -> warehouse: every consumer acked these; drop them
+    indices: Ids  # controller -> warehouse: every consumer acked these; drop them
 
 
 WarehouseRequest = Put | Get | Free | StatsRequest
@@ -152,72 +189,141 @@ WarehouseRequest = Put | Get | Free | StatsRequest
 
 # ---------------------------------------------------------------- replies (both sockets)
 class HelloReply(_Msg, tag="hello_reply"):
-    req_id: int
-    protocol: int
-    warehouses: list[str]  # endpoint of warehouse i; sample index k lives on warehouse k % len
-    consumers: list[str]
-    capacity: int
+    req_id: Id
+    protocol: ProtocolNo
+    warehouses: Annotated[list[str], Meta(max_length=65_536)]  # endpoint of warehouse i; k lives on k % len
+    consumers: Names
+    capacity: Count
 
 
 class Reserved(_Msg, tag="reserved"):
-    req_id: int
-    indices: list[int]
-    groups: list[int]
+    req_id: Id
+    indices: Ids
+    groups: Ids
 
 
 class Claimed(_Msg, tag="claimed"):
-    req_id: int
-    lease_id: int
-    samples: list[SampleInfo]
-    dropped_stale: int = 0
+    req_id: Id
+    lease_id: Id
+    samples: Annotated[list[SampleInfo], Meta(max_length=MAX_ITEMS)]
+    dropped_stale: Annotated[int, Meta(ge=0, le=INT63)] = 0
     end: bool = False  # input closed and this consumer has had every sample
 
 
 class Ok(_Msg, tag="ok"):
-    req_id: int
+    req_id: Id
 
 
 class Fetched(_Msg, tag="fetched"):
-    req_id: int
-    indices: list[int]
-    columns: list[Column]
+    req_id: Id
+    indices: Ids
+    columns: Columns
 
 
 class Stats(_Msg, tag="stats_reply"):
-    req_id: int
+    req_id: Id
     stats: dict[str, Any]
 
 
 class ErrorReply(_Msg, tag="error"):
-    req_id: int
-    code: str
-    message: str
+    req_id: int  # not bounded: -1 answers a request whose id could not be read
+    code: Annotated[str, Meta(max_length=64)]
+    message: Annotated[str, Meta(max_length=65_536)]
 
 
 Reply = HelloReply | Reserved | Claimed | Ok | Fetched | Stats | ErrorReply
+ControllerToWarehouse = Free | Ok | ErrorReply  # what a warehouse's DEALER receives from the controller
 
 encoder = msgspec.msgpack.Encoder()
 controller_request_decoder = msgspec.msgpack.Decoder(ControllerRequest)
 warehouse_request_decoder = msgspec.msgpack.Decoder(WarehouseRequest)
+controller_to_warehouse_decoder = msgspec.msgpack.Decoder(ControllerToWarehouse)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 
-_req_id_probe = msgspec.msgpack.Decoder(dict[str, Any])
+
+class _ReqIdProbe(msgspec.Struct):
+    """Reads only ``req_id``; msgspec skips the other keys without decoding them (so a bad UTF-8
+    string elsewhere in the header does not stop us answering)."""
+
+    req_id: Any = None
+
+
+_req_id_probe = msgspec.msgpack.Decoder(_ReqIdProbe)
+
+# What msgspec may raise on hostile input besides DecodeError: UnicodeDecodeError (a ValueError)
+# for a str that is not UTF-8, RecursionError for arrays nested thousands deep, OverflowError /
+# MemoryError for absurd sizes. All of them mean "this message is garbage", never "stop serving".
+_DECODE_FAILURES = (msgspec.DecodeError, ValueError, RecursionError, OverflowError, MemoryError, TypeError)
+
+
+class TooDeep(ValueError):
+    """An object-column value nests arrays/maps deeper than MAX_DEPTH."""
+
+
+def check_depth(values: list[Any], limit: int = MAX_DEPTH) -> None:
+    """Raise :class:`TooDeep` if any value nests containers more than ``limit`` levels.
+
+    Scalars (the common case: strings, numbers) cost one type check each; only containers are
+    walked, iteratively (a recursive walk would itself hit the recursion limit)."""
+    stack = [(v, 1) for v in values if type(v) in _CONTAINERS]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            raise TooDeep(f"an object value nests arrays/maps more than {limit} levels deep")
+        items = (*v.keys(), *v.values()) if type(v) is dict else v
+        stack.extend((x, depth + 1) for x in items if type(x) in _CONTAINERS)
+
+
+_CONTAINERS = (list, dict, tuple)  # tuple: msgspec decodes array *keys* of a map as tuples
+
+
+def _check_values(msg: Any) -> None:
+    """Checks msgspec cannot declare: nesting depth of ``any`` values (put and fetched only)."""
+    if type(msg) is Put or type(msg) is Fetched:
+        for col in msg.columns:
+            if type(col) is ObjectColumn:
+                check_depth(col.values)
 
 
 def decode_request(decoder: msgspec.msgpack.Decoder, header: bytes) -> tuple[Any, ErrorReply | None]:
     """(request, None), or (None, the ``malformed`` error to answer with; None when no request id
-    can be read, so the sender cannot be answered and the message is only dropped)."""
+    can be read, so the sender cannot be answered and the message is only dropped). Never raises."""
     try:
-        return decoder.decode(header), None
-    except msgspec.DecodeError as exc:
+        msg = decoder.decode(header)
+        _check_values(msg)
+        return msg, None
+    except _DECODE_FAILURES as exc:
         rid = salvage_req_id(header)
-        return None, None if rid is None else ErrorReply(rid, "malformed", f"could not decode request: {exc}")
+        text = _describe(exc)
+        return None, None if rid is None else ErrorReply(rid, "malformed", f"could not decode request: {text}")
+
+
+def decode_reply(header: bytes) -> Any:
+    """A reply (client side), or None for garbage (the waiting request then times out). Never raises."""
+    try:
+        msg = reply_decoder.decode(header)
+        _check_values(msg)
+        return msg
+    except _DECODE_FAILURES:
+        return None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start}); send msgpack str as UTF-8"
+    if isinstance(exc, RecursionError):
+        return f"arrays/maps nested far too deep (at most {MAX_DEPTH} levels in a value)"
+    text = str(exc)
+    return text[:500] + ("..." if len(text) > 500 else "")
 
 
 def salvage_req_id(header: bytes) -> int | None:
-    """Best-effort request id of a header that failed typed decoding, so the error can be answered."""
+    """Best-effort request id of a header that failed typed decoding, so the error can be answered.
+    Never raises; ids outside [0, 2^63) are not echoed (the reply would be refused by the sender)."""
     try:
-        value = _req_id_probe.decode(header).get("req_id")
-    except (msgspec.DecodeError, AttributeError):
+        value = _req_id_probe.decode(header).req_id
+    except _DECODE_FAILURES:
         return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT63:
+        return value
+    return None

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import msgspec
@@ -25,21 +26,41 @@ import torch
 import zmq
 
 from streamrl.dock import protocol as p
-from streamrl.dock.codec import decode_columns, encode_columns
+from streamrl.dock.codec import decode_put, encode_columns
 from streamrl.dock.errors import WireFormatError
+from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.watch import ParentWatch
 
 log = logging.getLogger("streamrl.dock.warehouse")
 
 
+class _Held:
+    """One received frame (or its aligned copy): its bytes stay allocated while any sample that
+    views it is stored (codec rule 4), so it is counted once, and uncounted with its last user."""
+
+    __slots__ = ("nbytes", "users")
+
+    def __init__(self, nbytes: int, users: int) -> None:
+        self.nbytes = nbytes
+        self.users = users
+
+
 class WarehouseStore:
-    """Column values by sample index, with byte accounting. No sockets."""
+    """Column values by sample index, with byte accounting. No sockets.
+
+    ``bytes_held`` is the memory of the tensor frames the stored values keep alive (a pack frame
+    counts in full until its last sample is freed), not the sum of the values' sizes: values are
+    views of received frames, and an exact header (codec ``exact``) bounds the difference between
+    the two to the alignment padding.
+    """
 
     def __init__(self, warehouse_id: int, n_warehouses: int) -> None:
         self.warehouse_id = warehouse_id
         self.n_warehouses = n_warehouses
         self.rows: dict[int, dict[str, Any]] = {}
+        self.held: dict[int, list[_Held]] = {}  # sample index -> frames its values view
         self.bytes_held = 0
+        self.column_names: set[str] = set()  # distinct names ever stored, bounded by MAX_COLUMNS
         self.counters = dict.fromkeys(("puts", "gets", "frees", "errors", "bytes_in", "bytes_out"), 0)
 
     def check_owned(self, indices: list[int]) -> None:
@@ -50,21 +71,34 @@ class WarehouseStore:
                 "(index k lives on warehouse k % n_warehouses)"
             )
 
-    def put(self, indices: list[int], values: dict[str, list[Any]]) -> None:
+    def put(self, indices: list[int], values: dict[str, list[Any]],
+            frames: list[tuple[int, set[int]]] | None = None) -> None:
+        """Store ``values`` (one per index); ``frames`` are (bytes, positions in ``indices`` whose
+        values view that frame), from :func:`streamrl.dock.codec.decode_put`."""
         self.check_owned(indices)
         if len(set(indices)) != len(indices):
             raise ValueError("duplicate indices in one put")
+        new_names = [name for name in values if name not in self.column_names]
+        if new_names and len(self.column_names) + len(new_names) > p.MAX_COLUMNS:
+            raise ValueError(f"column {new_names[0]!r} would make more than {p.MAX_COLUMNS} distinct column names "
+                             "in this dock (protocol limit MAX_COLUMNS): reuse column names")
         for i in indices:  # validate the whole put before storing any of it
             row = self.rows.get(i)
             dup = [name for name in values if row is not None and name in row]
             if dup:
                 raise ValueError(f"column {dup[0]!r} of sample {i} is already written (columns are write-once)")
+        self.column_names.update(new_names)
         for k, i in enumerate(indices):
             row = self.rows.setdefault(i, {})
             for name, vals in values.items():
-                v = vals[k]
-                row[name] = v
-                self.bytes_held += _nbytes(v)
+                row[name] = vals[k]
+        for nbytes, users in frames or ():
+            if not users:
+                continue
+            held = _Held(nbytes, len(users))
+            self.bytes_held += nbytes
+            for k in users:
+                self.held.setdefault(indices[k], []).append(held)
 
     def get(self, indices: list[int], columns: list[str]) -> dict[str, list[Any]]:
         self.check_owned(indices)
@@ -83,16 +117,19 @@ class WarehouseStore:
         for i in indices:
             row = self.rows.pop(i, None)
             if row is not None:
-                self.bytes_held -= sum(_nbytes(v) for v in row.values())
                 self.counters["frees"] += 1
+            for held in self.held.pop(i, ()):
+                held.users -= 1
+                if held.users == 0:
+                    self.bytes_held -= held.nbytes
 
     def statistics(self) -> dict[str, Any]:
         return {"warehouse_id": self.warehouse_id, "samples": len(self.rows), "bytes_held": self.bytes_held,
                 **self.counters}
 
 
-def _nbytes(v: Any) -> int:
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+class RegistrationError(RuntimeError):
+    """The controller refused (or never answered) this warehouse's registration."""
 
 
 class WarehouseServer:
@@ -103,14 +140,19 @@ class WarehouseServer:
         warehouse_id: int,
         n_warehouses: int,
         *,
+        secret: str,
+        limits: DockLimits | None = None,
         context: zmq.Context | None = None,
         hwm: int = 1000,
     ) -> None:
+        self.limits = limits or DockLimits()
         self.store = WarehouseStore(warehouse_id, n_warehouses)
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.RCVHWM, hwm)  # finite: clients bound their in-flight requests too
         self.sock.setsockopt(zmq.SNDHWM, hwm)
+        # a frame longer than this disconnects its sender inside libzmq, before the memory exists
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of clients connect at once at start-up
@@ -118,10 +160,24 @@ class WarehouseServer:
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.setsockopt(zmq.LINGER, 0)
+        self.ctl.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes)  # the controller sends headers only
         self.ctl.connect(controller)
-        self.ctl.send(p.encoder.encode(p.WarehouseHello(warehouse_id, self.endpoint, p.PROTOCOL_VERSION)))
+        self.registered = False
+        self.ctl.send(p.encoder.encode(
+            p.WarehouseHello(0, warehouse_id, self.endpoint, p.PROTOCOL_VERSION, secret)))
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
+
+    def register(self, timeout_s: float) -> None:
+        """Wait for the controller to accept this warehouse; :class:`RegistrationError` if it refuses
+        (wrong secret, id taken by another warehouse, bad id) or does not answer in time."""
+        deadline = time.monotonic() + timeout_s
+        while not self.registered:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.ctl.poll(int(left * 1000) + 1):
+                raise RegistrationError(f"warehouse {self.store.warehouse_id}: the controller did not answer the "
+                                        f"registration within {timeout_s} s (is it running at that endpoint?)")
+            self._handle_controller(self.ctl.recv_multipart(flags=zmq.NOBLOCK))
 
     def stop(self) -> None:
         self._stop = True
@@ -140,7 +196,12 @@ class WarehouseServer:
                         frames = self.ctl.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._handle_controller(frames)
+                    try:
+                        self._handle_controller(frames)
+                    except RegistrationError as exc:
+                        log.error("%s: stopping", exc)
+                        self._stop = True
+                        break
             if self.sock in events:
                 for _ in range(256):
                     try:
@@ -152,16 +213,22 @@ class WarehouseServer:
         self.ctl.close(linger=0)
 
     def _handle_controller(self, frames: list[bytes]) -> None:
-        try:
-            msg = p.warehouse_request_decoder.decode(frames[0])
-        except msgspec.DecodeError as exc:
-            log.warning("undecodable message from the controller: %s", exc)
+        if len(frames) != 1:
+            log.warning("dropping a %d-frame message from the controller (expected 1)", len(frames))
             return
+        msg, _ = p.decode_request(p.controller_to_warehouse_decoder, frames[0])
         match msg:
             case p.Free(indices=idx):
                 self.store.free(idx)
-            case _:
-                log.warning("unexpected %s from the controller", type(msg).__name__)
+            case p.Ok():
+                self.registered = True
+            case p.ErrorReply(code=code, message=text):
+                if not self.registered:
+                    raise RegistrationError(f"the controller refused warehouse {self.store.warehouse_id} "
+                                            f"({code}): {text}")
+                log.warning("error from the controller (%s): %s", code, text)
+            case None:
+                log.warning("undecodable message from the controller dropped")
 
     def _reply(self, identity: bytes, msg: msgspec.Struct, frames: list[Any] | None = None) -> None:
         try:
@@ -175,10 +242,19 @@ class WarehouseServer:
         self._reply(identity, p.ErrorReply(req_id, code, message))
 
     def handle(self, frames: list[zmq.Frame]) -> None:
+        """One message from a client: every one goes through this decode-and-validate path."""
         if len(frames) < 2:
             log.warning("dropping message with %d frames", len(frames))
             return
         identity, header = frames[0].bytes, frames[1].bytes
+        if len(header) > self.limits.max_header_bytes or len(frames) - 2 > p.MAX_FRAMES:
+            rid = p.salvage_req_id(header[:4096])  # a cheap look at the front only: never decode a giant header
+            if rid is not None:
+                self._error(identity, rid, "bad_frames",
+                            f"a header of {len(header)} bytes with {len(frames) - 2} tensor frames exceeds the "
+                            f"limits ({self.limits.max_header_bytes} bytes, resources.dock.max_header_mib; "
+                            f"{p.MAX_FRAMES} frames)")
+            return
         msg, error = p.decode_request(p.warehouse_request_decoder, header)
         if msg is None:
             log.warning("undecodable warehouse request from %r", identity)
@@ -203,14 +279,18 @@ class WarehouseServer:
                     raise ValueError(f"versions/lengths must have one entry per index ({n})")
                 if len({c.name for c in cols}) != len(cols):
                     raise ValueError("a column name appears twice in one put")
-                values = decode_columns(cols, data, n)
-                st.put(idx, values)
+                if data and not any(type(c) is p.TensorColumn for c in cols):
+                    raise WireFormatError(f"{len(data)} tensor frames follow a put with no tensor column")
+                values, frames = decode_put(cols, data, n)
+                st.put(idx, values, frames)
                 st.counters["puts"] += 1
-                st.counters["bytes_in"] += sum(len(f) for f in data)
+                st.counters["bytes_in"] += sum(nbytes for nbytes, _ in frames)
                 ready = p.ColumnsReady(st.warehouse_id, idx, [c.name for c in cols], vers, lens)
                 self.ctl.send(p.encoder.encode(ready))
                 self._reply(identity, p.Ok(rid))
             case p.Get(req_id=rid, indices=idx, columns=names):
+                if data:
+                    raise WireFormatError("a get carries no tensor frames")
                 values = st.get(idx, names)
                 cols, frames = encode_columns(values, len(idx))
                 st.counters["gets"] += 1
@@ -229,11 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--id", type=int, required=True, help="this warehouse's id, 0..warehouses-1")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     ap.add_argument("--warehouses", type=int, default=1)
+    ap.add_argument("--register-timeout", type=float, default=60.0,
+                    help="seconds to wait for the controller to accept this warehouse")
+    DockLimits.add_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
     try:
-        server = WarehouseServer(args.bind, args.controller, args.id, args.warehouses)
-    except zmq.ZMQError as exc:
+        # the secret comes from the environment (never argv: any local user can read a command line)
+        server = WarehouseServer(args.bind, args.controller, args.id, args.warehouses, secret=secret_from_env(),
+                                 limits=DockLimits.from_args(args))
+        server.register(args.register_timeout)  # READY only once the controller accepted us
+    except (ValueError, zmq.ZMQError, RegistrationError) as exc:
         print(f"warehouse: {exc}", file=sys.stderr)
         return 2
     server.parent.pid = args.parent_pid
