@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import msgpack
 import msgspec
@@ -14,12 +15,15 @@ from streamrl.rewards.protocol import (
     HelloReply,
     Ping,
     Pong,
+    ProtocolError,
     RewardSample,
     SampleResult,
     ScoreReply,
     ScoreRequest,
     check_score,
     client_decoder,
+    decode_client_message,
+    decode_server_message,
     encode,
     peek_request_id,
     server_decoder,
@@ -129,3 +133,70 @@ def test_check_score(value: object, problem: str | None) -> None:
         assert result is None
     else:
         assert result is not None and problem in result
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"type": "hello", "versions": [1], "client": None},
+        {"type": "ping", "nonce": 1},
+        {
+            "type": "score",
+            "request_id": 1,
+            "samples": [
+                {
+                    "id": 1,
+                    "prompt": None,
+                    "response": None,
+                    "prompt_ids": None,
+                    "response_ids": None,
+                    "metadata": None,
+                }
+            ],
+        },
+    ],
+)
+def test_every_optional_client_field_may_be_nil(wire: dict) -> None:
+    message = decode_client_message(msgpack.packb(wire))
+    if isinstance(message, ScoreRequest):
+        assert message.samples[0] == RewardSample(id=1) and message.samples[0].metadata == {}
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"type": "hello_reply", "version": 1, "server": None, "workers": None},
+        {"type": "pong", "nonce": 1, "in_flight": None},
+        {"type": "score_reply", "request_id": 1, "results": [{"id": 1, "score": 1.0, "error": None}]},
+        {"type": "score_reply", "request_id": 1, "results": [{"id": 1, "score": None, "error": "x"}]},
+        {"type": "error", "code": "internal", "message": "m", "request_id": None, "versions": None},
+    ],
+)
+def test_every_optional_server_field_may_be_nil(wire: dict) -> None:
+    decode_server_message(msgpack.packb(wire))
+
+
+def test_texts_from_a_server_are_clipped() -> None:
+    reply = decode_server_message(
+        msgpack.packb({"type": "error", "code": "c" * 500, "message": "m" * 10**6, "request_id": 1})
+    )
+    assert isinstance(reply, ErrorReply) and len(reply.message) == 2000 and len(reply.code) == 64
+
+
+@pytest.mark.parametrize(
+    ("wire", "field"),
+    [
+        ({"type": "score", "request_id": 1.0, "samples": []}, "$.request_id"),
+        ({"type": "score", "request_id": -1, "samples": []}, "$.request_id"),
+        ({"type": "score", "request_id": 1, "samples": [{"id": 2.5}]}, "$.samples[0].id"),
+        (
+            {"type": "score", "request_id": 1, "samples": [{"id": 1, "prompt_ids": [2**31]}]},
+            "$.samples[0].prompt_ids[0]",
+        ),
+        ({"type": "ping", "nonce": True}, "$.nonce"),
+        ({"type": "hello", "versions": [0]}, "$.versions[0]"),
+    ],
+)
+def test_integers_are_integers_in_range(wire: dict, field: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(f"`{field}`")):
+        decode_client_message(msgpack.packb(wire))
