@@ -1,0 +1,529 @@
+"""Train engine on torch FSDP2 (``fully_shard``) and DTensor tensor parallelism, any HF causal LM.
+
+The same interface as :class:`streamrl.engines.train.TorchTrainEngine` (``logprobs``,
+``accumulate``, ``step``, ``zero_grad``, ``set_lr``, ``pending``), over R = dp × tp ranks:
+
+- ``fully_shard`` on every decoder layer (the classes in the model's ``_no_split_modules``) and
+  on the root, over the ``dp`` dimension of a :class:`DeviceMesh` whose device type is the
+  engine's device (gloo on CPU, nccl on CUDA, hccl on NPU: the same code).
+- With ``tensor_parallel`` T > 1 the mesh is (dp, tp) and each layer is first
+  ``parallelize_module``'d over tp (column-wise q/k/v/gate/up, row-wise o/down), giving FSDP × TP.
+- The Hugging Face module's own forward runs (no functional re-implementation), so any
+  architecture transformers can build trains here; only TP needs Llama-style projection names.
+- torch's AdamW over the sharded DTensor parameters: optimizer state is sharded like them.
+
+Exact normalisation across ranks: ``accumulate`` backpropagates an unnormalised *sum* of
+per-token losses (as the single-process engine) and FSDP2 reduce-scatters gradients with SUM
+(its default would average over dp); ``step`` divides by the step's token / sequence count
+summed over the dp ranks (all-reduced here unless the caller passes it), so R ranks give the
+update one rank gives on the union of their samples, whatever the split.
+
+Collectives: ``logprobs``, ``accumulate``, ``accumulate_padding``, ``step``, the state-dict and
+checkpoint calls are collective over the mesh. Every rank must make the same calls in the same
+order; a rank that ran out of micro-batches while others still have some calls
+``accumulate_padding()`` (a forward+backward that adds zero gradient) once per missing one. The
+tp ranks of one dp rank must pass identical micro-batches.
+
+Precision: the sharded master weights, gradients and AdamW moments are float32; ``dtype``
+bfloat16/float16 is the compute dtype of the all-gathered parameters (FSDP2's
+``MixedPrecisionPolicy``), gradients are reduced in float32, and the log-softmax of the loss runs
+in float32. float16 has no loss scaling here: prefer bfloat16.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from transformers import PreTrainedTokenizerBase
+
+from streamrl.algos.grpo import LossConfig, loss_denominator, per_token_loss, unnormalized_loss
+from streamrl.engines.parallel import (
+    ParallelConfigError,
+    apply_tensor_parallel,
+    build_mesh,
+    decoder_layers,
+    dp_mesh,
+    grad_norm,
+    local,
+    tp_mesh,
+)
+from streamrl.engines.train import NothingAccumulatedError, TrainBatchError, TrainSample, _check_sample, _Sums
+from streamrl.models.build import resolve_device
+from streamrl.reshard.accounting import SwapReport
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StateOffloadedError(RuntimeError):
+    """Compute or a state read was asked for while the training state is offloaded to the host."""
+
+
+class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the model is sharded and computed (validated at construction)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype; master weights stay float32
+    tensor_parallel: int = 1  # T: ranks per model replica (DTensor TP); data parallel = world / T
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (transformers' own)
+    cpu_offload: bool = False  # keep sharded params, grads and AdamW state on the host (FSDP2 CPUOffloadPolicy)
+    reshard_after_forward: bool = True  # free each layer's gathered params after forward (re-gather in backward)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"FSDPOptions.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+
+
+class FSDPTrainEngine:
+    """Trains a Hugging Face causal LM sharded with FSDP2 (× DTensor TP) over a device mesh.
+
+    ``model`` must be identical on every rank (same seed or same checkpoint) and hold float32
+    weights (cast here otherwise: they become the master copy). The module is sharded in place:
+    afterwards its parameters are DTensors and the engine owns it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+        max_grad_norm: float | None = 1.0,
+        device: str | torch.device = "auto",
+        options: FSDPOptions = FSDPOptions(),
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        """AdamW hyper-parameters as torch's; ``max_grad_norm`` None = no clipping.
+
+        ``mesh``: a 1-D ``(dp,)`` or 2-D ``(dp, tp)`` mesh with those names; None builds one over
+        the whole default process group (which must be initialised, a world of 1 included).
+        """
+        if not lr > 0.0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if max_grad_norm is not None and not max_grad_norm > 0.0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        self.device = resolve_device(device)
+        if self.device.type != "cpu" and self.device.index is not None:
+            # FSDP2 and DeviceMesh use the *current* accelerator; make it the one asked for.
+            getattr(torch, self.device.type).set_device(self.device)
+        self.options = options
+        self.mesh = mesh if mesh is not None else build_mesh(self.device.type, options.tensor_parallel)
+        if self.mesh.device_type != self.device.type:
+            raise ParallelConfigError(
+                f"the mesh is on {self.mesh.device_type!r} but the engine's device is {str(self.device)!r}"
+            )
+        self.dp_mesh = dp_mesh(self.mesh)
+        self.tp_mesh = tp_mesh(self.mesh)
+        tp = 1 if self.tp_mesh is None else self.tp_mesh.size()
+        if tp != options.tensor_parallel:
+            raise ParallelConfigError(f"the mesh has tp={tp} but options.tensor_parallel={options.tensor_parallel}")
+        self.dp_size = self.dp_mesh.size()
+        self.dp_rank = self.dp_mesh.get_local_rank()
+        self.max_grad_norm = max_grad_norm
+        self.compute_dtype = DTYPES[options.dtype]
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            model = model.to(torch.float32)  # the sharded copy is the optimizer's master: keep it float32
+        self.model = model
+        self._shard(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad is False everywhere)")
+        # foreach kernels refuse lists that mix DTensors of different meshes (the (dp, tp) layer
+        # weights next to the dp-only embedding): fall back to the per-parameter loop with TP.
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            foreach=None if tp == 1 else False,
+        )
+        forward_params = inspect.signature(type(model).forward).parameters
+        self._logits_to_keep = "logits_to_keep" in forward_params
+        self.steps = 0  # optimizer steps taken = policy version of the current weights
+        self._sums = _Sums()
+        self._on_host = False
+
+    def _shard(self, model: nn.Module) -> None:
+        options = self.options
+        layers = decoder_layers(model)
+        if self.tp_mesh is not None:
+            apply_tensor_parallel(layers, self.tp_mesh)
+        if options.activation_checkpointing:
+            if not getattr(model, "supports_gradient_checkpointing", False):
+                raise ParallelConfigError(
+                    f"{type(model).__name__} does not support activation checkpointing "
+                    "(transformers' supports_gradient_checkpointing is False); set activation_checkpointing=False"
+                )
+            # Non-reentrant: the reentrant form runs the layer's backward outside autograd's view,
+            # which FSDP2's per-layer backward hooks (re-gather, reduce-scatter) do not see.
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mp = MixedPrecisionPolicy()
+        if self.compute_dtype != torch.float32:
+            mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=self.device.type != "cpu") if options.cpu_offload \
+            else OffloadPolicy()
+        for layer in layers:
+            fully_shard(layer, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload,
+                        reshard_after_forward=options.reshard_after_forward)
+        fully_shard(model, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # SUM, not FSDP2's default mean over dp: the backward holds unnormalised sums and
+                # ``step`` divides by the global count, which already includes every dp rank.
+                # Forcing plain SUM comms also avoids PREMUL_SUM, which gloo does not have.
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+    # --- forward ------------------------------------------------------------------------------
+    def _check_on_device(self) -> None:
+        if self._on_host:
+            raise StateOffloadedError(
+                "the training state is offloaded to the host (inference phase); call reload_state() first"
+            )
+
+    def _response_logprobs(
+        self, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], temperature: float, entropy: bool
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Logprobs [N] (float32) of every response token (flat, sample order), entropy [N] or None, seq_index [N].
+
+        The module's own forward on right-padded prompt+response rows (the last response token
+        is never an input: no target follows it). Only the logits from the earliest position
+        that predicts a response token on are computed (``logits_to_keep``) when the model
+        supports it: the prompt positions before it would only be thrown away.
+        """
+        device = self.device
+        resp_lens = torch.tensor([r.numel() for r in response_ids], device=device)
+        seq_index = torch.repeat_interleave(torch.arange(len(response_ids), device=device), resp_lens)
+        offset = torch.arange(seq_index.numel(), device=device) - (resp_lens.cumsum(0) - resp_lens)[seq_index]
+        targets = torch.cat([r.reshape(-1) for r in response_ids]).to(device)
+        inputs = [torch.cat([p, r[:-1]]) for p, r in zip(prompt_ids, response_ids, strict=True)]
+        lengths = torch.tensor([x.numel() for x in inputs], device=device)
+        width = int(lengths.max())
+        padded = torch.nn.utils.rnn.pad_sequence(inputs, batch_first=True).to(device)
+        mask = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+        first = torch.tensor([p.numel() - 1 for p in prompt_ids], device=device)
+        kwargs: dict[str, object] = {"input_ids": padded, "attention_mask": mask.long(), "use_cache": False}
+        start = 0
+        if self._logits_to_keep:
+            start = int(first.min())
+            kwargs["logits_to_keep"] = width - start
+        logits = self.model(**kwargs).logits
+        rows = seq_index * (width - start) + first[seq_index] + offset - start
+        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
+        logp_all = torch.log_softmax(picked.float() / temperature, dim=-1)
+        logp = logp_all.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ent = None
+        if entropy:
+            with torch.no_grad():
+                ent = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, ent, seq_index
+
+    @torch.no_grad()
+    def logprobs(
+        self, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], temperature: float = 1.0
+    ) -> list[Tensor]:
+        """Per-sample logprobs [R_i] (float32, CPU) of the response tokens, no gradient (collective)."""
+        self._check_on_device()
+        if len(prompt_ids) != len(response_ids):
+            raise TrainBatchError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+        if not prompt_ids:
+            raise TrainBatchError(
+                "no samples: logprobs is collective under FSDP, every rank must pass at least one sample"
+            )
+        for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+            _check_sample(i, TrainSample(p, r, 0.0))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logp, _, _ = self._response_logprobs(prompt_ids, response_ids, temperature, entropy=False)
+        finally:
+            self.model.train(was_training)
+        return list(logp.cpu().split([r.numel() for r in response_ids]))
+
+    # --- training -----------------------------------------------------------------------------
+    def accumulate(self, batch: Sequence[TrainSample], loss_config: LossConfig) -> dict[str, float]:
+        """Forward + backward of this rank's micro-batch; gradients are summed until ``step`` (collective).
+
+        As ``TorchTrainEngine.accumulate``: zero-advantage samples are only counted when
+        ``kl_coef`` is 0; but a micro-batch made only of them still runs a zero-gradient
+        forward/backward, since the other ranks' FSDP collectives wait for this rank's.
+        Returns this micro-batch's statistics (loss normalised within it, for display only).
+        """
+        self._check_on_device()
+        if not batch:
+            raise TrainBatchError("empty micro-batch; a rank with nothing left calls accumulate_padding()")
+        for i, s in enumerate(batch):
+            _check_sample(i, s)
+        if self._sums.mode not in (None, loss_config.loss_agg):
+            raise ValueError(
+                f"loss_agg changed within one optimizer step ({self._sums.mode!r} -> {loss_config.loss_agg!r})"
+            )
+        for field in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+            present = [getattr(s, field) is not None for s in batch]
+            if any(present) and not all(present):
+                raise TrainBatchError(f"{field} is given for some samples of the micro-batch but not all")
+        sums = self._sums
+        sums.mode = loss_config.loss_agg
+        sums.micro_batches += 1
+        all_tokens = sum(s.response_ids.numel() for s in batch)
+        all_seqs = len(batch)
+        local_denominator = max(loss_denominator(loss_config.loss_agg, all_tokens, all_seqs), 1)
+        if loss_config.kl_coef == 0.0:
+            # A zero advantage gives an exactly zero loss and gradient (no KL term): count only.
+            active = [s for s in batch if s.advantage != 0.0]
+            sums.skipped_tokens += all_tokens - sum(s.response_ids.numel() for s in active)
+            sums.skipped_sequences += all_seqs - len(active)
+            if not active:
+                self._zero_backward()
+                return {"loss": 0.0, "tokens": float(all_tokens), "sequences": float(all_seqs),
+                        "skipped_sequences": float(all_seqs)}
+            batch = active
+        device = self.device
+        self.model.train()
+        logp, entropy, seq_index = self._response_logprobs(
+            [s.prompt_ids for s in batch], [s.response_ids for s in batch], loss_config.temperature,
+            entropy=loss_config.compute_entropy,
+        )
+        n_tokens, n_seqs = logp.numel(), len(batch)
+
+        def column(name: str) -> Tensor | None:
+            if getattr(batch[0], name) is None:
+                return None
+            return torch.cat([getattr(s, name) for s in batch]).to(device=device, dtype=torch.float32)
+
+        advantages = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=device)[seq_index]
+        per_token, stats = per_token_loss(
+            logp, advantages, loss_config, old_logprobs=column("old_logprobs"),
+            rollout_logprobs=column("rollout_logprobs"), ref_logprobs=column("ref_logprobs"),
+        )
+        loss_sum = unnormalized_loss(per_token, seq_index, n_seqs, loss_config.loss_agg)
+        loss_sum.backward()
+
+        loss_value = float(loss_sum.detach())
+        sums.loss += loss_value
+        sums.tokens += n_tokens
+        sums.sequences += n_seqs
+        sums.clipped += float(stats["clipped"].sum())
+        sums.approx_kl += float(stats["approx_kl"].sum())
+        if entropy is not None:
+            sums.entropy += float(entropy.sum())
+        if "kl" in stats:
+            sums.kl += float(stats["kl"].sum())
+            sums.kl_tokens += n_tokens
+        if "is_weight" in stats:
+            sums.is_weight += float(stats["is_weight"].sum())
+            sums.is_tokens += n_tokens
+        out = {
+            "loss": loss_value / local_denominator,
+            "tokens": float(all_tokens),
+            "sequences": float(all_seqs),
+            "skipped_sequences": float(all_seqs - n_seqs),
+            "clip_fraction": float(stats["clipped"].mean()) if n_tokens else 0.0,
+        }
+        if entropy is not None and n_tokens:
+            out["entropy"] = float(entropy.mean())
+        return out
+
+    def accumulate_padding(self) -> None:
+        """A forward+backward adding zero gradient, matching another rank's extra micro-batch (collective).
+
+        Counts nothing: the step's denominators are those of the real samples.
+        """
+        self._check_on_device()
+        self._zero_backward()
+
+    def _zero_backward(self) -> None:
+        # One token through the whole module keeps this rank's all-gathers and reduce-scatters in
+        # step with the others'; multiplying by 0 makes its gradient contribution exactly zero.
+        self.model.train()
+        ids = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits
+        (logits.float().sum() * 0.0).backward()
+
+    def pending(self) -> dict[str, int]:
+        """This rank's tokens, sequences and micro-batches since the last step (skipped ones included)."""
+        s = self._sums
+        return {"tokens": s.tokens + s.skipped_tokens, "sequences": s.sequences + s.skipped_sequences,
+                "micro_batches": s.micro_batches}
+
+    def _reduced_sums(self) -> list[float]:
+        """The step's running sums added over the dp ranks (tp ranks share their dp rank's samples)."""
+        s = self._sums
+        values = [s.loss, s.tokens, s.sequences, s.skipped_tokens, s.skipped_sequences, s.micro_batches,
+                  s.clipped, s.approx_kl, s.entropy, s.kl, s.kl_tokens, s.is_weight, s.is_tokens,
+                  1.0 if s.mode is not None else 0.0]
+        t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device_type)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_mesh.get_group())
+        return t.tolist()
+
+    def step(self, *, global_tokens: int | None = None, global_sequences: int | None = None) -> dict[str, float]:
+        """Normalise the summed gradients, clip, AdamW step, zero gradients (collective).
+
+        The denominators are the step's token / sequence counts over all dp ranks: all-reduced
+        here from each rank's ``pending()``, or ``global_tokens`` / ``global_sequences`` when the
+        caller knows them (each dp rank's samples counted once, not once per tp rank). The
+        returned statistics are the global ones, equal on every rank.
+        """
+        self._check_on_device()
+        (loss, tokens, seqs, skipped_tokens, skipped_seqs, micro_batches, clipped, approx_kl, entropy, kl,
+         kl_tokens, is_weight, is_tokens, ranks_with_work) = self._reduced_sums()
+        if self._sums.mode is None:
+            # Every rank raises alike only if none accumulated; a lone idle rank is a caller bug
+            # the others would hang on, so say which.
+            raise NothingAccumulatedError(
+                f"step() called before any accumulate() since the last step on dp rank {self.dp_rank} "
+                f"({int(ranks_with_work)} of {self.dp_size} dp ranks accumulated)"
+            )
+        all_tokens = int(tokens + skipped_tokens) if global_tokens is None else global_tokens
+        all_seqs = int(seqs + skipped_seqs) if global_sequences is None else global_sequences
+        denominator = loss_denominator(self._sums.mode, all_tokens, all_seqs)  # type: ignore[arg-type]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        if denominator > 0 and grads:
+            torch._foreach_div_(grads, float(denominator))
+        norm = grad_norm(self.params, self.mesh)
+        if self.max_grad_norm is not None:
+            # torch's clip_grad_norm_ rule (the single-process engine's), on the local pieces
+            coef = min(self.max_grad_norm / (norm + 1e-6), 1.0)
+            if coef < 1.0 and grads:
+                torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        stats = {
+            "step": float(self.steps),
+            "loss": loss / max(denominator, 1),
+            "grad_norm": norm,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "tokens": tokens + skipped_tokens,
+            "sequences": seqs + skipped_seqs,
+            "skipped_sequences": skipped_seqs,
+            "micro_batches": micro_batches,
+            "clip_fraction": clipped / max(tokens, 1),
+            "approx_kl": approx_kl / max(tokens, 1),
+            "entropy": entropy / max(tokens, 1),
+        }
+        if kl_tokens:
+            stats["kl"] = kl / kl_tokens
+        if is_tokens:
+            stats["is_weight"] = is_weight / is_tokens
+        self._sums = _Sums()
+        return stats
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients and counts without stepping (local; no collective)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sums = _Sums()
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate of every parameter group (schedules live outside)."""
+        if not lr > 0.0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # --- weights ------------------------------------------------------------------------------
+    def local_shards(self) -> dict[str, Tensor]:
+        """This rank's pieces of every parameter (DTensor ``to_local()``; the reshard's input). Read only.
+
+        Names are the model's parameter names; each piece is this rank's dim-0 FSDP shard of its
+        TP slice (unpadded: the last ranks' pieces can be shorter or empty). The DTensor itself
+        (``dict(model.named_parameters())[name]``) gives its mesh and placements.
+        """
+        self._check_on_device()
+        return {name: local(p.data) for name, p in self.model.named_parameters()}
+
+    def full_state_dict(self, *, all_ranks: bool = False) -> dict[str, Tensor]:
+        """The full float32 parameters and buffers on the host (collective).
+
+        Rank 0 only by default (the other ranks get ``{}``: a full copy per rank is wasted host
+        memory on a real model); ``all_ranks=True`` returns it everywhere.
+        """
+        self._check_on_device()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+        state = get_model_state_dict(self.model, options=options)
+        return {name: t.detach().cpu() for name, t in state.items()}
+
+    def export_pretrained(
+        self, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, *,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
+        """Write the full policy as a ``save_pretrained`` directory (safetensors) from rank 0 (collective).
+
+        ``dtype`` casts the floating weights (e.g. bfloat16 for serving); None keeps float32.
+        """
+        path = Path(path)
+        state = self.full_state_dict()
+        if dist.get_rank() == 0:
+            if dtype is not None:
+                state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=state)  # type: ignore[operator]
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        dist.barrier()  # nobody reads the directory before rank 0 has written it
+        return path
+
+    # --- offload ------------------------------------------------------------------------------
+    @property
+    def state_on_host(self) -> bool:
+        return self._on_host
+
+    def _state_tensors(self) -> list[Tensor]:
+        tensors = [local(p.data) for p in self.params]
+        tensors += [local(p.grad) for p in self.params if p.grad is not None]
+        for state in self.optimizer.state.values():
+            tensors += [local(v) for v in state.values() if isinstance(v, Tensor) and v.dim() > 0]
+        return tensors
+
+    def offload_state(self) -> SwapReport:
+        """Move the sharded parameters, gradients and AdamW moments to host memory (local, blocking).
+
+        ``module.to`` is FSDP2's supported way (it re-registers its sharded parameters); copies
+        are non-blocking and synchronised once. With ``cpu_offload`` the state already lives on
+        the host and nothing moves.
+        """
+        if self._on_host:
+            raise StateOffloadedError("the training state is already offloaded; call reload_state() first")
+        report = self._move(torch.device("cpu"), "to_host")
+        self._on_host = True
+        return report
+
+    def reload_state(self) -> SwapReport:
+        """Bring the training state back to the engine's device (local, blocking)."""
+        if not self._on_host:
+            raise StateOffloadedError("the training state is on the device already; offload_state() first")
+        report = self._move(self.device, "to_device")
+        self._on_host = False
+        return report
+
+    def _move(self, target: torch.device, direction: str) -> SwapReport:
+        t0 = time.perf_counter()
+        tensors = self._state_tensors()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if self.options.cpu_offload or self.device.type == "cpu":
+            # Nothing to move: the state already lives in host memory.
+            return SwapReport(direction, 0, 0, time.perf_counter() - t0, False)
+        non_blocking = True
+        self.model.to(target, non_blocking=non_blocking)  # parameters and their gradients
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # AdamW's ``step`` is a host scalar unless capturable: it stays put.
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    state[key] = value.to(target, non_blocking=non_blocking)
+        getattr(torch, self.device.type).synchronize()
+        return SwapReport(direction, len(tensors), nbytes, time.perf_counter() - t0, False)

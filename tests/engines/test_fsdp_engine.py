@@ -1,0 +1,196 @@
+"""The FSDP2 / DTensor train engine on real gloo worlds equals one process, and survives DCP resharding.
+
+One spawned world per layout (start-up dominates on this 2-core machine), every check of that
+layout inside it; see ``fsdp_workers``. Reference: the same engine at R=1, and the
+single-process ``TorchTrainEngine`` (HF forward, same loss maths) in this process.
+
+Tolerances (float32, CPU; seen here): a step's loss is a sum over ranks of float32 partial sums,
+so R=2 and R=1 differ by rounding only (seen 3.4e-7 over 20 steps; FSDP R=1 vs TorchTrainEngine
+3e-8). After 20 AdamW steps at lr 1e-3 the parameters differ by 1.7e-6 (FSDP R=2), 1.5e-6
+(TorchTrainEngine), 4e-6 (TP=2, dp2 x tp2: the row-parallel matmuls sum in another order), far
+below the 1.6e-2 that training moved them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from streamrl.engines.fsdp import FSDPOptions
+from streamrl.engines.parallel import ParallelConfigError, build_mesh, decoder_layers, tensor_parallel_plan
+from streamrl.engines.train import TorchTrainEngine
+from tests.engines.fsdp_workers import (
+    LR,
+    build_model,
+    fsdp2_world,
+    micro_batches,
+    refusals_world,
+    resume_world,
+    step_samples,
+    train_world,
+)
+from tests.reshard.reshard_harness import run_world
+
+STEPS = 20
+LOSS_ATOL = 1e-6
+FSDP_PARAM_ATOL = 5e-6
+TP_PARAM_ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fsdp")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(out_dir: Path) -> dict[str, Any]:
+    """The R=2 world: 20 steps, shards, export, checkpoint + next step, precision/option variants."""
+    return run_world(fsdp2_world, 2, STEPS, str(out_dir), timeout_s=150.0)[0]
+
+
+@pytest.fixture(scope="module")
+def one_rank(out_dir: Path) -> dict[str, Any]:
+    return run_world(train_world, 1, 1, STEPS, str(out_dir), "r1", timeout_s=90.0)[0]
+
+
+@pytest.fixture(scope="module")
+def torch_engine() -> Iterator[tuple[list[float], dict[str, torch.Tensor]]]:
+    """The single-process engine on the same samples (one rank's micro-batches), HF forward."""
+    engine = TorchTrainEngine(build_model(), lr=LR, max_grad_norm=1.0, device="cpu", use_functional=False)
+    losses = []
+    for step in range(STEPS):
+        samples, config = step_samples(step)
+        for mb in micro_batches(samples, 0, 1, step):
+            engine.accumulate(mb, config)
+        losses.append(engine.step()["loss"])
+    yield losses, engine.state_dict()
+
+
+def _params(out_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    return load_file(str(out_dir / f"{tag}.safetensors"))
+
+
+def _assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, f"{what}: parameters differ by {worst:.3g} > {atol}"
+
+
+def _assert_losses_close(a: list[float], b: list[float], atol: float, what: str) -> None:
+    assert len(a) == len(b), what
+    worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    assert worst <= atol, f"{what}: losses differ by {worst:.3g} > {atol}: {a} vs {b}"
+
+
+def test_fsdp_two_ranks_equal_one_rank(fsdp2: dict[str, Any], one_rank: dict[str, Any], out_dir: Path) -> None:
+    _assert_losses_close(fsdp2["main"]["losses"], one_rank["losses"], LOSS_ATOL, "R=2 vs R=1")
+    torch.testing.assert_close(fsdp2["main"]["grad_norms"], one_rank["grad_norms"], rtol=1e-5, atol=1e-6)
+    _assert_params_close(_params(out_dir, "fsdp2"), _params(out_dir, "r1"), FSDP_PARAM_ATOL, "R=2 vs R=1")
+    # The run really trained: parameters moved far more than the tolerance.
+    start = build_model().state_dict()
+    moved = max((_params(out_dir, "r1")[k] - v).abs().max().item() for k, v in start.items())
+    assert moved > 100 * FSDP_PARAM_ATOL
+
+
+def test_fsdp_equals_the_single_process_engine(
+    one_rank: dict[str, Any], torch_engine: tuple[list[float], dict[str, torch.Tensor]], out_dir: Path
+) -> None:
+    losses, state = torch_engine
+    _assert_losses_close(one_rank["losses"], losses, LOSS_ATOL, "FSDP R=1 vs TorchTrainEngine")
+    _assert_params_close(_params(out_dir, "r1"), state, FSDP_PARAM_ATOL, "FSDP R=1 vs TorchTrainEngine")
+
+
+def test_tensor_parallel_two_equals_one_rank(one_rank: dict[str, Any], out_dir: Path) -> None:
+    tp2 = run_world(train_world, 2, 2, STEPS, str(out_dir), "tp2", timeout_s=120.0)[0]
+    _assert_losses_close(tp2["losses"], one_rank["losses"], LOSS_ATOL, "TP=2 vs R=1")
+    _assert_params_close(_params(out_dir, "tp2"), _params(out_dir, "r1"), TP_PARAM_ATOL, "TP=2 vs R=1")
+
+
+def test_fsdp_by_tensor_parallel_2x2_equals_one_rank(one_rank: dict[str, Any], out_dir: Path) -> None:
+    dp2tp2 = run_world(train_world, 4, 2, STEPS, str(out_dir), "dp2tp2", timeout_s=150.0)[0]
+    _assert_losses_close(dp2tp2["losses"], one_rank["losses"], LOSS_ATOL, "dp2 x tp2 vs R=1")
+    _assert_params_close(_params(out_dir, "dp2tp2"), _params(out_dir, "r1"), TP_PARAM_ATOL, "dp2 x tp2 vs R=1")
+
+
+def test_local_shards_are_dim0_pieces_of_the_full_parameters(fsdp2: dict[str, Any], out_dir: Path) -> None:
+    full = _params(out_dir, "fsdp2")
+    shards = [load_file(str(out_dir / f"shards-{r}.safetensors")) for r in range(2)]
+    assert shards[0].keys() == full.keys()
+    for name, tensor in full.items():
+        assert shards[0][name].shape[0] == (tensor.shape[0] + 1) // 2, name  # FSDP2's ceil split
+        assert torch.equal(torch.cat([shards[0][name], shards[1][name]]), tensor), name
+
+
+def test_export_pretrained_loads_in_transformers(fsdp2: dict[str, Any], out_dir: Path) -> None:
+    export = out_dir / "export"
+    assert list(export.glob("*.safetensors")), "no safetensors weights written"
+    loaded = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+    full = _params(out_dir, "fsdp2")
+    state = loaded.state_dict()
+    for name, tensor in full.items():
+        assert torch.equal(state[name], tensor), name
+
+
+@pytest.mark.parametrize(("world", "tp"), [(1, 1), (4, 1), (4, 2)])
+def test_dcp_checkpoint_saved_at_two_ranks_resumes_at_another_layout(
+    fsdp2: dict[str, Any], out_dir: Path, world: int, tp: int
+) -> None:
+    tag = f"resume-{world}x{tp}"
+    resumed = run_world(resume_world, world, tp, STEPS, str(out_dir), tag, timeout_s=150.0)[0]
+    assert resumed["steps_after_load"] == STEPS
+    for name, tensor in _params(out_dir, "fsdp2").items():  # the loaded weights are the saved bits
+        assert torch.equal(_params(out_dir, f"{tag}-loaded")[name], tensor), name
+    # The next step: same loss, same update (AdamW moments and step count restored too).
+    _assert_losses_close(resumed["next"]["losses"], fsdp2["next"]["losses"], LOSS_ATOL, tag)
+    atol = TP_PARAM_ATOL if tp > 1 else 1e-6
+    _assert_params_close(_params(out_dir, f"{tag}-next"), _params(out_dir, "fsdp2-next"), atol, tag)
+
+
+def test_reduced_precision_runs_close_to_float32(fsdp2: dict[str, Any]) -> None:
+    fp32 = fsdp2["main"]["losses"][:3]
+    for dtype in ("bf16", "fp16"):
+        losses = fsdp2[dtype]["losses"]
+        assert all(torch.isfinite(torch.tensor(losses))), dtype
+        # bfloat16 keeps 8 mantissa bits: the loss moved by 2.3e-4 here (fp16: 3e-6) of ~1.
+        _assert_losses_close(losses, fp32, 0.01 * max(abs(x) for x in fp32), dtype)
+        assert losses != fp32, f"{dtype} ran in float32"
+
+
+def test_activation_checkpointing_offload_and_cpu_offload_keep_the_result(fsdp2: dict[str, Any]) -> None:
+    fp32 = fsdp2["main"]["losses"][:3]
+    _assert_losses_close(fsdp2["checkpointed_offloaded"]["losses"], fp32, 1e-7, "activation checkpointing")
+    _assert_losses_close(fsdp2["cpu_offload"]["losses"], fp32, 1e-7, "CPUOffloadPolicy")
+
+
+def test_refusals_name_the_problem(out_dir: Path) -> None:
+    seen = run_world(refusals_world, 1, str(out_dir), timeout_s=90.0)[0]
+    assert "before any accumulate" in seen["step_first"] and "0 of 1 dp ranks" in seen["step_first"]
+    assert "accumulate_padding" in seen["empty"]
+    assert "prompt_ids must be a 1-D int64 tensor" in seen["float_ids"]
+    assert "reload_state()" in seen["offloaded"] and "already offloaded" in seen["offload_twice"]
+    assert "nowhere" in seen["no_checkpoint"] and ".metadata" in seen["no_checkpoint"]
+    assert "loss_agg changed" in seen["mixed_modes"]
+    lengths = [s.response_ids.numel() for s in step_samples(0)[0]]
+    assert seen["logprob_lengths"] == str(lengths)
+
+
+def test_configuration_errors_need_no_world() -> None:
+    with pytest.raises(ParallelConfigError, match="init_process_group"):
+        build_mesh("cpu", 1)
+    with pytest.raises(ValueError, match="tensor_parallel must be >= 1"):
+        FSDPOptions(tensor_parallel=0)
+    model = build_model()
+    layer = decoder_layers(model)[0]
+    assert type(layer).__name__ == "Qwen2DecoderLayer" and len(decoder_layers(model)) == 2
+    with pytest.raises(ParallelConfigError, match="k_proj has 2 heads, which tensor_parallel=4"):
+        tensor_parallel_plan(layer, 4)
+    with pytest.raises(ParallelConfigError, match="do not split into tensor_parallel=3"):
+        tensor_parallel_plan(layer, 3)
+    with pytest.raises(ParallelConfigError, match="_no_split_modules"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
