@@ -108,6 +108,15 @@ class DockConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     warehouses: int = 1
     transport: Literal["ipc", "tcp"] = "ipc"
     lease_ttl_s: float = 30.0  # a worker silent this long loses its leased samples to others
+    # limits of the dock servers (streamrl.dock.limits.DockLimits; docs/dock-protocol.md §6.1):
+    # largest tensor frame a warehouse/client accepts (ZMQ_MAXMSGSIZE; 1 GiB holds any real tensor)
+    max_message_mib: typing.Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
+    # largest header, and largest message the controller accepts (it only receives headers)
+    max_header_mib: typing.Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    # client ids the controller keeps state for at once (idle ones are forgotten after their TTL)
+    max_clients: typing.Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 4096
+    # claims/reserves the controller holds open at once (long-polls)
+    max_parked: typing.Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 65536
 
 
 class StageOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -26,7 +26,9 @@ from typing import Any
 import anyio
 
 from streamrl.config import RunConfig, dump_config, load_config
+from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
+from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
 from streamrl.metrics.writer import MetricsWriter, plot_reward_curve
 from streamrl.runtime import control as c
@@ -183,11 +185,15 @@ class _Launch:
         # ipc endpoints live in a short private dir (socket paths are limited to ~100 bytes)
         tmp = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
         dock: LocalDock | ThreadDock
+        dc = cfg.resources.dock
+        limits = DockLimits(dc.max_message_mib, dc.max_header_mib, dc.max_clients, dc.max_parked)
+        # each consumer's reads are fixed from the pipeline, so no claim (from any client) can set them
+        views = {s.name: ConsumerView(list(s.reads), s.whole_groups) for s in self.pipeline.stages if not s.is_source}
         if cfg.resources.launch == "processes":
-            dock = LocalDock(self.pipeline.consumers, cfg.dock_capacity, cfg.resources.dock.warehouses,
-                             cfg.resources.dock.transport, start_timeout_s=cfg.resources.start_timeout_s)
+            dock = LocalDock(self.pipeline.consumers, cfg.dock_capacity, dc.warehouses, dc.transport,
+                             start_timeout_s=cfg.resources.start_timeout_s, limits=limits, views=views)
         else:
-            dock = ThreadDock(self.pipeline.consumers, cfg.dock_capacity, cfg.resources.dock.warehouses)
+            dock = ThreadDock(self.pipeline.consumers, cfg.dock_capacity, dc.warehouses, limits=limits, views=views)
         self.dock = dock
         server: c.ControlServer | None = None
         try:
