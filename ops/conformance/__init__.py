@@ -1,0 +1,1 @@
+"""Conformance suites: scripts that check a running server against its protocol page."""
