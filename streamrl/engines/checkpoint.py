@@ -30,8 +30,11 @@ def _state(engine: FSDPTrainEngine) -> dict[str, object]:
 
 
 def save_checkpoint(engine: FSDPTrainEngine, path: str | Path) -> Path:
-    """Write model, optimizer and step to the DCP directory ``path`` (collective; every rank writes)."""
-    engine._check_on_device()
+    """Write model, optimizer and step to the DCP directory ``path`` (collective; every rank writes).
+
+    Call it between steps: gradients accumulated since the last step are not part of it.
+    """
+    engine.check_on_device()
     path = Path(path)
     dcp.save(_state(engine), checkpoint_id=str(path))
     return path
@@ -43,14 +46,16 @@ def load_checkpoint(engine: FSDPTrainEngine, path: str | Path) -> int:
     The engine must wrap the same architecture; its world size and tensor-parallel size may
     differ from the saving run's.
     """
-    engine._check_on_device()
+    engine.check_on_device()
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise CheckpointError(
             f"{str(path)!r} is not a DCP checkpoint (no .metadata); pass a directory written by save_checkpoint"
         )
-    # AdamW creates its moments lazily; get_state_dict initialises them (zero-grad step) so
-    # that DCP has tensors of the right layout to load into.
+    # AdamW creates its moments lazily; get_state_dict initialises them (a zero-lr step) so that
+    # DCP has tensors of the right layout to load into, but only when no gradient is pending:
+    # drop any first (they belong to the weights being replaced anyway).
+    engine.zero_grad()
     state = _state(engine)
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -61,5 +66,4 @@ def load_checkpoint(engine: FSDPTrainEngine, path: str | Path) -> int:
     set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],  # type: ignore[arg-type]
                    optim_state_dict=state["optimizer"])  # type: ignore[arg-type]
     engine.steps = int(state["engine"]["steps"])  # type: ignore[index]
-    engine.zero_grad()
     return engine.steps

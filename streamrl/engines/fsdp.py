@@ -33,6 +33,7 @@ in float32. float16 has no loss scaling here: prefer bfloat16.
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,7 +54,13 @@ from torch.distributed.fsdp import (
 )
 from transformers import PreTrainedTokenizerBase
 
-from streamrl.algos.grpo import LossConfig, loss_denominator, per_token_loss, unnormalized_loss
+from streamrl.algos.grpo import (
+    LOSS_AGGREGATIONS,
+    LossConfig,
+    loss_denominator,
+    per_token_loss,
+    unnormalized_loss,
+)
 from streamrl.engines.parallel import (
     ParallelConfigError,
     apply_tensor_parallel,
@@ -189,7 +196,8 @@ class FSDPTrainEngine:
                 module.set_force_sum_reduction_for_comms(True)
 
     # --- forward ------------------------------------------------------------------------------
-    def _check_on_device(self) -> None:
+    def check_on_device(self) -> None:
+        """Raise StateOffloadedError while the state is offloaded (compute would read host memory)."""
         if self._on_host:
             raise StateOffloadedError(
                 "the training state is offloaded to the host (inference phase); call reload_state() first"
@@ -237,7 +245,7 @@ class FSDPTrainEngine:
         self, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], temperature: float = 1.0
     ) -> list[Tensor]:
         """Per-sample logprobs [R_i] (float32, CPU) of the response tokens, no gradient (collective)."""
-        self._check_on_device()
+        self.check_on_device()
         if len(prompt_ids) != len(response_ids):
             raise TrainBatchError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
         if not prompt_ids:
@@ -263,7 +271,7 @@ class FSDPTrainEngine:
         forward/backward, since the other ranks' FSDP collectives wait for this rank's.
         Returns this micro-batch's statistics (loss normalised within it, for display only).
         """
-        self._check_on_device()
+        self.check_on_device()
         if not batch:
             raise TrainBatchError("empty micro-batch; a rank with nothing left calls accumulate_padding()")
         for i, s in enumerate(batch):
@@ -343,7 +351,7 @@ class FSDPTrainEngine:
 
         Counts nothing: the step's denominators are those of the real samples.
         """
-        self._check_on_device()
+        self.check_on_device()
         self._zero_backward()
 
     def _zero_backward(self) -> None:
@@ -361,11 +369,15 @@ class FSDPTrainEngine:
                 "micro_batches": s.micro_batches}
 
     def _reduced_sums(self) -> list[float]:
-        """The step's running sums added over the dp ranks (tp ranks share their dp rank's samples)."""
+        """The step's running sums added over the dp ranks (tp ranks share their dp rank's samples).
+
+        The last three entries count the dp ranks per loss aggregation mode: a rank that only
+        padded knows no mode of its own and takes the others'.
+        """
         s = self._sums
+        modes = [1.0 if s.mode == mode else 0.0 for mode in LOSS_AGGREGATIONS]
         values = [s.loss, s.tokens, s.sequences, s.skipped_tokens, s.skipped_sequences, s.micro_batches,
-                  s.clipped, s.approx_kl, s.entropy, s.kl, s.kl_tokens, s.is_weight, s.is_tokens,
-                  1.0 if s.mode is not None else 0.0]
+                  s.clipped, s.approx_kl, s.entropy, s.kl, s.kl_tokens, s.is_weight, s.is_tokens, *modes]
         t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device_type)
         if self.dp_size > 1:
             dist.all_reduce(t, group=self.dp_mesh.get_group())
@@ -377,21 +389,30 @@ class FSDPTrainEngine:
         The denominators are the step's token / sequence counts over all dp ranks: all-reduced
         here from each rank's ``pending()``, or ``global_tokens`` / ``global_sequences`` when the
         caller knows them (each dp rank's samples counted once, not once per tp rank). The
-        returned statistics are the global ones, equal on every rank.
+        returned statistics are the global ones, equal on every rank. A rank that only called
+        ``accumulate_padding`` this step takes part like the others.
         """
-        self._check_on_device()
+        self.check_on_device()
+        reduced = self._reduced_sums()
         (loss, tokens, seqs, skipped_tokens, skipped_seqs, micro_batches, clipped, approx_kl, entropy, kl,
-         kl_tokens, is_weight, is_tokens, ranks_with_work) = self._reduced_sums()
-        if self._sums.mode is None:
-            # Every rank raises alike only if none accumulated; a lone idle rank is a caller bug
-            # the others would hang on, so say which.
+         kl_tokens, is_weight, is_tokens) = reduced[:13]
+        # The decision below is taken from all-reduced values, so every rank raises alike and
+        # none is left waiting in the next collective.
+        modes = [mode for mode, count in zip(LOSS_AGGREGATIONS, reduced[13:], strict=True) if count > 0]
+        if not modes:
             raise NothingAccumulatedError(
-                f"step() called before any accumulate() since the last step on dp rank {self.dp_rank} "
-                f"({int(ranks_with_work)} of {self.dp_size} dp ranks accumulated)"
+                f"step() called before any accumulate() since the last step (on all {self.dp_size} dp ranks)"
             )
+        if len(modes) > 1:
+            self.zero_grad()
+            raise ValueError(
+                f"the dp ranks accumulated with different loss_agg modes {modes} in one step; "
+                "every rank must use the step's LossConfig (the step's gradients were dropped)"
+            )
+        mode = modes[0]
         all_tokens = int(tokens + skipped_tokens) if global_tokens is None else global_tokens
         all_seqs = int(seqs + skipped_seqs) if global_sequences is None else global_sequences
-        denominator = loss_denominator(self._sums.mode, all_tokens, all_seqs)  # type: ignore[arg-type]
+        denominator = loss_denominator(mode, all_tokens, all_seqs)  # type: ignore[arg-type]
         grads = [local(p.grad) for p in self.params if p.grad is not None]
         if denominator > 0 and grads:
             torch._foreach_div_(grads, float(denominator))
@@ -444,7 +465,7 @@ class FSDPTrainEngine:
         TP slice (unpadded: the last ranks' pieces can be shorter or empty). The DTensor itself
         (``dict(model.named_parameters())[name]``) gives its mesh and placements.
         """
-        self._check_on_device()
+        self.check_on_device()
         return {name: local(p.data) for name, p in self.model.named_parameters()}
 
     def full_state_dict(self, *, all_ranks: bool = False) -> dict[str, Tensor]:
@@ -453,7 +474,7 @@ class FSDPTrainEngine:
         Rank 0 only by default (the other ranks get ``{}``: a full copy per rank is wasted host
         memory on a real model); ``all_ranks=True`` returns it everywhere.
         """
-        self._check_on_device()
+        self.check_on_device()
         options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         state = get_model_state_dict(self.model, options=options)
         return {name: t.detach().cpu() for name, t in state.items()}
@@ -473,6 +494,13 @@ class FSDPTrainEngine:
                 state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             path.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(path, state_dict=state)  # type: ignore[operator]
+            if dtype is not None:
+                # save_pretrained records the live (float32) module's dtype; from_pretrained(dtype="auto")
+                # must load what the files hold.
+                config_file = path / "config.json"
+                config = json.loads(config_file.read_text())
+                config["dtype"] = str(dtype).removeprefix("torch.")
+                config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
         dist.barrier()  # nobody reads the directory before rank 0 has written it

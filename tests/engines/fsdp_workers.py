@@ -6,7 +6,8 @@ are split over ranks changes. A step's 8 samples go round-robin to the dp ranks 
 micro-batches of 2, except on the "uneven" steps, where the last dp rank packs its samples into
 one micro-batch and pads with ``accumulate_padding`` to match the others' count, and on the
 "idle" steps, where every odd sample (all of dp rank 1's at dp=2) has advantage 0, so that rank
-runs only zero-gradient micro-batches. Loss modes cycle over the three aggregations.
+runs only zero-gradient micro-batches, and on the "lopsided" steps, where dp rank 0 takes every
+sample and the others only pad. Loss modes cycle over the three aggregations.
 
 Tensors come back through safetensors files in the test's directory (no pickle); small values
 as JSON through the harness.
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedModel, Qwen2Config
 
 from streamrl.algos.grpo import LossConfig
 from streamrl.engines.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -71,8 +72,10 @@ def step_samples(step: int) -> tuple[list[TrainSample], LossConfig]:
 
 def micro_batches(samples: list[TrainSample], dp_rank: int, dp: int, step: int) -> list[list[TrainSample]]:
     mine = samples[dp_rank::dp]
+    if step % 7 == 6 and dp > 1:
+        mine = samples if dp_rank == 0 else []  # "lopsided" step: the other ranks only pad
     if step % 4 == 1 and dp > 1 and dp_rank == dp - 1:
-        return [mine]  # "uneven" step: fewer micro-batches here, padded to the others' count
+        return [mine] if mine else []  # "uneven" step: fewer micro-batches here, padded to the others' count
     return [mine[i : i + 2] for i in range(0, len(mine), 2)]
 
 
@@ -97,16 +100,27 @@ def run_steps(engine: FSDPTrainEngine, first: int, count: int, *, offload_betwee
     return {"losses": losses, "grad_norms": norms}
 
 
-def make_engine(tp: int = 1, **options: Any) -> FSDPTrainEngine:
-    return FSDPTrainEngine(build_model(), lr=LR, max_grad_norm=1.0, device="cpu",
+def make_engine(tp: int = 1, model: PreTrainedModel | None = None, **options: Any) -> FSDPTrainEngine:
+    return FSDPTrainEngine(build_model() if model is None else model, lr=LR, max_grad_norm=1.0, device="cpu",
                            options=FSDPOptions(tensor_parallel=tp, **options))
+
+
+def build_gpt2(seed: int = 0) -> PreTrainedModel:
+    """An architecture outside the Llama family: learned positions, Conv1D, LayerNorm, tied lm_head."""
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,  # dropout off: runs must agree
+                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config)
 
 
 def save_params(engine: FSDPTrainEngine, path: Path) -> None:
     """Rank 0 writes the full parameters (collective)."""
     state = engine.full_state_dict()
     if dist.get_rank() == 0:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+        # clone: tied weights come back as one tensor under two names, which safetensors refuses
+        save_file({k: v.clone() for k, v in state.items()}, str(path))
 
 
 def train_world(rank: int, world: int, tp: int, steps: int, out_dir: str, tag: str) -> dict[str, Any]:
@@ -136,6 +150,15 @@ def fsdp2_world(rank: int, world: int, steps: int, out_dir: str) -> dict[str, An
         make_engine(activation_checkpointing=True), 0, short, offload_between=True
     )
     result["cpu_offload"] = run_steps(make_engine(cpu_offload=True), 0, short)
+    return result
+
+
+def gpt2_world(rank: int, world: int, steps: int, out_dir: str) -> dict[str, Any]:
+    """R ranks train the tied-embedding GPT-2; rank 0 writes the parameters, then the export."""
+    engine = make_engine(model=build_gpt2())
+    result = run_steps(engine, 0, steps)
+    save_params(engine, Path(out_dir) / "gpt2.safetensors")
+    engine.export_pretrained(Path(out_dir) / "gpt2-export", dtype=torch.bfloat16)
     return result
 
 
@@ -189,6 +212,15 @@ def refusals_world(rank: int, world: int, out_dir: str) -> dict[str, str]:
     except ValueError as exc:
         seen["mixed_modes"] = str(exc)
     engine.zero_grad()
+    # Explicit global counts: twice the tokens halves the normalised gradient (norm before clipping).
+    token_mean = LossConfig(loss_agg="token-mean")
+    engine.set_lr(1e-12)  # the weights stay put between the two steps
+    norms = []
+    for scale in (1, 2):
+        engine.accumulate(samples[:4], token_mean)
+        tokens = engine.pending()["tokens"]
+        norms.append(engine.step(global_tokens=scale * tokens, global_sequences=4)["grad_norm"])
+    seen["norm_ratio"] = f"{norms[0] / norms[1]:.4f}"
     logprobs = engine.logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
     seen["logprob_lengths"] = str([t.numel() for t in logprobs])
     return seen

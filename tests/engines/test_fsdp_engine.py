@@ -27,8 +27,10 @@ from streamrl.engines.parallel import ParallelConfigError, build_mesh, decoder_l
 from streamrl.engines.train import TorchTrainEngine
 from tests.engines.fsdp_workers import (
     LR,
+    build_gpt2,
     build_model,
     fsdp2_world,
+    gpt2_world,
     micro_batches,
     refusals_world,
     resume_world,
@@ -168,14 +170,35 @@ def test_activation_checkpointing_offload_and_cpu_offload_keep_the_result(fsdp2:
     _assert_losses_close(fsdp2["cpu_offload"]["losses"], fp32, 1e-7, "CPUOffloadPolicy")
 
 
+def test_an_architecture_outside_the_llama_family_trains(out_dir: Path) -> None:
+    """GPT-2 (Conv1D, LayerNorm, learned positions, tied lm_head) through its own HF forward."""
+    steps = 8
+    fsdp = run_world(gpt2_world, 2, steps, str(out_dir), timeout_s=120.0)[0]
+    engine = TorchTrainEngine(build_gpt2(), lr=LR, max_grad_norm=1.0, device="cpu", use_functional=False)
+    losses = []
+    for step in range(steps):
+        samples, config = step_samples(step)
+        for mb in micro_batches(samples, 0, 1, step):
+            engine.accumulate(mb, config)
+        losses.append(engine.step()["loss"])
+    _assert_losses_close(fsdp["losses"], losses, LOSS_ATOL, "GPT-2 R=2 vs TorchTrainEngine")
+    params = _params(out_dir, "gpt2")
+    _assert_params_close(params, engine.state_dict(), FSDP_PARAM_ATOL, "GPT-2 R=2 vs TorchTrainEngine")
+    exported = AutoModelForCausalLM.from_pretrained(out_dir / "gpt2-export", local_files_only=True, dtype="auto")
+    assert exported.lm_head.weight is exported.transformer.wte.weight  # still tied after the export
+    for name, tensor in exported.state_dict().items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, params[name].to(torch.bfloat16)), name
+
+
 def test_refusals_name_the_problem(out_dir: Path) -> None:
     seen = run_world(refusals_world, 1, str(out_dir), timeout_s=90.0)[0]
-    assert "before any accumulate" in seen["step_first"] and "0 of 1 dp ranks" in seen["step_first"]
+    assert "before any accumulate" in seen["step_first"] and "on all 1 dp ranks" in seen["step_first"]
     assert "accumulate_padding" in seen["empty"]
     assert "prompt_ids must be a 1-D int64 tensor" in seen["float_ids"]
     assert "reload_state()" in seen["offloaded"] and "already offloaded" in seen["offload_twice"]
     assert "nowhere" in seen["no_checkpoint"] and ".metadata" in seen["no_checkpoint"]
     assert "loss_agg changed" in seen["mixed_modes"]
+    assert seen["norm_ratio"] == "2.0000"
     lengths = [s.response_ids.numel() for s in step_samples(0)[0]]
     assert seen["logprob_lengths"] == str(lengths)
 
