@@ -468,6 +468,21 @@ class FSDPTrainEngine:
         self.check_on_device()
         return {name: local(p.data) for name, p in self.model.named_parameters()}
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and AdamW moments (its shards; local).
+
+        What the issue's bytes-per-rank target is measured on; the all-gathered layer being
+        computed and activations are transient and not counted.
+        """
+        def size(tensors: list[Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        moments = [local(v) for state in self.optimizer.state.values() for v in state.values()
+                   if isinstance(v, Tensor) and v.dim() > 0]
+        return {"parameters": size([local(p.data) for p in self.params]),
+                "gradients": size([local(p.grad) for p in self.params if p.grad is not None]),
+                "optimizer": size(moments)}
+
     def full_state_dict(self, *, all_ranks: bool = False) -> dict[str, Tensor]:
         """The full float32 parameters and buffers on the host (collective).
 

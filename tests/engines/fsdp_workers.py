@@ -127,6 +127,7 @@ def train_world(rank: int, world: int, tp: int, steps: int, out_dir: str, tag: s
     """Train ``steps`` steps at world / tp data-parallel ranks; rank 0 writes the parameters."""
     engine = make_engine(tp)
     result = run_steps(engine, 0, steps)
+    result["memory"] = engine.memory_bytes()
     save_params(engine, Path(out_dir) / f"{tag}.safetensors")
     return result
 
@@ -135,7 +136,7 @@ def fsdp2_world(rank: int, world: int, steps: int, out_dir: str) -> dict[str, An
     """R=2: train, local shards, export, DCP save + the next step; then variants of the first steps."""
     out = Path(out_dir)
     engine = make_engine()
-    result: dict[str, Any] = {"main": run_steps(engine, 0, steps)}
+    result: dict[str, Any] = {"main": run_steps(engine, 0, steps), "memory": engine.memory_bytes()}
     save_params(engine, out / "fsdp2.safetensors")
     save_file({k: v.contiguous() for k, v in engine.local_shards().items()}, str(out / f"shards-{rank}.safetensors"))
     engine.export_pretrained(out / "export")

@@ -53,7 +53,8 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp2(out_dir: Path) -> dict[str, Any]:
     """The R=2 world: 20 steps, shards, export, checkpoint + next step, precision/option variants."""
-    return run_world(fsdp2_world, 2, STEPS, str(out_dir), timeout_s=150.0)[0]
+    by_rank = run_world(fsdp2_world, 2, STEPS, str(out_dir), timeout_s=150.0)
+    return {**by_rank[0], "memory_by_rank": [r["memory"] for r in by_rank]}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,19 @@ def test_fsdp_two_ranks_equal_one_rank(fsdp2: dict[str, Any], one_rank: dict[str
     start = build_model().state_dict()
     moved = max((_params(out_dir, "r1")[k] - v).abs().max().item() for k, v in start.items())
     assert moved > 100 * FSDP_PARAM_ATOL
+
+
+def test_each_rank_holds_half_of_the_training_state(fsdp2: dict[str, Any], one_rank: dict[str, Any]) -> None:
+    """Parameters and AdamW moments are sharded (unpadded pieces: the two halves add up exactly)."""
+    whole = one_rank["memory"]
+    assert whole["parameters"] > 0 and whole["optimizer"] == 2 * whole["parameters"]  # exp_avg, exp_avg_sq
+    # FSDP2 splits dim 0 as ceil(rows / 2) + the rest: rank 0 holds at most one row more per parameter.
+    one_row = sum(p[0].numel() * p.element_size() for p in build_model().parameters())
+    for key, copies in (("parameters", 1), ("optimizer", 2)):
+        per_rank = [fsdp2["memory_by_rank"][r][key] for r in range(2)]
+        assert sum(per_rank) == whole[key], key
+        assert max(per_rank) <= whole[key] / 2 + copies * one_row, key
+    assert fsdp2["memory"]["gradients"] == 0  # step() drops them (set_to_none)
 
 
 def test_fsdp_equals_the_single_process_engine(
