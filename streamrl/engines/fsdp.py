@@ -132,6 +132,11 @@ class FSDPTrainEngine:
             getattr(torch, self.device.type).set_device(self.device)
         self.options = options
         self.mesh = mesh if mesh is not None else build_mesh(self.device.type, options.tensor_parallel)
+        if self.mesh.ndim > 2 or (self.mesh.ndim == 2 and self.mesh.mesh_dim_names != ("dp", "tp")):
+            raise ParallelConfigError(
+                f"mesh must be 1-D (dp,) or 2-D with mesh_dim_names ('dp', 'tp'), got {self.mesh.ndim}-D "
+                f"{self.mesh.mesh_dim_names}; build it with streamrl.engines.parallel.build_mesh"
+            )
         if self.mesh.device_type != self.device.type:
             raise ParallelConfigError(
                 f"the mesh is on {self.mesh.device_type!r} but the engine's device is {str(self.device)!r}"
@@ -175,8 +180,8 @@ class FSDPTrainEngine:
                     f"{type(model).__name__} does not support activation checkpointing "
                     "(transformers' supports_gradient_checkpointing is False); set activation_checkpointing=False"
                 )
-            # Non-reentrant: the reentrant form runs the layer's backward outside autograd's view,
-            # which FSDP2's per-layer backward hooks (re-gather, reduce-scatter) do not see.
+            # Non-reentrant, the form FSDP2 supports: the reentrant one runs a nested backward per
+            # layer and needs inputs that require grad.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy()
         if self.compute_dtype != torch.float32:

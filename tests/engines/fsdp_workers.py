@@ -21,11 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedModel, Qwen2Config
 
 from streamrl.algos.grpo import LossConfig
 from streamrl.engines.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine, StateOffloadedError
+from streamrl.engines.parallel import ParallelConfigError
 from streamrl.engines.train import NothingAccumulatedError, TrainBatchError, TrainSample
 
 VOCAB = 24
@@ -176,9 +178,18 @@ def resume_world(rank: int, world: int, tp: int, steps: int, out_dir: str, tag: 
 
 def refusals_world(rank: int, world: int, out_dir: str) -> dict[str, str]:
     """The errors a caller can meet, each message returned for the test to check."""
+    seen: dict[str, str] = {}
+    wrong_names = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replica", "shard"))
+    try:
+        FSDPTrainEngine(build_model(), lr=LR, device="cpu", mesh=wrong_names)
+    except ParallelConfigError as exc:
+        seen["mesh_names"] = str(exc)
+    try:
+        make_engine(tp=2)
+    except ParallelConfigError as exc:
+        seen["tp_world"] = str(exc)
     engine = make_engine()
     samples, config = step_samples(0)
-    seen: dict[str, str] = {}
     try:
         engine.step()
     except NothingAccumulatedError as exc:

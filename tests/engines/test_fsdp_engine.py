@@ -206,6 +206,8 @@ def test_an_architecture_outside_the_llama_family_trains(out_dir: Path) -> None:
 
 def test_refusals_name_the_problem(out_dir: Path) -> None:
     seen = run_world(refusals_world, 1, str(out_dir), timeout_s=90.0)[0]
+    assert "mesh_dim_names ('dp', 'tp')" in seen["mesh_names"] and "('replica', 'shard')" in seen["mesh_names"]
+    assert "tensor_parallel (2) must be >= 1 and divide the world size (1)" in seen["tp_world"]
     assert "before any accumulate" in seen["step_first"] and "on all 1 dp ranks" in seen["step_first"]
     assert "accumulate_padding" in seen["empty"]
     assert "prompt_ids must be a 1-D int64 tensor" in seen["float_ids"]
