@@ -105,9 +105,11 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class DockConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     capacity: int | None = None  # samples in flight; None = (max_staleness + 2) steps' worth
-    warehouses: int = 1
+    # lower bounds of warehouses and lease_ttl_s are checked in _check; the upper ones are the dock's
+    warehouses: typing.Annotated[int, msgspec.Meta(le=65536)] = 1
     transport: Literal["ipc", "tcp"] = "ipc"
-    lease_ttl_s: float = 30.0  # a worker silent this long loses its leased samples to others
+    # a worker silent this long loses its leased samples to others (the dock accepts up to an hour)
+    lease_ttl_s: typing.Annotated[float, msgspec.Meta(le=3600)] = 30.0
     # limits of the dock servers (streamrl.dock.limits.DockLimits; docs/dock-protocol.md §6.1):
     # largest tensor frame a warehouse/client accepts (ZMQ_MAXMSGSIZE; 1 GiB holds any real tensor)
     max_message_mib: typing.Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024

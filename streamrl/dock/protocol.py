@@ -193,7 +193,7 @@ class HelloReply(_Msg, tag="hello_reply"):
     protocol: ProtocolNo
     warehouses: Annotated[list[str], Meta(max_length=65_536)]  # endpoint of warehouse i; k lives on k % len
     consumers: Names
-    capacity: Count
+    capacity: Annotated[int, Meta(ge=1, le=INT63)]  # samples in flight: may exceed one message's MAX_ITEMS
 
 
 class Reserved(_Msg, tag="reserved"):
