@@ -151,3 +151,26 @@ def test_encode_rejects_mixed_columns() -> None:
         encode_columns({"x": [torch.zeros(1), 3]}, 2)
     with pytest.raises(ValueError, match="2 values for 3"):
         encode_columns({"x": [1, 2]}, 3)
+
+
+def test_exact_frames_refuse_excess_and_unreferenced_bytes_and_report_users() -> None:
+    from streamrl.dock.codec import decode_put
+
+    values = [torch.zeros(4), torch.zeros(3), torch.zeros(ZERO_COPY_BYTES // 4)]  # packed, packed, own frame
+    cols, frames = encode_columns({"x": values}, 3)
+    received = _send_recv(frames)
+    out, held = decode_put(cols, received, 3)
+    assert [t.numel() for t in out["x"]] == [4, 3, ZERO_COPY_BYTES // 4]
+    assert sorted((nbytes, sorted(users)) for nbytes, users in held) == [(28, [0, 1]), (ZERO_COPY_BYTES, [2])]
+    assert isinstance(cols[0], TensorColumn)
+    pack = bytes(received[cols[0].frames[0]].buffer)
+    col = TensorColumn("x", "float32", [[4]], [0], [0])
+    decode_columns([col], [pack[:16]], 1, exact=True)  # exactly the value
+    decode_columns([col], [pack[:16]], 1)  # and without exact
+    with pytest.raises(WireFormatError, match="at most 16"):
+        decode_columns([col], [b"\0" * 17], 1, exact=True)
+    decode_columns([col], [b"\0" * 17], 1)  # the lenient mode (policy channel) still takes it
+    with pytest.raises(WireFormatError, match="referenced by no value"):
+        decode_columns([col], [b"\0" * 16, b"\0" * 16], 1, exact=True)
+    u8 = TensorColumn("b", "uint8", [[3]], [0], [0])
+    decode_columns([u8], [b"\0" * 16], 1, exact=True)  # 3 bytes + 13 of alignment padding: allowed

@@ -216,3 +216,30 @@ def test_stale_dropping_is_proportional_to_what_it_drops() -> None:
         assert reply is not None and reply.dropped_stale == 0
         state.ack("c1", reply.lease_id, None)
     assert (time.perf_counter() - t0) / 200 < 1e-3
+
+
+def test_declared_views_are_fixed_before_any_claim_and_must_cover_every_consumer() -> None:
+    from streamrl.dock.controller import ConsumerView
+
+    with pytest.raises(ValueError, match="undeclared"):
+        ControllerState(["gen", "train"], 8, 1, {"gen": ConsumerView(["x"])})
+    state = ControllerState(["gen"], 8, 1, {"gen": ConsumerView(["x", "y"], whole_groups=True)})
+    idx, _ = state.reserve(2, 2)
+    state.columns_ready(idx, ["x", "y"], None, None)
+    with pytest.raises(ProtocolViolation, match=r"'gen' is declared .* reads=\['x', 'y'\] whole_groups=True"):
+        state.validate_claim(p.Claim(1, "c", "gen", ["x"], 2, whole_groups=True))
+    with pytest.raises(ProtocolViolation, match="whole_groups=True"):
+        state.validate_claim(p.Claim(1, "c", "gen", ["y", "x"], 2))
+    req = p.Claim(1, "c", "gen", ["y", "x"], 2, whole_groups=True)  # order does not matter
+    got = state.try_claim(req, state.validate_claim(req), force=False)
+    assert got is not None and sorted(s.index for s in got.samples) == idx  # queued before the first claim
+
+
+def test_distinct_column_names_are_bounded() -> None:
+    state = ControllerState(["gen"], 8, 1)
+    idx, _ = state.reserve(1, 1)
+    state.columns_ready(idx, [f"c{k}" for k in range(p.MAX_COLUMNS)], None, None)
+    with pytest.raises(ProtocolViolation) as exc:
+        state.columns_ready(idx, ["one_too_many"], None, None)
+    assert exc.value.code == "too_many_columns"
+    state.columns_ready(idx, ["c0"], None, None)  # known names stay fine
