@@ -504,7 +504,11 @@ class ControllerState:
 
 
 DEFAULT_TTL_S = 10.0  # lease TTL of a client that never sent hello
-FORGET_EVERY_S = 1.0  # how often idle clients are looked for (also at once when the client limit is reached)
+# Idle clients are forgotten only when the client limit is reached, at most this often (a scan is
+# O(clients): a flood of new ids must not make every message pay for one). Not periodically:
+# a forgotten client loses the TTL its hello set, so a worker that was idle for a while would
+# come back with the 10 s default and could lose a lease it holds through a long step.
+FORGET_AT_MOST_EVERY_S = 0.1
 
 
 class ControllerServer:
@@ -513,8 +517,9 @@ class ControllerServer:
     Every message goes through :meth:`handle`: frame count, then the socket's one typed decoder
     (:func:`protocol.decode_request`: types, bounds, UTF-8, nesting), then :meth:`_dispatch`, whose
     refusals are :class:`ProtocolViolation` answered with an ``error`` reply. Per-peer state is
-    bounded: at most ``limits.max_clients`` client ids (idle ones are forgotten after their TTL)
-    and ``limits.max_parked`` claims/reserves held open.
+    bounded: at most ``limits.max_clients`` client ids (when that is reached, those holding no
+    lease and silent past their TTL are forgotten) and ``limits.max_parked`` claims/reserves held
+    open; answered long-polls leave the deadline heap once they dominate it.
     """
 
     def __init__(
@@ -646,7 +651,9 @@ class ControllerServer:
         """Client ``client_id`` is alive (renews its leases); a new one counts against max_clients."""
         seen = self.client_seen
         if client_id not in seen and len(seen) >= self.limits.max_clients:
-            self._forget_idle(time.monotonic())
+            now = time.monotonic()
+            if now >= self._next_forget:
+                self._forget_idle(now)
             if len(seen) >= self.limits.max_clients:
                 self.refused["clients"] += 1
                 raise ProtocolViolation(
@@ -660,7 +667,7 @@ class ControllerServer:
 
     def _forget_idle(self, now: float) -> None:
         """Drop the state of clients that hold no lease and were silent longer than their TTL."""
-        self._next_forget = now + FORGET_EVERY_S
+        self._next_forget = now + FORGET_AT_MOST_EVERY_S
         holding = self.state.client_leases
         ttl = self.client_ttl
         idle = [cid for cid, seen in self.client_seen.items()
@@ -879,8 +886,6 @@ class ControllerServer:
                     log.warning("client %s silent for > %.2f s: its leases go back to the pool", cid, ttl)
                     for consumer in self.state.expire_client(cid):
                         self._serve_claims(consumer)
-        if now >= self._next_forget:
-            self._forget_idle(now)
 
     def _flush_frees(self) -> None:
         freed = self.state.take_freed()

@@ -167,6 +167,14 @@ class WarehouseServer:
             p.WarehouseHello(0, warehouse_id, self.endpoint, p.PROTOCOL_VERSION, secret)))
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
+        self._warned: dict[str, float] = {}
+
+    def _warn(self, key: str, fmt: str, *args: object) -> None:
+        """Log at most once a second per kind: a peer sending garbage in a loop must not fill the disk."""
+        now = time.monotonic()
+        if now >= self._warned.get(key, 0.0):
+            self._warned[key] = now + 1.0
+            log.warning(fmt, *args)
 
     def register(self, timeout_s: float) -> None:
         """Wait for the controller to accept this warehouse; :class:`RegistrationError` if it refuses
@@ -244,20 +252,22 @@ class WarehouseServer:
     def handle(self, frames: list[zmq.Frame]) -> None:
         """One message from a client: every one goes through this decode-and-validate path."""
         if len(frames) < 2:
-            log.warning("dropping message with %d frames", len(frames))
+            self._warn("frames", "dropping message with %d frames", len(frames))
+            return
+        if len(frames[1]) > self.limits.max_header_bytes:  # the length, before copying the frame out
+            self._warn("header", "dropping a %d-byte header (limit %d: resources.dock.max_header_mib)",
+                       len(frames[1]), self.limits.max_header_bytes)
             return
         identity, header = frames[0].bytes, frames[1].bytes
-        if len(header) > self.limits.max_header_bytes or len(frames) - 2 > p.MAX_FRAMES:
-            rid = p.salvage_req_id(header[:4096])  # a cheap look at the front only: never decode a giant header
+        if len(frames) - 2 > p.MAX_FRAMES:
+            rid = p.salvage_req_id(header)
             if rid is not None:
-                self._error(identity, rid, "bad_frames",
-                            f"a header of {len(header)} bytes with {len(frames) - 2} tensor frames exceeds the "
-                            f"limits ({self.limits.max_header_bytes} bytes, resources.dock.max_header_mib; "
-                            f"{p.MAX_FRAMES} frames)")
+                self._error(identity, rid, "bad_frames", f"{len(frames) - 2} tensor frames follow the header; "
+                            f"at most {p.MAX_FRAMES} may (split the put)")
             return
         msg, error = p.decode_request(p.warehouse_request_decoder, header)
         if msg is None:
-            log.warning("undecodable warehouse request from %r", identity)
+            self._warn("decode", "undecodable warehouse request from %r", identity)
             if error is not None:
                 self._error(identity, error.req_id, error.code, error.message)
             return

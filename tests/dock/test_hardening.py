@@ -238,7 +238,7 @@ def test_6_idle_clients_are_forgotten_and_their_number_is_capped() -> None:
             refused = _error(ctl.ask(_claim(9, client_id="c-new")), 9, "too_many_clients")
             assert "max_clients" in refused.message
             assert ctl.ask({"type": "stats", "req_id": 10}).stats["clients"] == 4
-            # c0..c3 hold nothing: forgotten once silent for their 0.2 s TTL (scan every second)
+            # c0..c3 hold nothing: forgotten, once silent for their 0.2 s TTL, when the limit is hit
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 reply = ctl.ask(_claim(11, client_id="c-new"))
