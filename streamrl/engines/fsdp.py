@@ -52,6 +52,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from transformers import PreTrainedTokenizerBase
 
 from streamrl.algos.grpo import (
@@ -94,6 +95,20 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
             raise ValueError(f"FSDPOptions.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+
+
+def _adamw_kernel(device: torch.device, tensor_parallel: int) -> dict[str, bool]:
+    """AdamW's implementation: the fused kernel where torch has one, else foreach (per-parameter under TP).
+
+    Every op of the foreach path on DTensors goes through DTensor's dispatcher, which dominated
+    the optimizer step on small models (CPU, the 0.4 M-parameter W1 model: foreach 7.4 ms,
+    per-parameter 11 ms, fused 2.1 ms). The fused kernel also takes the TP mix of (dp, tp)- and
+    dp-meshed DTensors (seen at tp=2 and dp2 x tp2), which foreach refuses ("got mixed
+    torch.Tensor and DTensor").
+    """
+    if device.type in _get_fused_kernels_supported_devices():
+        return {"fused": True}
+    return {"foreach": False} if tensor_parallel > 1 else {}
 
 
 class FSDPTrainEngine:
@@ -157,11 +172,8 @@ class FSDPTrainEngine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is False everywhere)")
-        # foreach kernels refuse lists that mix DTensors of different meshes (the (dp, tp) layer
-        # weights next to the dp-only embedding): fall back to the per-parameter loop with TP.
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            foreach=None if tp == 1 else False,
+            self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_adamw_kernel(self.device, tp),
         )
         forward_params = inspect.signature(type(model).forward).parameters
         self._logits_to_keep = "logits_to_keep" in forward_params

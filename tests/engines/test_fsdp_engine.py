@@ -6,9 +6,9 @@ single-process ``TorchTrainEngine`` (HF forward, same loss maths) in this proces
 
 Tolerances (float32, CPU; seen here): a step's loss is a sum over ranks of float32 partial sums,
 so R=2 and R=1 differ by rounding only (seen 3.4e-7 over 20 steps; FSDP R=1 vs TorchTrainEngine
-3e-8). After 20 AdamW steps at lr 1e-3 the parameters differ by 1.7e-6 (FSDP R=2), 1.5e-6
-(TorchTrainEngine), 4e-6 (TP=2, dp2 x tp2: the row-parallel matmuls sum in another order), far
-below the 1.6e-2 that training moved them.
+3e-8). After 20 AdamW steps at lr 1e-3 the parameters differ by 1.9e-6 (FSDP R=2), 1.5e-6
+(TorchTrainEngine, foreach AdamW vs the engine's fused one), 3.9e-6 / 4.7e-6 (TP=2 / dp2 x tp2:
+the row-parallel matmuls sum in another order), far below the 1.6e-2 that training moved them.
 """
 
 from __future__ import annotations
