@@ -553,9 +553,11 @@ class FSDPTrainEngine:
     def offload_state(self) -> SwapReport:
         """Move the sharded parameters, gradients and AdamW moments to host memory (local, blocking).
 
-        ``module.to`` is FSDP2's supported way (it re-registers its sharded parameters); copies
-        are non-blocking and synchronised once. With ``cpu_offload`` the state already lives on
-        the host and nothing moves.
+        ``module.to`` is FSDP2's supported way (it re-registers its sharded parameters, keeping the
+        Parameter objects AdamW holds). Copies are non-blocking and synchronised once per
+        direction; a non-blocking device-to-host copy lands in page-locked memory (torch pins the
+        output), so the way back is asynchronous too. With ``cpu_offload`` the state already
+        lives on the host, and on a CPU device there is no other memory: nothing moves (0 bytes).
         """
         if self._on_host:
             raise StateOffloadedError("the training state is already offloaded; call reload_state() first")

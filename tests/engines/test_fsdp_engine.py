@@ -101,6 +101,17 @@ def test_fsdp_two_ranks_equal_one_rank(fsdp2: dict[str, Any], one_rank: dict[str
     assert moved > 100 * FSDP_PARAM_ATOL
 
 
+def test_logprobs_at_two_ranks_equal_the_single_process_engine(fsdp2: dict[str, Any], out_dir: Path) -> None:
+    samples, _ = step_samples(0)
+    reference = TorchTrainEngine(build_model(), lr=LR, device="cpu", use_functional=False).logprobs(
+        [s.prompt_ids for s in samples], [s.response_ids for s in samples], temperature=0.7
+    )
+    got = {**load_file(str(out_dir / "logprobs-0.safetensors")), **load_file(str(out_dir / "logprobs-1.safetensors"))}
+    assert sorted(got, key=int) == [str(i) for i in range(len(samples))]
+    for i, expected in enumerate(reference):
+        torch.testing.assert_close(got[str(i)], expected, atol=1e-6, rtol=1e-6)
+
+
 def test_each_rank_holds_half_of_the_training_state(fsdp2: dict[str, Any], one_rank: dict[str, Any]) -> None:
     """Parameters and AdamW moments are sharded (unpadded pieces: the two halves add up exactly)."""
     whole = one_rank["memory"]
