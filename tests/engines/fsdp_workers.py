@@ -66,10 +66,13 @@ def step_samples(step: int) -> tuple[list[TrainSample], LossConfig]:
         advantage = float(torch.randn((), generator=g))
         if step % 5 == 3 and i % 2 == 1:
             advantage = 0.0  # "idle" step: dp rank 1 of 2 gets only zero-advantage samples
-        noise = torch.randn(2, n, generator=g) * 0.3 - 3.0
+        noise = torch.randn(3, n, generator=g) * 0.3 - 3.0
         old = noise[1] if step % 2 else None  # recomputed old logprobs on odd steps: TIS weights
-        samples.append(TrainSample(prompts[i % 3], response, advantage, rollout_logprobs=noise[0], old_logprobs=old))
-    return samples, LossConfig(loss_agg=MODES[step % 3])  # type: ignore[arg-type]
+        ref = noise[2] if step % 6 == 5 else None  # KL steps: a reference policy's logprobs
+        samples.append(TrainSample(prompts[i % 3], response, advantage, rollout_logprobs=noise[0],
+                                   old_logprobs=old, ref_logprobs=ref))
+    kl_coef = 0.05 if step % 6 == 5 else 0.0
+    return samples, LossConfig(loss_agg=MODES[step % 3], kl_coef=kl_coef)  # type: ignore[arg-type]
 
 
 def micro_batches(samples: list[TrainSample], dp_rank: int, dp: int, step: int) -> list[list[TrainSample]]:
@@ -82,8 +85,8 @@ def micro_batches(samples: list[TrainSample], dp_rank: int, dp: int, step: int) 
 
 
 def run_steps(engine: FSDPTrainEngine, first: int, count: int, *, offload_between: bool = False) -> dict[str, Any]:
-    """Train steps [first, first + count); per-step global loss and grad norm."""
-    losses, norms = [], []
+    """Train steps [first, first + count); per-step global loss, grad norm and all statistics."""
+    losses, norms, all_stats = [], [], []
     dp = engine.dp_size
     for step in range(first, first + count):
         samples, config = step_samples(step)
@@ -96,10 +99,11 @@ def run_steps(engine: FSDPTrainEngine, first: int, count: int, *, offload_betwee
         stats = engine.step()
         losses.append(stats["loss"])
         norms.append(stats["grad_norm"])
+        all_stats.append(stats)
         if offload_between:
             engine.offload_state()
             engine.reload_state()
-    return {"losses": losses, "grad_norms": norms}
+    return {"losses": losses, "grad_norms": norms, "stats": all_stats}
 
 
 def make_engine(tp: int = 1, model: PreTrainedModel | None = None, **options: Any) -> FSDPTrainEngine:
