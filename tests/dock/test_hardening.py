@@ -326,3 +326,34 @@ def test_remote_error_names_the_field_through_the_client(dock: LocalDock) -> Non
                 await c.reserve(p.MAX_ITEMS + 1)
 
     anyio.run(main)
+
+
+def test_6_parked_requests_are_capped_and_answered_ones_leave_the_deadline_heap() -> None:
+    with LocalDock(["gen", "other"], capacity=16, limits=DockLimits(max_parked=3)) as small:
+        ctl = Raw(small.controller_endpoint)
+        try:
+            for k in range(3):  # claims for a column nobody writes: they stay parked
+                ctl.send(msgpack.packb(_claim(k, consumer="other", reads=["never"], timeout_s=30.0)))
+            busy = _error(ctl.ask(_claim(9, consumer="other", reads=["never"], timeout_s=30.0)), 9, "busy")
+            assert "max_parked" in busy.message
+            assert ctl.ask({"type": "stats", "req_id": 10}).stats["pending_claims"] == 3
+        finally:
+            ctl.close()
+        still_serves(small)  # a claim that is answered at once is not parked, so not refused
+
+    # in-process: long-polls answered early must not pile up in the deadline heap until they expire
+    from streamrl.dock.controller import ControllerServer
+
+    srv = ControllerServer("tcp://127.0.0.1:0", ["gen"], 4096, 1, secret="s")
+    try:
+        sent: list[Any] = []
+        srv._send = lambda identity, msg: sent.append(msg)  # type: ignore[method-assign]
+        for k in range(3000):
+            srv.handle([b"id", msgpack.packb(_claim(k, timeout_s=3600.0))])
+            idx, _ = srv.state.reserve(1, 1)
+            srv.state.columns_ready(idx, ["x"], None, None)
+            srv._serve_claims(0)
+        assert sum(isinstance(m, p.Claimed) and len(m.samples) == 1 for m in sent) == 3000
+        assert len(srv.deadlines) <= 2100, len(srv.deadlines)  # compacted, not 3000 stale entries
+    finally:
+        srv.sock.close(0)
