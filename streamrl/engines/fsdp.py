@@ -261,19 +261,22 @@ class FSDPTrainEngine:
     def logprobs(
         self, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], temperature: float = 1.0
     ) -> list[Tensor]:
-        """Per-sample logprobs [R_i] (float32, CPU) of the response tokens, no gradient (collective)."""
+        """Per-sample logprobs [R_i] (float32, CPU) of the response tokens, no gradient (collective).
+
+        A rank with nothing to score passes empty lists: it still runs a one-token forward, for
+        the other ranks' all-gathers, and gets ``[]``.
+        """
         self.check_on_device()
         if len(prompt_ids) != len(response_ids):
             raise TrainBatchError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
-        if not prompt_ids:
-            raise TrainBatchError(
-                "no samples: logprobs is collective under FSDP, every rank must pass at least one sample"
-            )
         for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
             _check_sample(i, TrainSample(p, r, 0.0))
         was_training = self.model.training
         self.model.eval()
         try:
+            if not prompt_ids:
+                self.model(input_ids=torch.zeros((1, 1), dtype=torch.int64, device=self.device), use_cache=False)
+                return []
             logp, _, _ = self._response_logprobs(prompt_ids, response_ids, temperature, entropy=False)
         finally:
             self.model.train(was_training)

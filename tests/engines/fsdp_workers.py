@@ -146,6 +146,10 @@ def fsdp2_world(rank: int, world: int, steps: int, out_dir: str) -> dict[str, An
     mine = samples[rank::world]  # each rank scores its own samples: no-grad forward, collective
     logprobs = engine.logprobs([s.prompt_ids for s in mine], [s.response_ids for s in mine], temperature=0.7)
     save_file({f"{i * world + rank}": t for i, t in enumerate(logprobs)}, str(out / f"logprobs-{rank}.safetensors"))
+    # Rank 0 scores everything, rank 1 nothing: it joins the forward with empty lists.
+    everything = samples if rank == 0 else []
+    logprobs = engine.logprobs([s.prompt_ids for s in everything], [s.response_ids for s in everything])
+    save_file({str(i): t for i, t in enumerate(logprobs)}, str(out / f"logprobs-all-{rank}.safetensors"))
     result: dict[str, Any] = {"main": run_steps(engine, 0, steps), "memory": engine.memory_bytes()}
     save_params(engine, out / "fsdp2.safetensors")
     save_file({k: v.contiguous() for k, v in engine.local_shards().items()}, str(out / f"shards-{rank}.safetensors"))

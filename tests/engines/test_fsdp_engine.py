@@ -119,6 +119,13 @@ def test_logprobs_at_two_ranks_equal_the_single_process_engine(fsdp2: dict[str, 
     assert sorted(got, key=int) == [str(i) for i in range(len(samples))]
     for i, expected in enumerate(reference):
         torch.testing.assert_close(got[str(i)], expected, atol=1e-6, rtol=1e-6)
+    reference = TorchTrainEngine(build_model(), lr=LR, device="cpu", use_functional=False).logprobs(
+        [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+    )
+    alone = load_file(str(out_dir / "logprobs-all-0.safetensors"))
+    assert load_file(str(out_dir / "logprobs-all-1.safetensors")) == {}
+    for i, expected in enumerate(reference):
+        torch.testing.assert_close(alone[str(i)], expected, atol=1e-6, rtol=1e-6)
 
 
 def test_each_rank_holds_half_of_the_training_state(fsdp2: dict[str, Any], one_rank: dict[str, Any]) -> None:
