@@ -51,6 +51,20 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=YamlLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
+def read_yaml_mapping(path: Path, kind: str, shape: str) -> dict[str, Any]:
+    """The mapping at the top of YAML file ``path`` (a ``kind`` file: config, pipeline); a
+    ConfigError naming the file, and the line for a YAML error, otherwise."""
+    try:
+        loaded = load_yaml(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the {kind} file: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be {shape}, got a {type(loaded).__name__}")
+    return loaded
+
+
 def yaml_problem(exc: yaml.YAMLError) -> str:
     """A YAML error as ``line L, column C: <problem>`` (1-based; PyYAML counts from 0), so a user
     can jump to it; its own message repeats the line with a caret we do not need."""
@@ -205,8 +219,8 @@ def _check(cfg: RunConfig, where: str) -> None:
         (cfg.dock_capacity >= cfg.batch_size,
          f"resources.dock.capacity ({cfg.dock_capacity}) must hold one step: >= algo.prompts_per_step * "
          f"algo.group_size ({cfg.batch_size}); raise it or leave it out (null)"),
-        (r.dock.lease_ttl_s > 0 and _finite(r.dock.lease_ttl_s),
-         f"resources.dock.lease_ttl_s must be > 0 seconds, got {r.dock.lease_ttl_s}"),
+        (r.dock.lease_ttl_s >= 0.05 and _finite(r.dock.lease_ttl_s),  # the dock's MIN_TTL_S
+         f"resources.dock.lease_ttl_s must be >= 0.05 seconds (the dock's lower bound), got {r.dock.lease_ttl_s}"),
         (r.start_timeout_s > 0 and _finite(r.start_timeout_s),
          f"resources.start_timeout_s must be > 0 seconds, got {r.start_timeout_s}"),
         (bool(cfg.task.name.strip()), "task.name is empty; name a task, e.g. digits-max, or jsonl with task.options.path"),
@@ -383,16 +397,7 @@ def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list
         where = str(path)
         if not path.is_file():
             raise ConfigError(f"{where}: no such config file")
-        try:
-            loaded = load_yaml(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{where}: not valid YAML: {yaml_problem(exc)}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{where}: cannot read the config file: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{where}: the top level must be a mapping of config fields (key: value lines), "
-                              f"got a {type(loaded).__name__}")
-        raw = loaded
+        raw = read_yaml_mapping(path, "config", "a mapping of config fields (key: value lines)")
         raw.setdefault("config_dir", str(path.parent.resolve()))
     if overrides:
         raw = _merge(raw, parse_overrides(overrides))

@@ -155,7 +155,7 @@ CASES: dict[str, Case] = {
     # ---------------------------------------------------------------- resources and outputs
     "dock-capacity-below-a-step": Case(("resources.dock.capacity (32)", ">= algo.prompts_per_step * algo.group_size",
                                         "(64)"), overrides=("resources.dock.capacity=32",)),
-    "dock-lease-ttl": Case(("resources.dock.lease_ttl_s must be > 0",), overrides=("resources.dock.lease_ttl_s=0",)),
+    "dock-lease-ttl": Case(("resources.dock.lease_ttl_s must be >= 0.05",), overrides=("resources.dock.lease_ttl_s=0.01",)),
     "start-timeout": Case(("resources.start_timeout_s must be > 0",), overrides=("resources.start_timeout_s=-1",)),
     "device-unknown": Case(("resources.device", "'tpu'", "use 'auto', 'cpu'"), overrides=("resources.device=tpu",)),
     "launch-value": Case(("resources.launch must be one of ['processes', 'inprocess']", "got 'threads'"),

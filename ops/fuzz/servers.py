@@ -278,7 +278,7 @@ def targets(names: list[str]) -> Iterator[list[Target]]:
 
 
 # ---------------------------------------------------------------------- fuzzing
-def fuzz(target: Target, frames: int, seconds: float, seed: int, rotate: int = 1000,
+def fuzz(target: Target, frames: int, seconds: float, seed: int, rotate: int = 250,
          oversized: int = 3) -> dict[str, Any]:
     """Send ``frames`` fuzz frames (or stop after ``seconds``) and report what happened."""
     rng = random.Random(seed)

@@ -41,15 +41,7 @@ class AsyncSocket:
             try:
                 return self.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                pass
-            if self.socket.get(zmq.EVENTS) & zmq.POLLIN:
-                continue
-            with anyio.CancelScope() as scope:
-                self._wait_scope = scope
-                try:
-                    await anyio.wait_readable(self.socket.FD)
-                finally:
-                    self._wait_scope = None
+                await self._wait_readable()
 
     async def receive_capped(self, max_frames: int) -> tuple[list[bytes], int]:
         """The next multipart message's first ``max_frames`` frames, and how many it had in all.
@@ -58,21 +50,20 @@ class AsyncSocket:
         of small frames. The frames past ``max_frames`` are read and dropped one by one, so such a
         message costs this process no more memory than a valid one.
         """
-        while True:
+        while (got := self.receive_capped_nowait(max_frames)) is None:
+            await self._wait_readable()
+        return got
+
+    async def _wait_readable(self) -> None:
+        """Return once a receive may succeed (or at once if ``EVENTS`` already says so)."""
+        if self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+            return
+        with anyio.CancelScope() as scope:
+            self._wait_scope = scope
             try:
-                first = self.socket.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            else:
-                return self._rest_of_message(first, max_frames)
-            if self.socket.get(zmq.EVENTS) & zmq.POLLIN:
-                continue
-            with anyio.CancelScope() as scope:
-                self._wait_scope = scope
-                try:
-                    await anyio.wait_readable(self.socket.FD)
-                finally:
-                    self._wait_scope = None
+                await anyio.wait_readable(self.socket.FD)
+            finally:
+                self._wait_scope = None
 
     def receive_capped_nowait(self, max_frames: int) -> tuple[list[bytes], int] | None:
         """:meth:`receive_capped` without waiting: None when no message is queued."""

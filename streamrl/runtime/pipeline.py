@@ -47,9 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import yaml
 
-from streamrl.config import ConfigError, RunConfig, StageOverride, load_yaml, resolve_path, yaml_problem
+from streamrl.config import ConfigError, RunConfig, StageOverride, read_yaml_mapping, resolve_path
 
 
 class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename={"cls": "class"}):
@@ -177,15 +176,7 @@ def load_pipeline(cfg: RunConfig) -> PipelineSpec:
         what = "is a directory, not a file" if path.is_dir() else "no such file"
         raise ConfigError(f"pipeline {cfg.pipeline!r}: {what} (looked relative to {cfg.config_dir}, the cwd "
                           "and the streamrl checkout); set pipeline to a file such as pipelines/grpo.yaml")
-    try:
-        raw = load_yaml(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: not valid YAML: {yaml_problem(exc)}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: cannot read the pipeline file: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: a pipeline file is a mapping with `name:` and `stages:` (a list of stages), "
-                          f"got a {type(raw).__name__}")
+    raw = read_yaml_mapping(path, "pipeline", "a mapping with `name:` and `stages:` (a list of stages)")
     if "path" in raw:
         raise ConfigError(f"{where}: unknown field 'path' (streamrl sets it); known: {_PIPELINE_FIELDS}")
     try:

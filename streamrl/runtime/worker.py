@@ -144,7 +144,8 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
             tg.start_soon(stop_watch)
             meter = _Meter(control)
             async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
-                                  lease_ttl_s=cfg.resources.dock.lease_ttl_s) as dock:
+                                  lease_ttl_s=cfg.resources.dock.lease_ttl_s,
+                                  max_message_mib=cfg.resources.dock.max_message_mib) as dock:
                 with loop_scope:
                     try:
                         if sspec.is_source:

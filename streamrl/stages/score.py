@@ -186,7 +186,7 @@ class ScoreStage:
             if isinstance(stats.get(key), (int, float)):
                 flat[key] = stats[key]
         for k, server in enumerate(stats.get("servers", []) or []):
-            for key in ("latency_p50_ms", "latency_p99_ms", "timeouts", "lost"):
+            for key in ("latency_p50_ms", "latency_p99_ms", "timeouts", "lost", "disconnects"):
                 if isinstance(server.get(key), (int, float)):
                     flat[f"server{k}/{key}"] = server[key]
         for key in ("latency_p50_ms", "latency_p99_ms"):

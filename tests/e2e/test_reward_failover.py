@@ -56,7 +56,9 @@ def test_sigkill_of_one_of_two_reward_servers_costs_no_sample(tmp_path: Path) ->
         last = rows[-1]
         # each optimizer step trained on a full batch of scored samples, after the kill too
         assert len(rows) == STEPS and all(r["reward_mean"] is not None for r in rows)
-        lost = last.get("score/server0/lost", 0) + last.get("score/server1/lost", 0)
-        assert lost + last.get("score/retries", 0) >= 1, {k: v for k, v in last.items() if k.startswith("score/")}
+        # the kill was noticed: the connection drop (always), and the batches it had in flight, if the
+        # kill landed while it was scoring (most runs; it may also land between two batches)
+        noticed = sum(last.get(f"score/server0/{k}", 0) for k in ("lost", "disconnects")) + last.get("score/retries", 0)
+        assert noticed >= 1, {k: v for k, v in last.items() if k.startswith("score/")}
     finally:
         servers.stop_all()
