@@ -11,8 +11,12 @@ Per target: a normal request is answered (the *check*) and the server's resident
 from /proc; then ``--frames`` frames from :class:`ops.fuzz.wiregen.MessageFuzzer` (mutants of
 valid messages, raw bytes, a few valid messages) go out from DEALER sockets whose identity changes
 every ``--rotate`` frames (so per-client state is exercised), some with extra frames of random
-bytes; a few times a raw ZMTP peer declares a 1 TiB frame (``ops/fuzz/zmtp.py``: the server must
-drop that connection). Replies are drained as they come. Afterwards: is the process alive, is the
+bytes (a message over the server's size limit goes out on a connection of its own, since libzmq
+drops that connection and everything queued behind it); a few times a raw ZMTP peer declares a 1 TiB frame (``ops/fuzz/zmtp.py``: the server must
+drop that connection). Replies are drained as they come. Before each identity change and at the
+end, a *sentinel* request goes out on the same connection and must be answered (stats, ping, a
+worker's Ready, a weights request): ZeroMQ keeps one connection's messages in order, so its answer
+proves the server read and survived every frame before it. Afterwards: is the process alive, is the
 check answered correctly, and where is its memory. The time per target is bounded (``--seconds``).
 
 The last output line is one JSON object (the benchmarks' convention): per target the frames sent,
@@ -48,6 +52,7 @@ from ops.fuzz.wiregen import MessageFuzzer
 from ops.fuzz.zmtp import send_oversized_frame
 from streamrl.dock import protocol as dp
 from streamrl.dock.launch import LocalDock
+from streamrl.dock.limits import DockLimits
 from streamrl.rewards import protocol as rp
 from streamrl.runtime import control as cc
 from streamrl.runtime import policy as pc
@@ -63,7 +68,13 @@ class Target:
     pid: int
     message_type: Any
     check: Callable[[], str | None]  # None: the normal request was answered correctly; else what was wrong
+    # A request whose reply proves the server has processed everything sent before it on the same
+    # connection (ZeroMQ keeps one connection's messages in order): (messages, is_its_reply).
+    sentinel: Callable[[int], tuple[list[list[bytes]], Callable[[list[bytes]], bool]]]
     extra_frames: float = 0.05  # share of messages sent with extra frames of random bytes
+    # the server's ZMQ_MAXMSGSIZE: libzmq drops the connection of a peer that sends more, and with it
+    # every message queued behind on that connection, so the fuzzer sends such messages apart
+    max_message_bytes: int = 1 << 30
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -131,6 +142,19 @@ def _start_process(args: list[str], stack: contextlib.ExitStack, name: str) -> t
 
 
 # ---------------------------------------------------------------------- targets
+def _field(reply: list[bytes], name: str) -> Any:
+    """A field of a reply's msgpack header, or None when it is not a map that has it."""
+    try:
+        head = msgspec.msgpack.decode(reply[0])
+    except (msgspec.DecodeError, IndexError):
+        return None
+    return head.get(name) if isinstance(head, dict) else None
+
+
+def _stats_sentinel(n: int) -> tuple[list[list[bytes]], Callable[[list[bytes]], bool]]:
+    return [[dp.encoder.encode(dp.StatsRequest(n))]], lambda r: _field(r, "req_id") == n
+
+
 def start_dock(stack: contextlib.ExitStack) -> list[Target]:
     dock = stack.enter_context(LocalDock(["gen", "train"], capacity=256, n_warehouses=1, transport="tcp"))
     ctl_pid, wh_pid = dock.pids[0], dock.pids[1]
@@ -184,8 +208,10 @@ def start_dock(stack: contextlib.ExitStack) -> list[Target]:
         return get("before") or put_get(f"after{checks['n']}")
 
     return [
-        Target("controller", ctl, ctl_pid, dp.ControllerRequest, check_controller),
-        Target("warehouse", wh, wh_pid, dp.WarehouseRequest, check_warehouse, extra_frames=0.3),
+        Target("controller", ctl, ctl_pid, dp.ControllerRequest, check_controller, _stats_sentinel,
+               max_message_bytes=DockLimits().max_header_bytes),
+        Target("warehouse", wh, wh_pid, dp.WarehouseRequest, check_warehouse, _stats_sentinel, extra_frames=0.3,
+               max_message_bytes=DockLimits().max_message_bytes),
     ]
 
 
@@ -212,7 +238,10 @@ def start_reward(stack: contextlib.ExitStack) -> Target:
             return f"score answered {results!r}, expected scores [1.0, 0.0]"
         return None
 
-    return Target("reward", endpoint, proc.pid, rp.ClientMessage, check)
+    def sentinel(n: int) -> tuple[list[list[bytes]], Callable[[list[bytes]], bool]]:
+        return [[msgspec.msgpack.encode({"type": "ping", "nonce": n})]], lambda r: _field(r, "nonce") == n
+
+    return Target("reward", endpoint, proc.pid, rp.ClientMessage, check, sentinel, max_message_bytes=256 << 20)
 
 
 def start_control(stack: contextlib.ExitStack) -> Target:
@@ -234,7 +263,13 @@ def start_control(stack: contextlib.ExitStack) -> Target:
         finally:
             s.close(0)
 
-    return Target("control", endpoint, proc.pid, cc.WorkerEvent, check)
+    def sentinel(n: int) -> tuple[list[list[bytes]], Callable[[list[bytes]], bool]]:
+        # this socket registers as worker gen-0 and says Ready: the host answers Ready with Go
+        msgs = [[cc.encoder.encode(cc.Starting("gen", 0, n, token))], [cc.encoder.encode(cc.Ready("gen", 0, n))]]
+        return msgs, lambda r: _field(r, "type") == "go"
+
+    return Target("control", endpoint, proc.pid, cc.WorkerEvent, check, sentinel,
+                  max_message_bytes=cc.MAX_EVENT_BYTES)
 
 
 def start_policy(stack: contextlib.ExitStack) -> Target:
@@ -258,7 +293,12 @@ def start_policy(stack: contextlib.ExitStack) -> Target:
         same = set(got) == set(POLICY_STATE) and all(torch.equal(got[k], v) for k, v in POLICY_STATE.items())
         return None if same else "the weights differ from the published ones"
 
-    return Target("policy", endpoint, proc.pid, pc.WeightsRequest, check)
+    def sentinel(n: int) -> tuple[list[list[bytes]], Callable[[list[bytes]], bool]]:
+        req = pc.WeightsRequest(n, 1, 1, False, 0.0)  # answered at once: version 1 exists
+        return [[msgspec.msgpack.encode(req)]], lambda r: _field(r, "req_id") == n
+
+    return Target("policy", endpoint, proc.pid, pc.WeightsRequest, check, sentinel,
+                  max_message_bytes=pc.MAX_REQUEST_BYTES)
 
 
 @contextlib.contextmanager
@@ -293,12 +333,21 @@ def fuzz(target: Target, frames: int, seconds: float, seed: int, rotate: int = 2
     host, port = target.endpoint.removeprefix("tcp://").rsplit(":", 1)
     oversized_closed: list[bool] = []
     recent: deque[list[bytes]] = deque(maxlen=200)  # to replay a crash: the last frames before it
+    next_sentinel = 1_000_000
+    oversized_apart = 0
+    unprocessed = False  # a sentinel went unanswered: the server stalled (or died) on what came before
     crashed_with: str | None = None
     try:
         while sent < frames and time.monotonic() - t0 < seconds:
             if sock is None or sent % rotate == 0:
                 if sock is not None:
+                    got, n_replies = _await_sentinel(target, sock, next_sentinel, t0 + seconds)
+                    replies += n_replies
+                    next_sentinel += 1
                     sock.close(0)
+                    if not got:
+                        unprocessed = True
+                        break
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IDENTITY, rng.randbytes(rng.randrange(1, 32)).replace(b"\x00", b"\x01"))
@@ -307,6 +356,12 @@ def fuzz(target: Target, frames: int, seconds: float, seed: int, rotate: int = 2
             if rng.random() < target.extra_frames:
                 msg += [rng.randbytes(rng.choice([0, 3, 16, 4096, 65_539])) for _ in range(rng.randrange(1, 4))]
             recent.append(msg)
+            if max(len(f) for f in msg) > target.max_message_bytes:
+                # over the server's limit: on a connection of its own, which libzmq will drop
+                _send_apart(ctx, target.endpoint, msg)
+                oversized_apart += 1
+                sent += 1
+                continue
             while True:
                 try:
                     sock.send_multipart(msg, flags=zmq.NOBLOCK)
@@ -329,10 +384,10 @@ def fuzz(target: Target, frames: int, seconds: float, seed: int, rotate: int = 2
                     oversized_closed.append(send_oversized_frame(host, int(port), 1 << 40, timeout_s=3.0))
                 except OSError:
                     oversized_closed.append(False)  # could not even connect: the server is gone
-        if sock is not None:
-            end = time.monotonic() + 2.0
-            while time.monotonic() < end and sock.poll(200):
-                replies += _drain(sock)
+        if sock is not None and not unprocessed:
+            got, n_replies = _await_sentinel(target, sock, next_sentinel, t0 + seconds)
+            replies += n_replies
+            unprocessed = not got
     finally:
         if sock is not None:
             sock.close(0)
@@ -346,12 +401,49 @@ def fuzz(target: Target, frames: int, seconds: float, seed: int, rotate: int = 2
     return {
         "target": target.name, "frames": sent, "seconds": round(elapsed, 1), "frames_per_s": round(sent / elapsed),
         "replies": replies, "send_blocked": blocked, "alive": survived,
+        "all_processed": not unprocessed, "over_limit_sent_apart": oversized_apart,
         "check_before": pre or "ok", "check_after": post or "ok",
         "oversized_frames_refused": f"{sum(oversized_closed)}/{len(oversized_closed)}",
         "crash_frames": crashed_with,
         "rss_mib": {"before": round(rss_before, 1), "peak": round(max(rss_peak, rss_after), 1),
                     "after": round(rss_after, 1)},
     }
+
+
+def _await_sentinel(target: Target, sock: zmq.Socket[bytes], n: int, deadline: float) -> tuple[bool, int]:
+    """Send the target's sentinel on ``sock`` and wait for its reply (draining the others): True once
+    the server has processed every frame sent on ``sock`` before it. Returns (answered, replies)."""
+    messages, is_reply = target.sentinel(n)
+    replies = 0
+    end = max(deadline, time.monotonic() + 30.0)  # a backlog may still be in the server's queue
+    for m in messages:
+        while True:  # the send queue may be full of fuzz frames the server has not read yet
+            try:
+                sock.send_multipart(m, flags=zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                replies += _drain(sock)
+                if time.monotonic() > end or not alive(target.pid):
+                    return False, replies
+                sock.poll(200, zmq.POLLOUT)
+    while time.monotonic() < end:
+        if not sock.poll(200):
+            if not alive(target.pid):
+                return False, replies
+            continue
+        reply = sock.recv_multipart()
+        replies += 1
+        if is_reply(reply):
+            return True, replies
+    return False, replies
+
+
+def _send_apart(ctx: zmq.Context[Any], endpoint: str, msg: list[bytes]) -> None:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 1000)  # let it go out before the socket is gone
+    s.connect(endpoint)
+    s.send_multipart(msg)
+    s.close()
 
 
 def _save_crash(name: str, messages: list[list[bytes]]) -> str:
@@ -391,9 +483,10 @@ def main(argv: list[str] | None = None) -> int:
             res = fuzz(target, args.frames, args.seconds, args.seed + k)
             results.append(res)
             print(f"  {res['frames']} frames in {res['seconds']} s ({res['frames_per_s']}/s), "
-                  f"{res['replies']} replies; alive={res['alive']} check={res['check_after']}; oversized "
+                  f"{res['replies']} replies; alive={res['alive']} all processed={res['all_processed']} "
+                  f"check={res['check_after']}; oversized "
                   f"refused {res['oversized_frames_refused']}; RSS MiB {res['rss_mib']}", flush=True)
-    ok = all(r["alive"] and r["check_after"] == "ok" for r in results)
+    ok = all(r["alive"] and r["all_processed"] and r["check_after"] == "ok" for r in results)
     print(json.dumps({"name": "fuzz_servers", "figures": {r["target"]: r for r in results}, "baseline": None,
                       "ratio": None, "target": "every server alive and answering after >= 100,000 frames",
                       "ok": ok}))

@@ -30,6 +30,7 @@ def test_server_survives_fuzzing(started: dict[str, Target], name: str) -> None:
     assert res["check_before"] == "ok", res
     assert res["frames"] == FRAMES, f"only {res['frames']} frames went out in {SECONDS} s: {res}"
     assert res["alive"], f"{name} died; the frames before it are in {res['crash_frames']}"
+    assert res["all_processed"], f"{name} stopped answering on a connection it had been fuzzed on: {res}"
     assert res["check_after"] == "ok", res
     assert res["oversized_frames_refused"] == "3/3", f"{name} kept a connection declaring a 1 TiB frame: {res}"
     rss = res["rss_mib"]
