@@ -120,6 +120,7 @@ class ControlClient:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)  # let the final Failed/Finished reach the launcher
+        wire.limit_socket(self.sock, MAX_EVENT_BYTES)  # commands are tiny; the limit keeps it so
         self.sock.connect(endpoint)
         self.stop_reason: str | None = None
         self._send(Starting(stage, worker, os.getpid(), token))
