@@ -290,12 +290,14 @@ def test_8_thread_dock_declares_views_too() -> None:
 
 # ---------------------------------------------------------------- the client's side of the replies
 def test_client_survives_garbage_replies() -> None:
-    """A rogue server answering with invalid UTF-8 and deep nesting: the request times out cleanly."""
+    """A rogue server answering with invalid UTF-8, deep nesting and bytes that are not msgpack: the
+    request times out cleanly."""
     rogue = zmq.Context.instance().socket(zmq.ROUTER)
     rogue.setsockopt(zmq.LINGER, 0)
     port = rogue.bind_to_random_port("tcp://127.0.0.1")
     junk = [msgpack.packb({"type": "ok", "req_id": 1, "x": "\u00e9"}).replace("\u00e9".encode(), b"\xff\xfe"),
-            b"\x82\xa4type\xa2ok\xa6req_id" + b"\x91" * 100_000 + b"\x01"]
+            b"\x82\xa4type\xa2ok\xa6req_id" + b"\x91" * 100_000 + b"\x01",
+            b"\xc1garbage"]  # 0xc1: never used in msgpack
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
