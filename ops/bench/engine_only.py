@@ -3,7 +3,7 @@
 
 A synchronous loop — generate (TorchRolloutEngine) -> score (task reward) -> group advantages
 -> accumulate + step (TorchTrainEngine) — on the baseline's workloads
-(/work/shared/bench/README.md):
+(docs/benchmarks.md §1):
 
   W1  digits-max, hidden 128, 2 layers, 4 heads, 8 prompts x 8, <= 4 tokens, lr 1e-3, up to 300
       steps, stop at mean reward >= 0.9: steps and training-loop seconds to 0.9.
@@ -14,8 +14,9 @@ Both: fp32, AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), max grad norm 1.
 no top-k/top-p, token-mean loss, clip 0.2, KL 0; the old policy is the rollout policy (one
 update per batch, as TRL with num_iterations=1). Same init weights as TRL (seed 0).
 
-When TRL's venv exists (/tmp/streamrl-trl-venv), the same workloads run through
-/work/shared/bench/grpo_trl.py in the same session, interleaved with ours, and the ratios are
+When TRL's venv exists ($STREAMRL_TRL_VENV, else /tmp/streamrl-trl-venv2; made by
+ops/bench/setup_trl_env.sh), the same workloads run through ops/bench/trl_grpo.py in the same
+session, interleaved with ours, and the ratios are
 printed. The LAST line is one JSON object: name, figures, baseline, ratio, target.
 
   python ops/bench/engine_only.py                    # W1 + W2, 3 repeats each side
@@ -52,8 +53,8 @@ except ImportError:  # run as a script: ops/ is not a package
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import print_json_line, spread
 
-TRL_PYTHON = Path("/tmp/streamrl-trl-venv/bin/python")
-TRL_SCRIPT = Path("/work/shared/bench/grpo_trl.py")
+TRL_PYTHON = Path(os.environ.get("STREAMRL_TRL_VENV", "/tmp/streamrl-trl-venv2")) / "bin" / "python"
+TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"  # the project's own TRL runner
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """streamrl vs Hugging Face TRL's GRPOTrainer on identical work, side by side, in one run.
 
-Workloads (../shared/bench/README.md): same tiny Qwen2 shapes (random init), task, batch
-shape, sampling and optimizer on both sides (fp32, AdamW, constant lr, grad clip 1.0,
-temperature 1, KL 0, clip 0.2, group-normalised advantages, token-mean loss).
+Workloads (docs/benchmarks.md §1): the same tiny Qwen2 (random init, the same weights on both
+sides: checked by digest every run), character tokenizer, task, batch shape, sampling and
+optimizer on both sides (fp32, AdamW, constant lr, grad clip 1.0, temperature 1, KL 0, clip 0.2,
+group-normalised advantages, token-mean loss).
 
   W1  digits-max, hidden 128 / 2 layers, 8 prompts x 8, <= 4 tokens: training-loop seconds
       until a step's mean reward >= 0.9 (target: streamrl <= 0.5x TRL).
@@ -13,8 +14,10 @@ temperature 1, KL 0, clip 0.2, group-normalised advantages, token-mean loss).
       measured in the same run (training 6*params*tokens + generation 2*params*tokens).
 
 Each side runs as a fresh process per repetition (seeds 0..reps-1); setup is excluded on both
-sides (TRL: its training loop; streamrl: from Go to the last step). TRL's venv comes from
-../shared/bench/setup_trl.sh (made if missing). Last line: one JSON object.
+sides (TRL: its training loop; streamrl: from Go to the last step). The TRL side is
+ops/bench/trl_grpo.py, run with the python of the venv that ops/bench/setup_trl_env.sh makes
+(--trl-venv, else $STREAMRL_TRL_VENV, else /tmp/streamrl-trl-venv2; made if missing, a few
+minutes). Last line: one JSON object.
 
     python ops/bench/grpo_vs_trl.py                 # W1 and W2, 3 repetitions
     python ops/bench/grpo_vs_trl.py --workload W1 --reps 5
@@ -37,15 +40,31 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_spread, print_json_line, print_table, spread
+from trl_grpo import weights_sha256
 
-ROOT = Path(__file__).resolve().parents[2]
-SHARED_BENCH = ROOT.parent / "shared" / "bench"
-TRL_VENV = Path(os.environ.get("STREAMRL_TRL_VENV", "/tmp/streamrl-trl-venv"))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TRL_RUNNER = HERE / "trl_grpo.py"
+TRL_SETUP = HERE / "setup_trl_env.sh"
+DEFAULT_TRL_VENV = Path(os.environ.get("STREAMRL_TRL_VENV", "/tmp/streamrl-trl-venv2"))
 
-W1_TRL = ["--task", "max", "--steps", "300", "--stop-reward", "0.9"]
+# The model of each workload, as streamrl's model.tiny section; TRL gets the same shapes as flags.
+TINY: dict[str, dict[str, int]] = {
+    "W1": {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 256},
+    "W2": {"hidden": 256, "layers": 4, "heads": 8, "intermediate": 512},
+}
+
+
+def _shape_flags(workload: str) -> list[str]:
+    return [x for key, value in TINY[workload].items() for x in (f"--{key}", str(value))]
+
+
+W1_TRL = ["--task", "max", "--n-digits", "3", "--prompts-per-step", "8", "--num-generations", "8",
+          "--max-completion-length", "4", "--steps", "300", "--stop-reward", "0.9", "--lr", "1e-3",
+          *_shape_flags("W1")]
 W2_TRL = ["--task", "reverse", "--n-digits", "24", "--min-digits", "2", "--max-completion-length", "32",
-          "--hidden", "256", "--layers", "4", "--heads", "8", "--intermediate", "512", "--prompts-per-step", "16",
-          "--num-generations", "8", "--steps", "15", "--lr", "1e-3"]
+          "--prompts-per-step", "16", "--num-generations", "8", "--steps", "15", "--lr", "1e-3",
+          *_shape_flags("W2")]
 
 
 def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str) -> dict[str, Any]:
@@ -57,12 +76,12 @@ def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str) -> d
     }
     if workload == "W1":
         return {**common,
-                "model": {"tiny": {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 256, "seed": seed}},
+                "model": {"tiny": {**TINY["W1"], "seed": seed}},
                 "task": {"name": "digits-max", "options": {"n_digits": 3}, "seed": seed},
                 "algo": {"steps": 300, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 4, "lr": 1e-3,
                          "max_staleness": staleness, "stop_reward": 0.9}}
     return {**common,
-            "model": {"tiny": {"hidden": 256, "layers": 4, "heads": 8, "intermediate": 512, "seed": seed}},
+            "model": {"tiny": {**TINY["W2"], "seed": seed}},
             "task": {"name": "digits-reverse", "options": {"min_digits": 2, "max_digits": 24}, "seed": seed},
             "algo": {"steps": 15, "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 32, "lr": 1e-3,
                      "max_staleness": staleness}}
@@ -90,17 +109,45 @@ def run_streamrl(workload: str, seed: int, staleness: int, tmp: Path) -> dict[st
     }
 
 
-def run_trl(args: list[str], seed: int) -> dict[str, Any]:
-    python = TRL_VENV / "bin" / "python"
+class TrlSideError(RuntimeError):
+    """The TRL side failed, or did not train the same model as streamrl's side."""
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """The TRL venv's python, making the venv with setup_trl_env.sh the first time."""
+    python = venv / "bin" / "python"
     if not python.exists():
-        print(f"making TRL's venv at {TRL_VENV} (once) ...", flush=True)
-        subprocess.run(["bash", str(SHARED_BENCH / "setup_trl.sh"), str(TRL_VENV)], check=True)
-    proc = subprocess.run([str(python), str(SHARED_BENCH / "grpo_trl.py"), *args, "--seed", str(seed),
-                           "--print-every", "0"], capture_output=True, text=True, timeout=900)
+        print(f"making TRL's venv at {venv} (once, a few minutes) ...", flush=True)
+        subprocess.run(["bash", str(TRL_SETUP), str(venv)], check=True, timeout=1800)
+    return python
+
+
+def streamrl_weights_sha256(workload: str, seed: int) -> str:
+    """Digest of the initial weights streamrl's run builds for ``workload`` and ``seed``."""
+    from streamrl.models.build import TinyModelSpec, build_model
+    from streamrl.models.tokenizer import build_char_tokenizer
+
+    return weights_sha256(build_model(TinyModelSpec(**TINY[workload], seed=seed), build_char_tokenizer()))
+
+
+def run_trl(python: Path, workload: str, args: list[str], seed: int) -> dict[str, Any]:
+    proc = subprocess.run([str(python), str(TRL_RUNNER), *args, "--seed", str(seed), "--print-every", "0"],
+                          capture_output=True, text=True, timeout=900)
     line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT_JSON")), None)
     if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"TRL failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line.split(" ", 1)[1])
+        raise TrlSideError(f"TRL {workload} (seed {seed}) failed, rc {proc.returncode}:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+    # Same code builds both models, but in two environments: a different torch in the TRL venv could
+    # initialise differently, and then the two sides would not be learning from the same start.
+    theirs, ours = result["model"]["init_weights_sha256"], streamrl_weights_sha256(workload, seed)
+    if theirs != ours:
+        raise TrlSideError(
+            f"TRL {workload} (seed {seed}) started from other weights than streamrl (sha256 {theirs[:12]} vs "
+            f"{ours[:12]}); versions there: {result['versions']}. Remake the venv with {TRL_SETUP}")
+    if result.get("version_mismatches"):
+        print(f"warning: TRL venv versions differ from the reference figures': {result['version_mismatches']}",
+              file=sys.stderr)
+    return result
 
 
 def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace,
@@ -108,9 +155,10 @@ def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace,
     """Repetition r runs TRL, then streamrl k=0, then k=1, all with seed r: load drift hits both sides."""
     ours: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
     trl: list[dict[str, Any]] = []
+    python = None if args.skip_trl else ensure_trl_venv(args.trl_venv)
     for seed in range(args.reps):
-        if not args.skip_trl:
-            trl.append(run_trl(trl_args, seed))
+        if python is not None:
+            trl.append(run_trl(python, workload, trl_args, seed))
         for k in (0, 1):
             ours[k].append(run_streamrl(workload, seed, k, tmp))
         print(f"{workload} repetition {seed + 1}/{args.reps} done (load average {os.getloadavg()[0]:.1f})", flush=True)
@@ -135,7 +183,7 @@ def w2_params() -> int:
     from streamrl.models.build import TinyModelSpec, build_model
     from streamrl.models.tokenizer import build_char_tokenizer
 
-    model = build_model(TinyModelSpec(hidden=256, layers=4, heads=8, intermediate=512), build_char_tokenizer())
+    model = build_model(TinyModelSpec(**TINY["W2"]), build_char_tokenizer())
     return sum(p.numel() for p in model.parameters())
 
 
@@ -144,17 +192,24 @@ def main() -> None:
     ap.add_argument("--workload", choices=["W1", "W2", "all"], default="all")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-trl", action="store_true", help="streamrl only (no ratio)")
+    ap.add_argument("--trl-venv", type=Path, default=DEFAULT_TRL_VENV,
+                    help="venv of the TRL side, made by ops/bench/setup_trl_env.sh if missing "
+                         "(default: $STREAMRL_TRL_VENV or /tmp/streamrl-trl-venv2)")
     args = ap.parse_args()
     figures: dict[str, Any] = {}
     baseline: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
     targets = {"W1_time_to_0.9_ratio": "<= 0.5", "W2_completions_per_s_ratio_k0": ">= 2.0",
                "W2_flop_fraction_of_ceiling": ">= 0.6"}
+    trl_side: dict[str, Any] = {}  # what ran on the TRL side, for the record
     with tempfile.TemporaryDirectory(prefix="srl-bench-") as tmpdir:
         tmp = Path(tmpdir)
         rows = []
         if args.workload in ("W1", "all"):
             ours, trl = interleaved("W1", W1_TRL, args, tmp)
+            if trl:  # run_trl has checked every run's initial weights against streamrl's
+                trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
+                            "same_initial_weights": True}
             for k in (0, 1):
                 ttt = spread(r["time_to_target_s"] for r in ours[k] if r["time_to_target_s"] is not None)
                 steps = spread(r["first_step_ge_0.9"] for r in ours[k] if r["first_step_ge_0.9"])
@@ -175,6 +230,9 @@ def main() -> None:
             figures["matmul_ceiling_gflops"] = ceiling
             rows.append(["fp32 matmul ceiling, 2 threads (GFLOP/s)", f"{ceiling:.0f}"])
             ours, trl = interleaved("W2", W2_TRL, args, tmp)
+            if trl:  # run_trl has checked every run's initial weights against streamrl's
+                trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
+                            "same_initial_weights": True}
             for k in (0, 1):
                 cps = spread(r["completions_per_s"] for r in ours[k])
                 tps = spread(r["gen_tokens_per_s"] for r in ours[k])
@@ -201,7 +259,7 @@ def main() -> None:
         print_table(["measure", "median [min, max]"], rows)
         for k, v in ratios.items():
             print(f"ratio {k}: {v:.3f}" if isinstance(v, float) else f"ratio {k}: {v}")
-    print_json_line("grpo_vs_trl", figures, baseline, ratios, targets, reps=args.reps)
+    print_json_line("grpo_vs_trl", figures, baseline, ratios, targets, reps=args.reps, trl=trl_side or None)
 
 
 if __name__ == "__main__":
