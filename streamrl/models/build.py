@@ -1,6 +1,6 @@
 """Build tiny models from a config, save/load Hugging Face directories, pick a device.
 
-``build_model`` reproduces the TRL baseline's ``build_model`` (``/work/shared/bench/grpo_trl.py``)
+``build_model`` reproduces the TRL baseline's model build (``ops/bench/trl_grpo.py`` calls it)
 exactly: same ``Qwen2Config`` fields, same seeding, so a run here starts from the very same
 weights as the baseline run and their learning curves can be compared.
 """

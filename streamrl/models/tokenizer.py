@@ -2,7 +2,7 @@
 
 One token per character, WordLevel vocabulary, decode by plain concatenation. Token ids are
 fixed by ``VOCAB_TOKENS`` so that a model trained here and one trained by the baseline
-(``/work/shared/bench/grpo_trl.py::build_tokenizer``) see the same ids.
+(``ops/bench/trl_grpo.py``, which builds it with this function) see the same ids.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Synthetic digit tasks, identical to the TRL baseline's (``/work/shared/bench/grpo_trl.py``).
+"""Synthetic digit tasks, identical to the TRL baseline's (``ops/bench/trl_grpo.py`` trains on these).
 
 Same prompt generator (``make_dataset``: one ``random.Random(seed)`` stream) and same scoring
 (``Recorder.reward_fn``) so learning curves compare one to one.
