@@ -31,6 +31,17 @@ def test_bad_extra_chars_are_refused(extra: str, needle: str) -> None:
         build_char_tokenizer(extra)
 
 
+# The reference TRL baseline's vocabulary, recorded from its script on 2026-11-23 (compared live above
+# where the script is available).
+BASELINE_VOCAB = {"<pad>": 0, "<eos>": 1, "<unk>": 2, "0": 3, "1": 4, "2": 5, "3": 6, "4": 7, "5": 8, "6": 9,
+                  "7": 10, "8": 11, "9": 12, "+": 13, "=": 14}
+
+
+def test_same_vocabulary_as_the_baseline_recorded() -> None:
+    assert build_char_tokenizer().get_vocab() == BASELINE_VOCAB
+    assert list(VOCAB_TOKENS) == list(BASELINE_VOCAB)
+
+
 def test_same_as_the_baseline_tokenizer(baseline: types.ModuleType) -> None:
     theirs, ours = baseline.build_tokenizer(), build_char_tokenizer()
     assert list(baseline.VOCAB_TOKENS) == list(VOCAB_TOKENS)

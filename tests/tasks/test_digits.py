@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import random
 import sys
@@ -72,6 +74,38 @@ def test_prompts_and_rewards_match_the_baseline(
         [ours[i].answer for i in nonempty], [ours[i].metadata for i in nonempty],
     )
     assert got == expected
+
+
+# The reference TRL baseline's prompts, answers and scores, fingerprinted: sha256 of the JSON of
+# {"prompts", "answers", "rewards"} (keys sorted) for make_dataset(50, seed 7) and the 50 completions
+# below, recorded from the reference script on 2026-11-23 (the test above compares live where it is
+# available). They make the check run on every machine, without the script.
+BASELINE_FINGERPRINTS = {
+    "digits-max": "7469333337c0151f74c2d8349bee5e47d6dcbbf590695eb5b3f5bd0dfd78c3b8",
+    "digits-sum": "40c6f314610eaec81aabdff7c466d0384855410c9f0095e93d525945ca283006",
+    "digits-last": "d9d2eca2f5a17fd1a507bb511e8f71de8ccfb4c0c153df82984e61077f7e8ab0",
+    "digits-reverse": "e4001e0df238be4bd2d23169cbe5d6a3fdf0ae77f2cffa21f30adbb196251557",
+}
+TASK_OPTIONS = {"digits-max": {}, "digits-sum": {}, "digits-last": {"n_digits": 4},
+                "digits-reverse": {"min_digits": 2, "max_digits": 24}}
+
+
+@pytest.mark.parametrize("name", sorted(BASELINE_FINGERPRINTS))
+def test_prompts_and_rewards_match_the_baseline_fingerprint(name: str) -> None:
+    task = get_task(name, **TASK_OPTIONS[name])
+    ours = task.make_prompts(7, 50)
+    rng = random.Random(0)
+    completions = [[rng.randrange(15) for _ in range(rng.randrange(0, 8))] for _ in range(50)]
+    completions[0] = []
+    completions[1] = [EOS]
+    nonempty = [i for i, c in enumerate(completions) if c or name == "digits-reverse"]
+    rewards = task.reward_batch(
+        [ours[i].text for i in nonempty], [""] * len(nonempty), [completions[i] for i in nonempty],
+        [ours[i].answer for i in nonempty], [ours[i].metadata for i in nonempty],
+    )
+    blob = json.dumps({"prompts": [p.text for p in ours], "answers": [p.answer for p in ours], "rewards": rewards},
+                      sort_keys=True)
+    assert hashlib.sha256(blob.encode()).hexdigest() == BASELINE_FINGERPRINTS[name]
 
 
 def test_first_digit_tasks() -> None:
