@@ -12,7 +12,10 @@ found by sending single messages from outside:
 * an integer beyond 64 bits raises ``OverflowError``.
 
 :func:`decode` folds all of these into one :class:`WireError`, so a server has exactly one
-``except`` to write. :func:`limit_socket` sets the socket-level limit every ROUTER needs: without
+``except`` to write. The dock's and the reward protocol's own decode paths use the same pieces:
+``DECODE_ERRORS``, :func:`describe`, :func:`nests_deeper_than` (bounding the nesting of free-form
+values below the recursion limit) and :func:`peek_id` (the request id of a message that failed, so
+the error can be answered). :func:`limit_socket` sets the socket-level limit every ROUTER needs: without
 ``ZMQ_MAXMSGSIZE`` a peer that declares a 100 GB frame makes ZeroMQ allocate it.
 """
 
@@ -25,8 +28,12 @@ import zmq
 
 T = TypeVar("T")
 
-# Everything a decode of untrusted bytes may raise (msgspec.DecodeError is a ValueError).
-DECODE_ERRORS: tuple[type[BaseException], ...] = (ValueError, UnicodeDecodeError, RecursionError, OverflowError)
+# Everything a decode of untrusted bytes may raise: msgspec.DecodeError and UnicodeDecodeError are
+# ValueErrors; RecursionError for nesting past the interpreter's limit; OverflowError / MemoryError
+# for absurd sizes; TypeError from extension types.
+DECODE_ERRORS: tuple[type[BaseException], ...] = (ValueError, RecursionError, OverflowError, MemoryError, TypeError)
+INT63 = (1 << 63) - 1
+_CONTAINERS = (list, dict, tuple)  # tuple: msgspec decodes array *keys* of a map as tuples
 
 
 class WireError(ValueError):
@@ -38,17 +45,48 @@ def decode(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview) -> T:
     try:
         return decoder.decode(data)
     except DECODE_ERRORS as exc:
-        raise WireError(_describe(exc)) from None
+        raise WireError(describe(exc)) from None
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException, too_deep: str = "values are nested too deeply") -> str:
+    """One line saying why a decode failed (``too_deep``: what to say for a RecursionError)."""
     if isinstance(exc, UnicodeDecodeError):
-        return f"a string is not valid UTF-8 (byte {exc.start} of that string)"
+        return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start} of that string); send msgpack str as UTF-8"
     if isinstance(exc, RecursionError):
-        return "values are nested too deeply"
+        return too_deep
     if isinstance(exc, OverflowError):
         return "an integer does not fit in 64 bits"
-    return str(exc)
+    text = str(exc) if isinstance(exc, msgspec.DecodeError) else f"{type(exc).__name__}: {exc}"
+    return text[:500] + ("..." if len(text) > 500 else "")
+
+
+def nests_deeper_than(value: object, limit: int) -> bool:
+    """True if ``value`` has more than ``limit`` levels of arrays/maps (``value`` itself, if one, is
+    level 1; map keys count too). Iterative, so a hostile value cannot exhaust the stack here; scalars
+    cost one type check and are never pushed."""
+    if type(value) not in _CONTAINERS:
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = (*item.keys(), *item.values()) if type(item) is dict else item
+        stack.extend((child, depth + 1) for child in children if type(child) in _CONTAINERS)
+    return False
+
+
+def peek_id(probe: msgspec.msgpack.Decoder[Any], data: bytes | memoryview, field: str) -> int | None:
+    """The integer ``field`` of a message that failed typed decoding, read through ``probe`` (a
+    decoder of a Struct with just that field, so msgspec skips the other keys unread), when it is
+    one the sender would accept back: an int in [0, 2^63). Never raises."""
+    try:
+        value = getattr(probe.decode(data), field)
+    except DECODE_ERRORS:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT63:
+        return value
+    return None
 
 
 def limit_socket(sock: zmq.Socket[Any], max_message_bytes: int) -> None:

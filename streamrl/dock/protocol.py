@@ -21,6 +21,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from streamrl import wire
+
 # 2: warehouse_hello carries req_id + secret and is answered; every field has a documented bound
 PROTOCOL_VERSION = 2
 
@@ -249,11 +251,7 @@ class _ReqIdProbe(msgspec.Struct):
 
 
 _req_id_probe = msgspec.msgpack.Decoder(_ReqIdProbe)
-
-# What msgspec may raise on hostile input besides DecodeError: UnicodeDecodeError (a ValueError)
-# for a str that is not UTF-8, RecursionError for arrays nested thousands deep, OverflowError /
-# MemoryError for absurd sizes. All of them mean "this message is garbage", never "stop serving".
-_DECODE_FAILURES = (msgspec.DecodeError, ValueError, RecursionError, OverflowError, MemoryError, TypeError)
+_TOO_DEEP = f"arrays/maps nested far too deep (at most {MAX_DEPTH} levels in a value)"
 
 
 class TooDeep(ValueError):
@@ -261,20 +259,9 @@ class TooDeep(ValueError):
 
 
 def check_depth(values: list[Any], limit: int = MAX_DEPTH) -> None:
-    """Raise :class:`TooDeep` if any value nests containers more than ``limit`` levels.
-
-    Scalars (the common case: strings, numbers) cost one type check each; only containers are
-    walked, iteratively (a recursive walk would itself hit the recursion limit)."""
-    stack = [(v, 1) for v in values if type(v) in _CONTAINERS]
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
-            raise TooDeep(f"an object value nests arrays/maps more than {limit} levels deep")
-        items = (*v.keys(), *v.values()) if type(v) is dict else v
-        stack.extend((x, depth + 1) for x in items if type(x) in _CONTAINERS)
-
-
-_CONTAINERS = (list, dict, tuple)  # tuple: msgspec decodes array *keys* of a map as tuples
+    """Raise :class:`TooDeep` if any value nests containers more than ``limit`` levels."""
+    if wire.nests_deeper_than(values, limit + 1):  # + 1: the list of values itself is a level
+        raise TooDeep(f"an object value nests arrays/maps more than {limit} levels deep")
 
 
 def _check_values(msg: Any) -> None:
@@ -292,9 +279,9 @@ def decode_request(decoder: msgspec.msgpack.Decoder, header: bytes) -> tuple[Any
         msg = decoder.decode(header)
         _check_values(msg)
         return msg, None
-    except _DECODE_FAILURES as exc:
+    except wire.DECODE_ERRORS as exc:
         rid = salvage_req_id(header)
-        text = _describe(exc)
+        text = wire.describe(exc, _TOO_DEEP)
         return None, None if rid is None else ErrorReply(rid, "malformed", f"could not decode request: {text}")
 
 
@@ -304,26 +291,11 @@ def decode_reply(header: bytes) -> Any:
         msg = reply_decoder.decode(header)
         _check_values(msg)
         return msg
-    except _DECODE_FAILURES:
+    except wire.DECODE_ERRORS:
         return None
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, UnicodeDecodeError):
-        return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start}); send msgpack str as UTF-8"
-    if isinstance(exc, RecursionError):
-        return f"arrays/maps nested far too deep (at most {MAX_DEPTH} levels in a value)"
-    text = str(exc)
-    return text[:500] + ("..." if len(text) > 500 else "")
 
 
 def salvage_req_id(header: bytes) -> int | None:
     """Best-effort request id of a header that failed typed decoding, so the error can be answered.
     Never raises; ids outside [0, 2^63) are not echoed (the reply would be refused by the sender)."""
-    try:
-        value = _req_id_probe.decode(header).req_id
-    except _DECODE_FAILURES:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT63:
-        return value
-    return None
+    return wire.peek_id(_req_id_probe, header, "req_id")

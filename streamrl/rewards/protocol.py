@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from streamrl import wire
+
 #: Protocol versions this implementation speaks, newest last. A client offers all of them in its
 #: ``hello``; the server answers with the newest one it also speaks.
 PROTOCOL_VERSIONS: tuple[int, ...] = (1,)
@@ -164,21 +166,7 @@ def encode(message: ClientMessage | ServerMessage) -> bytes:
     return _encoder.encode(message)
 
 
-def _decode_failure(exc: BaseException) -> str:
-    """A one-line reason for a payload the typed decoder refused, whatever the exception."""
-    if isinstance(exc, msgspec.DecodeError):  # ValidationError included: names the field ($.x.y)
-        return str(exc)
-    if isinstance(exc, UnicodeDecodeError):
-        return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start} of that string)"
-    if isinstance(exc, RecursionError):
-        return f"nested too deeply (metadata may nest at most {MAX_METADATA_DEPTH} levels)"
-    return f"{type(exc).__name__}: {exc}"
-
-
-#: What msgspec may raise on hostile input besides DecodeError: UnicodeDecodeError (invalid UTF-8
-#: in a str), RecursionError (arrays/maps nested ~1000 deep), MemoryError, and ValueError/
-#: OverflowError from extension types (e.g. a msgpack timestamp out of datetime's range).
-_DECODE_ERRORS = (msgspec.DecodeError, ValueError, RecursionError, MemoryError, OverflowError)
+_TOO_DEEP = f"nested too deeply (metadata may nest at most {MAX_METADATA_DEPTH} levels)"
 
 
 def decode_client_message(payload: bytes) -> ClientMessage:
@@ -189,11 +177,11 @@ def decode_client_message(payload: bytes) -> ClientMessage:
     """
     try:
         message = server_decoder.decode(payload)
-    except _DECODE_ERRORS as exc:
-        raise ProtocolError(f"invalid message: {_decode_failure(exc)}", peek_request_id(payload)) from None
+    except wire.DECODE_ERRORS as exc:
+        raise ProtocolError(f"invalid message: {wire.describe(exc, _TOO_DEEP)}", peek_request_id(payload)) from None
     if isinstance(message, ScoreRequest):
         for index, sample in enumerate(message.samples):
-            if _nests_deeper_than(sample.metadata, MAX_METADATA_DEPTH):
+            if wire.nests_deeper_than(sample.metadata, MAX_METADATA_DEPTH):
                 raise ProtocolError(
                     f"invalid message: $.samples[{index}].metadata nests deeper than {MAX_METADATA_DEPTH} "
                     "levels; flatten it",
@@ -207,8 +195,8 @@ def decode_server_message(payload: bytes) -> ServerMessage:
     request_id when readable). Error texts from the server are cut to MAX_ERROR_TEXT_CHARS."""
     try:
         message = client_decoder.decode(payload)
-    except _DECODE_ERRORS as exc:
-        raise ProtocolError(_decode_failure(exc), peek_request_id(payload)) from None
+    except wire.DECODE_ERRORS as exc:
+        raise ProtocolError(wire.describe(exc, _TOO_DEEP), peek_request_id(payload)) from None
     match message:
         case ErrorReply():
             message.message = clip_text(message.message)
@@ -225,24 +213,6 @@ def decode_server_message(payload: bytes) -> ServerMessage:
 def clip_text(text: str, limit: int = MAX_ERROR_TEXT_CHARS) -> str:
     """``text`` cut to ``limit`` characters (with a marker), for texts a peer controls."""
     return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
-
-
-def _nests_deeper_than(value: object, limit: int) -> bool:
-    """True if ``value`` has more than ``limit`` levels of maps/arrays. Iterative, so a hostile
-    value cannot exhaust the stack here either."""
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list | tuple):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
 
 
 def check_score(value: object) -> str | None:
@@ -290,10 +260,4 @@ def peek_request_id(payload: bytes) -> int | None:
     message is wrong. Reads only the top-level map (other fields are skipped, not built), and
     never raises.
     """
-    try:
-        request_id = _peek_decoder.decode(payload).request_id
-    except _DECODE_ERRORS:
-        return None
-    if isinstance(request_id, int) and not isinstance(request_id, bool) and 0 <= request_id < 2**63:
-        return request_id
-    return None
+    return wire.peek_id(_peek_decoder, payload, "request_id")
