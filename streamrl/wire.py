@@ -21,6 +21,8 @@ the error can be answered). :func:`limit_socket` sets the socket-level limit eve
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, TypeVar
 
 import msgspec
@@ -87,6 +89,22 @@ def peek_id(probe: msgspec.msgpack.Decoder[Any], data: bytes | memoryview, field
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT63:
         return value
     return None
+
+
+class SparseLog:
+    """Warnings about what peers send, at most one a second per kind: a peer sending garbage in a
+    loop must not fill the disk (nor slow the server down with its own logging)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 1.0) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._next: dict[str, float] = {}
+
+    def warning(self, kind: str, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now >= self._next.get(kind, 0.0):
+            self._next[kind] = now + self.every_s
+            self.logger.warning(fmt, *args)
 
 
 def limit_socket(sock: zmq.Socket[Any], max_message_bytes: int) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from streamrl import wire
 from streamrl.dock import protocol as p
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.watch import ParentWatch
@@ -569,7 +570,7 @@ class ControllerServer:
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
         self._next_expiry_scan = 0.0
         self._next_forget = 0.0
-        self._warned: dict[str, float] = {}
+        self._warn = wire.SparseLog(log).warning  # a peer's garbage in a loop must not fill the disk
 
     # ------------------------------------------------------------------ replies
     def _send(self, identity: bytes, msg: msgspec.Struct) -> None:
@@ -581,13 +582,6 @@ class ControllerServer:
     def _error(self, identity: bytes, req_id: int, code: str, message: str) -> None:
         self.state.counters["errors"] += 1
         self._send(identity, p.ErrorReply(req_id, code, message))
-
-    def _warn(self, key: str, fmt: str, *args: object) -> None:
-        """Log at most once a second per kind: a peer sending garbage in a loop must not fill the disk."""
-        now = time.monotonic()
-        if now >= self._warned.get(key, 0.0):
-            self._warned[key] = now + 1.0
-            log.warning(fmt, *args)
 
     # ------------------------------------------------------------------ main loop
     def stop(self) -> None:

@@ -25,6 +25,7 @@ import msgspec
 import torch
 import zmq
 
+from streamrl import wire
 from streamrl.dock import protocol as p
 from streamrl.dock.codec import decode_put, encode_columns
 from streamrl.dock.errors import WireFormatError
@@ -167,14 +168,7 @@ class WarehouseServer:
             p.WarehouseHello(0, warehouse_id, self.endpoint, p.PROTOCOL_VERSION, secret)))
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
-        self._warned: dict[str, float] = {}
-
-    def _warn(self, key: str, fmt: str, *args: object) -> None:
-        """Log at most once a second per kind: a peer sending garbage in a loop must not fill the disk."""
-        now = time.monotonic()
-        if now >= self._warned.get(key, 0.0):
-            self._warned[key] = now + 1.0
-            log.warning(fmt, *args)
+        self._warn = wire.SparseLog(log).warning  # a peer's garbage in a loop must not fill the disk
 
     def register(self, timeout_s: float) -> None:
         """Wait for the controller to accept this warehouse; :class:`RegistrationError` if it refuses

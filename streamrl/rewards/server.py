@@ -25,7 +25,7 @@ import anyio.abc
 import msgspec
 import zmq
 
-from streamrl import __version__
+from streamrl import __version__, wire
 from streamrl.rewards import keys
 from streamrl.rewards.function import RewardFunction
 from streamrl.rewards.latency import LatencyWindow
@@ -135,6 +135,7 @@ class RewardServer:
         self._stop_now: anyio.CancelScope | None = None
         self._latency = LatencyWindow()
         self._counts = {"batches": 0, "samples": 0, "sample_errors": 0, "bad_requests": 0, "refused": 0}
+        self._warn = wire.SparseLog(log).warning  # a peer's garbage in a loop must not fill the log
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -259,7 +260,7 @@ class RewardServer:
     def _bad_request(self, envelope: list[bytes], message: str, request_id: int | None = None) -> None:
         self._counts["bad_requests"] += 1
         message = clip_text(message)
-        log.warning("bad request: %s", message)
+        self._warn("bad_request", "bad request: %s (%d so far)", message, self._counts["bad_requests"])
         self._send(envelope, ErrorReply(code="bad_request", message=message, request_id=request_id))
 
     async def _receive_loop(self, group: anyio.abc.TaskGroup) -> None:

@@ -198,6 +198,7 @@ class ControlServer:
         self.identities: dict[tuple[str, int], bytes] = {}
         self.senders: dict[bytes, tuple[str, int]] = {}  # routing id -> the worker it registered as
         self.dropped = dict.fromkeys(("frames", "undecodable", "token", "unknown_worker", "unregistered"), 0)
+        self._warn = wire.SparseLog(log).warning  # a flood of garbage must not flood the log
 
     async def recv(self) -> WorkerEvent | None:
         """The next event; None for a message that is not a trusted, valid event (counted)."""
@@ -228,9 +229,9 @@ class ControlServer:
         return event
 
     def _drop(self, reason: str, what: str, *args: object) -> None:
-        n = self.dropped[reason] = self.dropped[reason] + 1
-        if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: a flood of garbage must not flood the log
-            log.warning("control channel: dropping " + what + " (%d dropped for this reason)", *args, n)
+        self.dropped[reason] += 1
+        self._warn(reason, "control channel: dropping " + what + " (%d dropped for this reason)", *args,
+                   self.dropped[reason])
 
     def statistics(self) -> dict[str, Any]:
         return {"workers": len(self.identities), "dropped": dict(self.dropped)}

@@ -101,6 +101,7 @@ class PolicyPublisher:
         self._pending: dict[bytes, _Pending] = {}  # by peer, oldest first: one waiting request each
         self.bytes_sent = 0
         self.dropped = 0  # requests that were not valid (counted, logged sparsely)
+        self._warn = wire.SparseLog(log).warning
 
     async def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         """Make ``version`` current and answer everyone waiting for it at once.
@@ -137,8 +138,7 @@ class PolicyPublisher:
 
     def _drop(self, what: str) -> None:
         self.dropped += 1
-        if self.dropped & (self.dropped - 1) == 0:  # 1st, 2nd, 4th, ...: garbage must not flood the log
-            log.warning("dropping %s (%d dropped so far)", what, self.dropped)
+        self._warn("drop", "dropping %s (%d dropped so far)", what, self.dropped)
 
     def _next_timeout(self) -> float:
         if not self._pending:
