@@ -266,9 +266,10 @@ def _check_extra_chars(extra_chars: str, where: str) -> None:
         raise ConfigError(f"{where}: model.{exc}") from None
 
 
-def _did_you_mean(word: str, options: list[str]) -> str:
+def did_you_mean(word: str, options: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``options``, else `` (known: a, b, ...)`` in their order."""
     close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(options)})"
 
 
 def _fields_of(struct_type: Any) -> dict[str, Any]:
@@ -332,7 +333,7 @@ def _explain(exc: msgspec.ValidationError, raw: dict[str, Any], where: str) -> C
         is_struct = isinstance(struct_type, type) and issubclass(struct_type, msgspec.Struct)
         options = list(_fields_of(struct_type)) if is_struct else []
         full = f"{key}.{field}".strip(".")
-        return ConfigError(f"{where}: unknown key {full!r}{_did_you_mean(field, options)}")
+        return ConfigError(f"{where}: unknown key {full!r}{did_you_mean(field, sorted(options))}")
     for prefix, dotted in _PREFIXES.items():  # __post_init__ checks of nested structs name their class
         if problem.startswith(prefix):
             return ConfigError(f"{where}: {dotted}{problem[len(prefix):]}")

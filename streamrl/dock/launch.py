@@ -13,7 +13,6 @@ only warehouses that know it can register, so no other peer can pose as one.
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import shutil
@@ -26,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal
+
+import msgspec
 
 from streamrl.dock.controller import ConsumerView, ControllerServer
 from streamrl.dock.limits import SECRET_ENV, DockLimits, new_secret
@@ -111,7 +112,8 @@ class LocalDock:
             # short path: ipc socket paths are limited to ~100 bytes
             self._ipc_dir = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
         try:
-            views = ["--views", _views_json(self.views)] if self.views else []
+            # the controller's --views reads this back with the same type (controller.parse_views)
+            views = ["--views", msgspec.json.encode(self.views).decode()] if self.views else []
             ctl = self._spawn([
                 "streamrl.dock.controller", "--bind", self._bind("controller"),
                 "--consumers", ",".join(self.consumers), "--capacity", str(self.capacity),
@@ -169,10 +171,6 @@ class LocalDock:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _views_json(views: dict[str, ConsumerView]) -> str:
-    return json.dumps({name: {"reads": list(v.reads), "whole_groups": v.whole_groups} for name, v in views.items()})
 
 
 def _close(stream: IO[str] | None) -> None:

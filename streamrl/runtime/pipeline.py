@@ -39,7 +39,6 @@ model directory, and prompt + ``algo.max_new_tokens`` vs the model's positions. 
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import inspect
 import re
@@ -48,7 +47,14 @@ from typing import Any
 
 import msgspec
 
-from streamrl.config import ConfigError, RunConfig, StageOverride, read_yaml_mapping, resolve_path
+from streamrl.config import (
+    ConfigError,
+    RunConfig,
+    StageOverride,
+    did_you_mean,
+    read_yaml_mapping,
+    resolve_path,
+)
 
 
 class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename={"cls": "class"}):
@@ -124,9 +130,7 @@ def _explain_stage_error(text: str, raw: Any) -> str:
     if not m or not isinstance(raw, dict) or not isinstance(raw.get("stages"), list):
         if text.startswith("Object contains unknown field") and " - at `$." not in text:  # top level
             field = text.split("`")[1]
-            close = difflib.get_close_matches(field, _PIPELINE_FIELDS, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(_PIPELINE_FIELDS)})"
-            return f"unknown top-level field {field!r}{hint}"
+            return f"unknown top-level field {field!r}{did_you_mean(field, _PIPELINE_FIELDS)}"
         if text.startswith("Object missing required field"):
             field = text.split("`")[1]
             example = "name: my_pipeline" if field == "name" else "stages: [{name: ..., class: module:Class}, ...]"
@@ -140,9 +144,7 @@ def _explain_stage_error(text: str, raw: Any) -> str:
     if text.startswith("Object contains unknown field"):
         field = text.split("`")[1]
         known = [f.encode_name for f in msgspec.structs.fields(StageSpec)]
-        close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
-        return f"stage {name!r} (stages[{k}]): unknown field {field!r}{hint}"
+        return f"stage {name!r} (stages[{k}]): unknown field {field!r}{did_you_mean(field, known)}"
     return f"stage {name!r} (stages[{k}]): field {field!r}: {text.split(' - at ')[0]}"
 
 
@@ -458,9 +460,7 @@ def _check_options(s: StageSpec, cls: type, at: str) -> None:
                 if not known:
                     raise ConfigError(f"{at}: unknown option {field!r}: {cls.__name__} takes no options; remove "
                                       f"options.{field}") from None
-                close = difflib.get_close_matches(field, known, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
-                raise ConfigError(f"{at}: unknown option {field!r} ({hint})") from None
+                raise ConfigError(f"{at}: unknown option {field!r}{did_you_mean(field, known)}") from None
             problem, _, path = text.partition(" - at `$")
             name = path.rstrip("`").strip(".")
             value = s.options.get(name.split(".")[0].split("[")[0])
