@@ -28,7 +28,7 @@ torch.distributed world; see docs/reshard.md §8).
 The checks (``validate_pipeline``): names unique; every read column has exactly one writer stage;
 no column is written twice; the column graph has no cycle (policy versions are the only way back);
 classes import and have the right methods; each stage's ``options`` are the ones its class takes
-(``check_options`` / ``Options`` on the class, or ``BUILTIN_STAGE_OPTIONS``); resources are
+(``check_options`` and / or an ``Options`` msgspec Struct on the class); resources are
 satisfiable (devices exist, workers >= 1). Then ``check_run``, the run as a whole: whole groups vs
 claims, the reshard trainers' batch split and worlds, the model's sharding vs tensor_parallel, the
 task and its options, a JSONL prompt file's rows (bounded: see ``streamrl.tasks.dataset``), the
@@ -403,7 +403,7 @@ class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ReshardTrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    bucket_bytes: int = 64 * 2**20  # reshard bucket cap (bytes)
+    bucket_bytes: int = 64 * 2**20  # reshard bucket cap (bytes): the peak transient memory of one reshard per rank
     collective_timeout_s: float = 600.0  # how long a rank waits in a collective for the others
     backend: str | None = None  # torch.distributed backend; None: gloo on CPU, nccl on CUDA, hccl on NPU
 
@@ -416,20 +416,6 @@ class ReshardGenerateOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only
     tensor_parallel: int = 1  # T: workers per inference replica
 
 
-# The built-in stages' options (``module:Class`` as imported). A class of its own may declare
-# them too: a static ``check_options(options)`` that raises ValueError/TypeError naming the option
-# (the score stage does), or an ``Options`` msgspec Struct with forbid_unknown_fields.
-BUILTIN_STAGE_OPTIONS: dict[str, type[msgspec.Struct]] = {
-    "streamrl.stages.source:SourceStage": SourceOptions,
-    "streamrl.stages.generate:GenerateStage": NoOptions,
-    "streamrl.stages.advantage:AdvantageStage": NoOptions,
-    "streamrl.stages.reference:ReferenceStage": NoOptions,
-    "streamrl.stages.train:TrainStage": NoOptions,
-    "streamrl.stages.colocated:ColocatedTrainStage": ColocatedTrainOptions,
-    "streamrl.stages.colocated:ColocatedGenerateStage": ReshardGenerateOptions,
-    "streamrl.stages.disaggregated:DisaggregatedTrainStage": ReshardTrainOptions,
-    "streamrl.stages.disaggregated:DisaggregatedGenerateStage": ReshardGenerateOptions,
-}
 _BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 
 
@@ -447,9 +433,7 @@ def _check_options(s: StageSpec, cls: type, at: str) -> None:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{at}: {exc}") from None
     schema = getattr(cls, "Options", None)
-    if not (isinstance(schema, type) and issubclass(schema, msgspec.Struct)):
-        schema = BUILTIN_STAGE_OPTIONS.get(_class_key(cls))
-    if schema is not None:
+    if isinstance(schema, type) and issubclass(schema, msgspec.Struct):
         try:
             opts = msgspec.convert(s.options, schema)
         except msgspec.ValidationError as exc:

@@ -7,10 +7,13 @@ from typing import Any
 import torch
 
 from streamrl.algos.grpo import group_advantages
+from streamrl.runtime.pipeline import NoOptions
 from streamrl.runtime.stage import Batch, StageContext
 
 
 class AdvantageStage:
+    Options = NoOptions  # it takes no options; checked when the pipeline loads
+
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         if not ctx.spec.whole_groups:

@@ -44,7 +44,7 @@ from streamrl.reshard import (
     TrainLayout,
     local_hf_views,
 )
-from streamrl.runtime.pipeline import colocated_tensor_parallel
+from streamrl.runtime.pipeline import ColocatedTrainOptions, ReshardGenerateOptions, colocated_tensor_parallel
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
 from streamrl.stages.sharded_grpo import (
@@ -52,7 +52,6 @@ from streamrl.stages.sharded_grpo import (
     ShardedGrpoTrainer,
     ViewRollout,
     grpo_micro_batch,
-    stage_option,
     weights_receiver,
 )
 from streamrl.stages.tp_generation import STOP_WAIT_S, TensorParallelGeneration
@@ -97,12 +96,12 @@ class ColocatedTrainStage(ShardedGrpoTrainer):
     """
 
     placement = "colocated"
+    Options = ColocatedTrainOptions
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         shared = colocated_rank(ctx)
         try:
-            self.swap = stage_option(ctx, "swap", True, bool)
             await super().setup(ctx)
         except BaseException as exc:
             shared.error = f"{type(exc).__name__}: {exc}"
@@ -123,7 +122,8 @@ class ColocatedTrainStage(ShardedGrpoTrainer):
                               shard_dtype=self.engine.dtype, inference_dtype=self.engine.dtype,
                               device=self.device)
         # T > 1: the slices stay through the training phase (see streamrl/stages/tp_generation.py)
-        self.policy = ColocatedPolicy(self.engine, resharder, swap_training_state=self.swap,
+        assert isinstance(self.options, ColocatedTrainOptions)
+        self.policy = ColocatedPolicy(self.engine, resharder, swap_training_state=self.options.swap,
                                       release_weights_in_training=self.T == 1)
         await self.policy.to_inference(0)
 
@@ -192,6 +192,7 @@ class ColocatedGenerateStage:
     """
 
     placement = "colocated"
+    Options = ReshardGenerateOptions
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx

@@ -39,6 +39,7 @@ import logging
 import time
 
 import anyio
+import msgspec
 import torch.distributed as dist
 
 from streamrl.reshard import (
@@ -51,11 +52,15 @@ from streamrl.reshard import (
     WeightReceiver,
     WeightSender,
 )
-from streamrl.runtime.pipeline import StageSpec, inference_tensor_parallel
+from streamrl.runtime.pipeline import (
+    ReshardGenerateOptions,
+    ReshardTrainOptions,
+    StageSpec,
+    inference_tensor_parallel,
+)
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
 from streamrl.stages.sharded_grpo import (
-    DEFAULT_BUCKET_BYTES,
     ShardedGrpoTrainer,
     ViewRollout,
     default_backend,
@@ -167,6 +172,7 @@ class DisaggregatedGenerateStage:
     """
 
     placement = "disaggregated"
+    Options = ReshardGenerateOptions
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -178,14 +184,15 @@ class DisaggregatedGenerateStage:
         train = ctx.pipeline.stage(ctx.spec.weights_from)
         R, G = train.workers, ctx.spec.workers
         topology = _topology(R, ctx.spec)
-        # the receiver's bucket plan must be the sender's: both read the train stage's options
-        # (the train stage checks their types; a wrong one fails its set-up with the field named)
-        bucket_bytes = train.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-        timeout_s = float(train.options.get("collective_timeout_s", 600.0))
+        # the receiver's bucket plan must be the sender's: both read the train stage's options, through
+        # the same type and defaults (checked when the pipeline loads)
+        train_options = msgspec.convert(train.options, ReshardTrainOptions)
+        bucket_bytes = train_options.bucket_bytes
+        timeout_s = train_options.collective_timeout_s
         # A generate loop can end (its input is exhausted) while training still runs a few steps and
         # sends their versions; close() takes them for as long as the train group may take a step.
         self.close_wait_s = timeout_s
-        backend = str(train.options.get("backend", default_backend(ctx.device)))
+        backend = train_options.backend or default_backend(ctx.device)
         device = rank_device(ctx.device, R + ctx.worker, R + G, backend)  # generate worker j = world rank R + j
         model, tokenizer = build_policy(ctx.config, device)
         spec = ModelShardingSpec.from_config(model.config)

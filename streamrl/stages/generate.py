@@ -10,11 +10,14 @@ from __future__ import annotations
 import torch
 
 from streamrl.engines.rollout import TorchRolloutEngine
+from streamrl.runtime.pipeline import NoOptions
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
 
 
 class GenerateStage:
+    Options = NoOptions  # it takes no options; checked when the pipeline loads
+
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         model, tok = build_policy(ctx.config, ctx.device)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from streamrl.engines.train import TorchLogprobEngine
+from streamrl.runtime.pipeline import NoOptions
 from streamrl.runtime.stage import Batch, StageContext
 from streamrl.stages.common import build_policy
 
 
 class ReferenceStage:
+    Options = NoOptions  # it takes no options; checked when the pipeline loads
+
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         model, _ = build_policy(ctx.config, ctx.device)

@@ -54,24 +54,10 @@ from streamrl.reshard import (
     build_rank_groups,
     local_hf_views,
 )
-from streamrl.runtime.pipeline import StageSpec
+from streamrl.runtime.pipeline import ReshardTrainOptions, StageSpec
 from streamrl.runtime.policy import PolicyPublisher
 from streamrl.runtime.stage import Batch, ClaimSize, Output, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
-
-DEFAULT_BUCKET_BYTES = 64 * 2**20  # peak transient memory of one reshard per rank (one gathered bucket)
-
-
-def stage_option(ctx: StageContext, name: str, default: Any, kind: type) -> Any:
-    """``ctx.options[name]`` checked against ``kind`` (an int is accepted for a float)."""
-    value = ctx.options.get(name, default)
-    if value is None and default is None:
-        return None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ValueError(f"stage {ctx.spec.name!r} options.{name} must be {kind.__name__}, got {value!r}")
-    return value
 
 
 def default_backend(device: str) -> str:
@@ -200,6 +186,8 @@ class ShardedGrpoTrainer:
     """
 
     placement: str
+    # what ``options`` this stage takes, and their defaults; checked when the pipeline loads
+    Options: type[ReshardTrainOptions] = ReshardTrainOptions
 
     # -- set-up -----------------------------------------------------------------------------------
     async def setup(self, ctx: StageContext) -> None:
@@ -214,10 +202,11 @@ class ShardedGrpoTrainer:
             raise ValueError(f"algo.old_logprobs={a.old_logprobs!r} is not supported by the {self.placement} "
                              "train stage yet; use 'rollout'")
         self.per_rank = cfg.batch_size // self.R
-        self.bucket_bytes = stage_option(ctx, "bucket_bytes", DEFAULT_BUCKET_BYTES, int)
+        self.options = msgspec.convert(ctx.options, self.Options)
+        self.bucket_bytes = self.options.bucket_bytes
         # how long a rank waits in a collective for the others: covers a whole generation phase
-        self.timeout_s = stage_option(ctx, "collective_timeout_s", 600.0, float)
-        backend = stage_option(ctx, "backend", default_backend(ctx.device), str)
+        self.timeout_s = self.options.collective_timeout_s
+        backend = self.options.backend or default_backend(ctx.device)
         world_size = self._world_size()
         self.device = rank_device(ctx.device, self.rank, world_size, backend)  # train worker k = world rank k
         self.groups = await join_world(ctx, ctx.spec.name, self.rank, world_size, self._topology(),

@@ -10,13 +10,17 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import msgspec
 import torch
 
+from streamrl.runtime.pipeline import SourceOptions
 from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
 
 
 class SourceStage:
+    Options = SourceOptions  # checked when the pipeline loads
+
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         cfg = ctx.config
@@ -24,7 +28,7 @@ class SourceStage:
         self.task = build_task(cfg, self.tokenizer)
         self.rng = random.Random(cfg.task.seed)
         self.step = 0
-        self.gate = bool(ctx.options.get("gate_on_policy", True))
+        self.gate = msgspec.convert(ctx.options, SourceOptions).gate_on_policy
 
     async def produce(self) -> Output | None:
         a = self.ctx.config.algo

@@ -16,12 +16,15 @@ import msgspec
 import torch
 
 from streamrl.engines.train import TorchTrainEngine, samples_from_columns
+from streamrl.runtime.pipeline import NoOptions
 from streamrl.runtime.policy import PolicyPublisher
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
 
 
 class TrainStage:
+    Options = NoOptions  # it takes no options; checked when the pipeline loads
+
     # One trainer process holds the policy and publishes its versions; data-parallel training
     # across processes is the reshard's train group (streamrl.reshard), not more workers here.
     max_workers = 1
