@@ -8,7 +8,6 @@ The second half points RewardClient at misbehaving servers (tests/rewards/misbeh
 from __future__ import annotations
 
 import math
-import socket as stdlib_socket
 import struct
 import sys
 import time
@@ -20,6 +19,7 @@ import msgpack
 import pytest
 import zmq
 
+from ops.fuzz.zmtp import send_oversized_frame
 from streamrl.rewards import (
     RewardClient,
     RewardReplyError,
@@ -343,28 +343,11 @@ def test_a_message_over_the_size_limit_closes_only_that_connection(server: Serve
     assert_still_serving(server)
 
 
-def _zmtp_null_handshake(socket_type: bytes) -> bytes:
-    """ZMTP 3.0 greeting + READY command for the NULL mechanism (rfc.zeromq.org/spec/23)."""
-    greeting = (
-        b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
-    )
-    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
-    return greeting + b"\x04" + bytes([len(body)]) + body
-
-
 def test_a_frame_declaring_exabytes_closes_the_connection(server: ServerProcess) -> None:
     """The frame header is read by ZeroMQ itself: MAXMSGSIZE must refuse it before any allocation."""
     host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
-    with stdlib_socket.create_connection((host, int(port)), timeout=REPLY_TIMEOUT_S) as raw:
-        raw.sendall(_zmtp_null_handshake(b"DEALER") + b"\x02" + struct.pack(">Q", 2**62) + b"\x00" * 64)
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        closed = False
-        while time.monotonic() < deadline and not closed:
-            try:
-                closed = raw.recv(4096) == b""
-            except ConnectionResetError:
-                closed = True
-        assert closed, "the server kept a connection that declared a 4 EiB frame"
+    closed = send_oversized_frame(host, int(port), 2**62, body=b"\x00" * 64, timeout_s=REPLY_TIMEOUT_S)
+    assert closed, "the server kept a connection that declared a 4 EiB frame"
     assert_still_serving(server)
 
 
