@@ -25,6 +25,7 @@ import msgspec
 import yaml
 
 from streamrl.algos.grpo import LossConfig
+from streamrl.dock.limits import LIMIT_BOUNDS, DockLimits
 from streamrl.models.build import TinyModelSpec
 
 
@@ -117,6 +118,18 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_reward: float | None = None  # stop early once a step's mean reward >= this
 
 
+def _limit(name: str) -> Any:
+    """``int`` bounded as DockLimits bounds the dock limit ``name``."""
+    lo, hi = LIMIT_BOUNDS[name]
+    return typing.Annotated[int, msgspec.Meta(ge=lo, le=hi)]
+
+
+_MessageMib = _limit("max_message_mib")
+_HeaderMib = _limit("max_header_mib")
+_MaxClients = _limit("max_clients")
+_MaxParked = _limit("max_parked")
+
+
 class DockConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     capacity: int | None = None  # samples in flight; None = (max_staleness + 2) steps' worth
     # lower bounds of warehouses and lease_ttl_s are checked in _check; the upper ones are the dock's
@@ -124,15 +137,16 @@ class DockConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transport: Literal["ipc", "tcp"] = "ipc"
     # a worker silent this long loses its leased samples to others (the dock accepts up to an hour)
     lease_ttl_s: typing.Annotated[float, msgspec.Meta(le=3600)] = 30.0
-    # limits of the dock servers (streamrl.dock.limits.DockLimits; docs/dock-protocol.md §6.1):
+    # limits of the dock servers (streamrl.dock.limits.DockLimits, which gives their defaults and
+    # ranges; docs/dock-protocol.md §6.1):
     # largest tensor frame a warehouse/client accepts (ZMQ_MAXMSGSIZE; 1 GiB holds any real tensor)
-    max_message_mib: typing.Annotated[int, msgspec.Meta(ge=1, le=65536)] = 1024
+    max_message_mib: _MessageMib = DockLimits.max_message_mib
     # largest header, and largest message the controller accepts (it only receives headers)
-    max_header_mib: typing.Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    max_header_mib: _HeaderMib = DockLimits.max_header_mib
     # client ids the controller keeps state for at once (idle ones are forgotten after their TTL)
-    max_clients: typing.Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 4096
+    max_clients: _MaxClients = DockLimits.max_clients
     # claims/reserves the controller holds open at once (long-polls)
-    max_parked: typing.Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] = 65536
+    max_parked: _MaxParked = DockLimits.max_parked
 
 
 class StageOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -182,10 +196,6 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return cap if cap is not None else (self.algo.max_staleness + 2) * self.batch_size
 
 
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
-
-
 def _check(cfg: RunConfig, where: str) -> None:
     """Cross-field and range checks of the config alone (no files, no imports): each rule names
     its dotted key and says what to write instead. Checks that need the pipeline, the task or the
@@ -199,16 +209,16 @@ def _check(cfg: RunConfig, where: str) -> None:
         (a.group_size >= 2 or not a.normalize_std,
          "algo.group_size must be >= 2 to normalise rewards in a group (or set algo.normalize_std: false)"),
         (a.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {a.max_new_tokens}"),
-        (a.temperature > 0 and _finite(a.temperature), f"algo.temperature must be > 0 and finite, got {a.temperature}"),
+        (a.temperature > 0 and math.isfinite(a.temperature), f"algo.temperature must be > 0 and finite, got {a.temperature}"),
         (0 < a.top_p <= 1, f"algo.top_p must be in (0, 1] (1.0 = off), got {a.top_p}"),
         (a.top_k >= 0, f"algo.top_k must be >= 0 (0 = off), got {a.top_k}"),
-        (a.lr > 0 and _finite(a.lr), f"algo.lr must be > 0 and finite, e.g. 1e-3; got {a.lr}"),
+        (a.lr > 0 and math.isfinite(a.lr), f"algo.lr must be > 0 and finite, e.g. 1e-3; got {a.lr}"),
         (all(0 <= b < 1 for b in a.betas), f"algo.betas must both be in [0, 1), e.g. [0.9, 0.999]; got {list(a.betas)}"),
-        (a.weight_decay >= 0 and _finite(a.weight_decay), f"algo.weight_decay must be >= 0, got {a.weight_decay}"),
-        (a.max_grad_norm is None or (a.max_grad_norm > 0 and _finite(a.max_grad_norm)),
+        (a.weight_decay >= 0 and math.isfinite(a.weight_decay), f"algo.weight_decay must be >= 0, got {a.weight_decay}"),
+        (a.max_grad_norm is None or (a.max_grad_norm > 0 and math.isfinite(a.max_grad_norm)),
          f"algo.max_grad_norm must be > 0, or null for no clipping; got {a.max_grad_norm}"),
         (a.max_staleness >= 0, f"algo.max_staleness must be >= 0 (0 = synchronous on-policy), got {a.max_staleness}"),
-        (a.stop_reward is None or _finite(a.stop_reward),
+        (a.stop_reward is None or math.isfinite(a.stop_reward),
          f"algo.stop_reward must be a finite number, or null to run all algo.steps; got {a.stop_reward}"),
         (a.loss.temperature == a.temperature or a.loss.temperature == 1.0,
          "algo.loss.temperature must equal algo.temperature (logprobs are recomputed at the sampling one); "
@@ -219,9 +229,9 @@ def _check(cfg: RunConfig, where: str) -> None:
         (cfg.dock_capacity >= cfg.batch_size,
          f"resources.dock.capacity ({cfg.dock_capacity}) must hold one step: >= algo.prompts_per_step * "
          f"algo.group_size ({cfg.batch_size}); raise it or leave it out (null)"),
-        (r.dock.lease_ttl_s >= 0.05 and _finite(r.dock.lease_ttl_s),  # the dock's MIN_TTL_S
+        (r.dock.lease_ttl_s >= 0.05 and math.isfinite(r.dock.lease_ttl_s),  # the dock's MIN_TTL_S
          f"resources.dock.lease_ttl_s must be >= 0.05 seconds (the dock's lower bound), got {r.dock.lease_ttl_s}"),
-        (r.start_timeout_s > 0 and _finite(r.start_timeout_s),
+        (r.start_timeout_s > 0 and math.isfinite(r.start_timeout_s),
          f"resources.start_timeout_s must be > 0 seconds, got {r.start_timeout_s}"),
         (bool(cfg.task.name.strip()), "task.name is empty; name a task, e.g. digits-max, or jsonl with task.options.path"),
         (bool(cfg.pipeline.strip()), "pipeline is empty; name a pipeline file, e.g. pipelines/grpo.yaml"),
@@ -258,10 +268,10 @@ def _check_output(out: OutputConfig, where: str) -> None:
 
 
 def _check_extra_chars(extra_chars: str, where: str) -> None:
-    from streamrl.models.tokenizer import TokenizerConfigError, _check_extra_chars
+    from streamrl.models.tokenizer import TokenizerConfigError, check_extra_chars
 
     try:
-        _check_extra_chars(extra_chars)
+        check_extra_chars(extra_chars)
     except TokenizerConfigError as exc:
         raise ConfigError(f"{where}: model.{exc}") from None
 

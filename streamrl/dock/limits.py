@@ -17,6 +17,13 @@ SECRET_ENV = "STREAMRL_DOCK_SECRET"  # env, not argv: argv is world-readable in 
 MIB = 1 << 20
 
 
+# Allowed range of each limit: checked here and declared on resources.dock.* in the run config.
+LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
+    "max_message_mib": (1, 1 << 16), "max_header_mib": (1, 1 << 12), "max_clients": (1, 1 << 24),
+    "max_parked": (1, 1 << 24),
+}
+
+
 @dataclass(frozen=True)
 class DockLimits:
     # ZMQ_MAXMSGSIZE of every warehouse and client socket, per frame: a peer declaring a longer
@@ -32,8 +39,7 @@ class DockLimits:
     max_parked: int = 65_536
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("max_message_mib", 1, 1 << 16), ("max_header_mib", 1, 1 << 12),
-                             ("max_clients", 1, 1 << 24), ("max_parked", 1, 1 << 24)):
+        for name, (lo, hi) in LIMIT_BOUNDS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ValueError(f"dock limit {name} must be an integer in [{lo}, {hi}], got {value!r} "

@@ -19,7 +19,7 @@ class TokenizerConfigError(ValueError):
     """The requested tokenizer cannot be built (bad extra characters)."""
 
 
-def _check_extra_chars(extra_chars: str) -> None:
+def check_extra_chars(extra_chars: str) -> None:
     seen: set[str] = set()
     for i, ch in enumerate(extra_chars):
         if ch in ("\n", "\r"):
@@ -43,7 +43,7 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     Base token ids never move, so ``extra_chars`` only appends ids after "=" (id 14).
     Padding side is left (as in the baseline); streamrl's engines do their own padding.
     """
-    _check_extra_chars(extra_chars)
+    check_extra_chars(extra_chars)
     vocab = {tok: i for i, tok in enumerate((*VOCAB_TOKENS, *extra_chars))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
