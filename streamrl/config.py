@@ -82,6 +82,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A local save_pretrained directory (safetensors). None: build `tiny` from a config.
     path: str | None = None
     tiny: TinyModelSpec = msgspec.field(default_factory=TinyModelSpec)
+    # Compute dtype of every stage. The trainer keeps float32 master weights and AdamW state and
+    # computes in this dtype (FSDP2 mixed precision, gradients reduced in float32, the loss's
+    # log-softmax in float32); generation and the reference run in it. float16 has no loss
+    # scaling: prefer bfloat16.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Characters the built-in character tokenizer knows beyond digits, '+' and '='.
     extra_chars: str = ""
 

@@ -2,7 +2,7 @@
 """Engine-only GRPO benchmark: streamrl's compute path in one process, no dock, vs TRL.
 
 A synchronous loop — generate (TorchRolloutEngine) -> score (task reward) -> group advantages
--> accumulate + step (TorchTrainEngine) — on the baseline's workloads
+-> accumulate + step (FSDPTrainEngine, a world of one) — on the baseline's workloads
 (docs/benchmarks.md §1):
 
   W1  digits-max, hidden 128, 2 layers, 4 heads, 8 prompts x 8, <= 4 tokens, lr 1e-3, up to 300
@@ -34,15 +34,18 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from streamrl.algos.grpo import LossConfig, group_advantages
+from streamrl.engines.fsdp import FSDPTrainEngine
 from streamrl.engines.rollout import TorchRolloutEngine
-from streamrl.engines.train import TorchTrainEngine, TrainSample
+from streamrl.engines.samples import TrainSample
 from streamrl.models.build import TinyModelSpec, build_model
 from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.tasks import get_task
@@ -90,9 +93,11 @@ def run_streamrl(w: Workload, seed: int = 0, micro_batch: int = 0, log_every: in
     tokenizer = build_char_tokenizer()
     task = get_task(w.task, **w.task_options)
     spec = TinyModelSpec(**{**{f: getattr(w.spec, f) for f in w.spec.__struct_fields__}, "seed": seed})
-    model = build_model(spec, tokenizer)
-    rollout = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, "cpu")
-    trainer = TorchTrainEngine(model, lr=w.lr, max_grad_norm=1.0, device="cpu")
+    # the rollout has its own copy (the trainer's module holds FSDP2 DTensors) and loads each new
+    # version's full weights, as the separate placement's generator does
+    rollout_model = build_model(spec, tokenizer)
+    rollout = TorchRolloutEngine(rollout_model, tokenizer.eos_token_id, tokenizer.pad_token_id, "cpu")
+    trainer = FSDPTrainEngine(build_model(spec, tokenizer), lr=w.lr, max_grad_norm=1.0, device="cpu")
     loss_config = LossConfig()  # token-mean, clip 0.2/0.2, kl 0
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -124,6 +129,7 @@ def run_streamrl(w: Workload, seed: int = 0, micro_batch: int = 0, log_every: in
         for start in range(0, len(samples), size):  # streamed: normalised at step()
             trainer.accumulate(samples[start : start + size], loss_config)
         stats = trainer.step()
+        rollout_model.load_state_dict(trainer.full_state_dict(), strict=True)
         mean_reward = sum(rewards) / len(rewards)
         curve.append(mean_reward)
         completions += len(gens)
@@ -188,6 +194,9 @@ def main() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
     if args.threads:
         torch.set_num_threads(args.threads)
+    # the train engine is FSDP2 over a world of one process
+    store_dir = tempfile.mkdtemp(prefix="streamrl-engine-only-")
+    dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/store", 1), rank=0, world_size=1)
     use_trl = not args.no_trl and TRL_PYTHON.exists() and TRL_SCRIPT.exists()
     workloads = {"W1": [W1], "W2": [W2], "both": [W1, W2]}[args.workload]
 

@@ -1,7 +1,8 @@
 """Reshard benchmark: bucketed allgather-swap vs the naive reshard vs a plain all_gather, same run.
 
 A train group of R=2 gloo processes (nccl with --device cuda) holds a >= 50M-parameter Qwen2
-model sharded FSDP-style (dim-0 shards, fp32). For each inference TP degree T, three methods
+model sharded by the train engine's FSDP2 (``FSDPTrainEngine``; the resharder reads its
+``to_local()`` shards, fp32; ``--shards synthetic``: the same layout cut from random tensors). For each inference TP degree T, three methods
 run interleaved (rotating order, after one warm-up round), ``--repeats`` times:
 
 * ``allgather_swap``: :class:`streamrl.reshard.Resharder` with ``--bucket-mib`` buckets; each
@@ -52,8 +53,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen2Config
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from streamrl.engines.fsdp import FSDPTrainEngine
 from streamrl.reshard import (
     ModelShardingSpec,
     ReshardConfig,
@@ -64,6 +66,7 @@ from streamrl.reshard import (
     shard_tensor,
 )
 from streamrl.reshard.collectives import all_gather_flat, all_gather_in_place, synchronize
+from streamrl.reshard.fsdp_layout import spec_for_placements
 from streamrl.reshard.spec import ParamSpec
 
 try:
@@ -191,6 +194,17 @@ def train_shards(
     return {p.name: shard_tensor(full, p, layout, rank).to(device) for p, full in full_tensors(spec)}
 
 
+def fsdp_shards(config: Qwen2Config, device: torch.device) -> tuple[ModelShardingSpec, dict[str, torch.Tensor]]:
+    """The train engine's own shards: the benchmark model sharded by FSDP2 over the whole world
+    (``to_local()`` of every parameter, unpadded), and the spec as its placements hold it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    engine = FSDPTrainEngine(model, lr=1e-3, device=device)
+    spec, _ = spec_for_placements(ModelShardingSpec.from_config(config), engine.model)
+    return spec, engine.local_shards()
+
+
 def full_tensors(spec: ModelShardingSpec) -> Iterator[tuple[ParamSpec, torch.Tensor]]:
     """The full parameters of a seeded random model (the same on every run), one at a time in
     spec order: a caller that drops each before the next never holds the whole model."""
@@ -236,9 +250,12 @@ def spawn_world(fn: RankFn, world: int, args: argparse.Namespace) -> list[Any]:
 
 def rank_main(rank: int, world: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any] | None:
     config = model_config(args)
-    spec = ModelShardingSpec.from_config(config)
     layout = TrainLayout(world)
-    shards = train_shards(spec, layout, rank, device)
+    if args.shards == "fsdp":
+        spec, shards = fsdp_shards(config, device)
+    else:
+        spec = ModelShardingSpec.from_config(config)
+        shards = train_shards(spec, layout, rank, device)
     flat = torch.cat([s.reshape(-1) for s in shards.values()])  # the plain all_gather's input
     plain_out = torch.ones(flat.numel() * world, device=device)  # touched: resident before timing
     result: dict[str, Any] = {"params": spec.numel(), "shard_bytes": flat.numel() * 4, "by_t": {}}
@@ -303,6 +320,9 @@ def check_devices(args: argparse.Namespace, processes: int) -> None:
 def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--inference-tp", type=int, nargs="+", default=[2, 1], help="inference T values")
+    parser.add_argument("--shards", choices=["fsdp", "synthetic"], default="fsdp",
+                        help="fsdp: the train engine's FSDP2 shards (to_local()); synthetic: padded shards of "
+                             "random full tensors cut by streamrl.reshard.shards")
     args = parser.parse_args()
     check_devices(args, args.world)
 

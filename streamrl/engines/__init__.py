@@ -1,10 +1,9 @@
-"""streamrl.engines: built-in torch rollout (sampling) and train (GRPO gradients) engines."""
+"""streamrl.engines: the rollout engine (sampling), the FSDP2 train engine and the reference's logprob engine."""
 
+from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.rollout import GenerateArgumentError, Generation, TorchRolloutEngine, sample_tokens
-from streamrl.engines.train import (
+from streamrl.engines.samples import (
     NothingAccumulatedError,
-    TorchLogprobEngine,
-    TorchTrainEngine,
     TrainBatchError,
     TrainSample,
     samples_from_columns,
@@ -13,10 +12,9 @@ from streamrl.engines.train import (
 __all__ = [
     "GenerateArgumentError",
     "Generation",
+    "LogprobEngine",
     "NothingAccumulatedError",
-    "TorchLogprobEngine",
     "TorchRolloutEngine",
-    "TorchTrainEngine",
     "TrainBatchError",
     "TrainSample",
     "sample_tokens",

@@ -1,7 +1,7 @@
 """Train engine on torch FSDP2 (``fully_shard``) and DTensor tensor parallelism, any HF causal LM.
 
-The same interface as :class:`streamrl.engines.train.TorchTrainEngine` (``logprobs``,
-``accumulate``, ``step``, ``zero_grad``, ``set_lr``, ``pending``), over R = dp × tp ranks:
+The one train engine, R = 1 included (``logprobs``, ``accumulate``, ``step``, ``zero_grad``,
+``set_lr``, ``pending``), over R = dp × tp ranks:
 
 - ``fully_shard`` on every decoder layer (the classes in the model's ``_no_split_modules``) and
   on the root, over the ``dp`` dimension of a :class:`DeviceMesh` whose device type is the
@@ -10,6 +10,8 @@ The same interface as :class:`streamrl.engines.train.TorchTrainEngine` (``logpro
   ``parallelize_module``'d over tp (column-wise q/k/v/gate/up, row-wise o/down), giving FSDP × TP.
 - The Hugging Face module's own forward runs (no functional re-implementation), so any
   architecture transformers can build trains here; only TP needs Llama-style projection names.
+  Each distinct prompt of a micro-batch is computed once where the model allows it
+  (:mod:`streamrl.engines.packing`; ``forward_path`` and the log say which).
 - torch's AdamW over the sharded DTensor parameters: optimizer state is sharded like them.
 
 Exact normalisation across ranks: ``accumulate`` backpropagates an unnormalised *sum* of
@@ -32,8 +34,8 @@ in float32. float16 has no loss scaling here: prefer bfloat16.
 
 from __future__ import annotations
 
-import inspect
 import json
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,6 +64,15 @@ from streamrl.algos.grpo import (
     per_token_loss,
     unnormalized_loss,
 )
+from streamrl.engines.packing import (
+    DEFAULT_MAX_ROW_TOKENS,
+    ForwardPath,
+    attention_mask_dtype,
+    model_inputs,
+    probe_packing,
+    response_logits,
+    uses_logits_to_keep,
+)
 from streamrl.engines.parallel import (
     ParallelConfigError,
     apply_tensor_parallel,
@@ -72,9 +83,17 @@ from streamrl.engines.parallel import (
     local,
     tp_mesh,
 )
-from streamrl.engines.train import NothingAccumulatedError, TrainBatchError, TrainSample, _check_sample, _Sums
+from streamrl.engines.samples import (
+    NothingAccumulatedError,
+    StepSums,
+    TrainBatchError,
+    TrainSample,
+    check_sample,
+)
 from streamrl.models.build import resolve_device
 from streamrl.reshard.accounting import SwapReport
+
+log = logging.getLogger("streamrl.engine.train")
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,11 +109,24 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     tensor_parallel: int = 1  # T: ranks per model replica (DTensor TP); data parallel = world / T
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (transformers' own)
     cpu_offload: bool = False  # keep sharded params, grads and AdamW state on the host (FSDP2 CPUOffloadPolicy)
-    reshard_after_forward: bool = True  # free each layer's gathered params after forward (re-gather in backward)
+    # free each layer's gathered params after forward and re-gather them in backward; None = only
+    # where there is something to free (dp > 1: with one dp rank the "shard" is the whole layer)
+    reshard_after_forward: bool | None = None
+    # compute each distinct prompt of a micro-batch once (streamrl/engines/packing.py); used only
+    # where a probe at construction shows the model computes packed rows exactly
+    pack_prompts: bool = True
+    max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS  # tokens per packed row (its mask is width^2)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
             raise ValueError(f"FSDPOptions.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.max_row_tokens < 2:
+            raise ValueError(f"FSDPOptions.max_row_tokens must be >= 2, got {self.max_row_tokens}")
+
+
+def _vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    return int(getattr(config, "vocab_size", 0) or 0) or int(model.get_input_embeddings().weight.shape[0])
 
 
 def _adamw_kernel(device: torch.device, tensor_parallel: int) -> dict[str, bool]:
@@ -165,9 +197,17 @@ class FSDPTrainEngine:
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.max_grad_norm = max_grad_norm
         self.compute_dtype = DTYPES[options.dtype]
+        self.master_dtype = torch.float32  # sharded parameters, gradients and AdamW moments
         if any(p.dtype != torch.float32 for p in model.parameters()):
             model = model.to(torch.float32)  # the sharded copy is the optimizer's master: keep it float32
         self.model = model
+        self.forward_path: ForwardPath = "padded"
+        why = "pack_prompts is off"
+        if options.pack_prompts:
+            # before sharding: the probe's two tiny forwards run on the plain module, no collective
+            self.forward_path, why = probe_packing(model.to(self.device), _vocab_size(model), self.device)
+        log.info("train forward: %s (%s)", self.forward_path, why)
+        self._mask_dtype = attention_mask_dtype(model)
         self._shard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -175,10 +215,9 @@ class FSDPTrainEngine:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_adamw_kernel(self.device, tp),
         )
-        forward_params = inspect.signature(type(model).forward).parameters
-        self._logits_to_keep = "logits_to_keep" in forward_params
+        self._logits_to_keep = uses_logits_to_keep(model)
         self.steps = 0  # optimizer steps taken = policy version of the current weights
-        self._sums = _Sums()
+        self._sums = StepSums()
         self._on_host = False
 
     def _shard(self, model: nn.Module) -> None:
@@ -200,9 +239,12 @@ class FSDPTrainEngine:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=self.device.type != "cpu") if options.cpu_offload \
             else OffloadPolicy()
+        reshard = options.reshard_after_forward
+        if reshard is None:
+            reshard = self.dp_size > 1
         for layer in layers:
             fully_shard(layer, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload,
-                        reshard_after_forward=options.reshard_after_forward)
+                        reshard_after_forward=reshard)
         fully_shard(model, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload)
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -225,36 +267,24 @@ class FSDPTrainEngine:
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """Logprobs [N] (float32) of every response token (flat, sample order), entropy [N] or None, seq_index [N].
 
-        The module's own forward on right-padded prompt+response rows (the last response token
-        is never an input: no target follows it). Only the logits from the earliest position
-        that predicts a response token on are computed (``logits_to_keep``) when the model
-        supports it: the prompt positions before it would only be thrown away.
+        The module's own forward (so FSDP2's hooks run) on shared-prompt rows or right-padded rows
+        (``forward_path``, streamrl/engines/packing.py); the last response token is never an input.
+        Logits are computed only from the earliest position that predicts a response token on
+        (``logits_to_keep``) where the model supports it.
         """
         device = self.device
-        resp_lens = torch.tensor([r.numel() for r in response_ids], device=device)
-        seq_index = torch.repeat_interleave(torch.arange(len(response_ids), device=device), resp_lens)
-        offset = torch.arange(seq_index.numel(), device=device) - (resp_lens.cumsum(0) - resp_lens)[seq_index]
+        inputs = model_inputs(self.forward_path, prompt_ids, response_ids, device, mask_dtype=self._mask_dtype,
+                              max_row_tokens=self.options.max_row_tokens, keep_from_first=self._logits_to_keep)
+        picked = response_logits(self.model, inputs)
         targets = torch.cat([r.reshape(-1) for r in response_ids]).to(device)
-        inputs = [torch.cat([p, r[:-1]]) for p, r in zip(prompt_ids, response_ids, strict=True)]
-        lengths = torch.tensor([x.numel() for x in inputs], device=device)
-        width = int(lengths.max())
-        padded = torch.nn.utils.rnn.pad_sequence(inputs, batch_first=True).to(device)
-        mask = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
-        first = torch.tensor([p.numel() - 1 for p in prompt_ids], device=device)
-        kwargs: dict[str, object] = {"input_ids": padded, "attention_mask": mask.long(), "use_cache": False}
-        start = 0
-        if self._logits_to_keep:
-            start = int(first.min())
-            kwargs["logits_to_keep"] = width - start
-        logits = self.model(**kwargs).logits
-        rows = seq_index * (width - start) + first[seq_index] + offset - start
-        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
         logp_all = torch.log_softmax(picked.float() / temperature, dim=-1)
         logp = logp_all.gather(1, targets.unsqueeze(1)).squeeze(1)
         ent = None
         if entropy:
             with torch.no_grad():
                 ent = -(logp_all.exp() * logp_all).sum(-1)
+        lens = torch.tensor([r.numel() for r in response_ids], device=device)
+        seq_index = torch.repeat_interleave(torch.arange(len(response_ids), device=device), lens)
         return logp, ent, seq_index
 
     @torch.no_grad()
@@ -270,7 +300,7 @@ class FSDPTrainEngine:
         if len(prompt_ids) != len(response_ids):
             raise TrainBatchError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
         for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-            _check_sample(i, TrainSample(p, r, 0.0))
+            check_sample(i, TrainSample(p, r, 0.0))
         was_training = self.model.training
         self.model.eval()
         try:
@@ -280,14 +310,15 @@ class FSDPTrainEngine:
             logp, _, _ = self._response_logprobs(prompt_ids, response_ids, temperature, entropy=False)
         finally:
             self.model.train(was_training)
+            self._reshard()
         return list(logp.cpu().split([r.numel() for r in response_ids]))
 
     # --- training -----------------------------------------------------------------------------
     def accumulate(self, batch: Sequence[TrainSample], loss_config: LossConfig) -> dict[str, float]:
         """Forward + backward of this rank's micro-batch; gradients are summed until ``step`` (collective).
 
-        As ``TorchTrainEngine.accumulate``: zero-advantage samples are only counted when
-        ``kl_coef`` is 0; but a micro-batch made only of them still runs a zero-gradient
+        Samples with advantage exactly 0 are only counted when ``kl_coef`` is 0 (their gradient is
+        exactly zero, which makes uniform-reward GRPO groups free); but a micro-batch made only of them still runs a zero-gradient
         forward/backward, since the other ranks' FSDP collectives wait for this rank's.
         Returns this micro-batch's statistics (loss normalised within it, for display only).
         """
@@ -295,7 +326,7 @@ class FSDPTrainEngine:
         if not batch:
             raise TrainBatchError("empty micro-batch; a rank with nothing left calls accumulate_padding()")
         for i, s in enumerate(batch):
-            _check_sample(i, s)
+            check_sample(i, s)
         if self._sums.mode not in (None, loss_config.loss_agg):
             raise ValueError(
                 f"loss_agg changed within one optimizer step ({self._sums.mode!r} -> {loss_config.loss_agg!r})"
@@ -365,6 +396,18 @@ class FSDPTrainEngine:
         if entropy is not None and n_tokens:
             out["entropy"] = float(entropy.mean())
         return out
+
+    def _reshard(self) -> None:
+        """Free the gathered parameters a no-grad forward left behind.
+
+        Without a backward nothing reshards them (FSDP2 keeps the root's, and with
+        ``reshard_after_forward`` False every layer's, gathered until the backward), and while
+        gathered the module's parameters are plain full tensors, not the sharded DTensors
+        ``local_shards``, ``full_state_dict`` and the optimizer read.
+        """
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def accumulate_padding(self) -> None:
         """A forward+backward adding zero gradient, matching another rank's extra micro-batch (collective).
@@ -462,13 +505,13 @@ class FSDPTrainEngine:
             stats["kl"] = kl / kl_tokens
         if is_tokens:
             stats["is_weight"] = is_weight / is_tokens
-        self._sums = _Sums()
+        self._sums = StepSums()
         return stats
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients and counts without stepping (local; no collective)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._sums = _Sums()
+        self._sums = StepSums()
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate of every parameter group (schedules live outside)."""
@@ -504,15 +547,24 @@ class FSDPTrainEngine:
                 "optimizer": size(moments)}
 
     def full_state_dict(self, *, all_ranks: bool = False) -> dict[str, Tensor]:
-        """The full float32 parameters and buffers on the host (collective).
+        """The full float32 parameters and buffers on the host (collective), owned by the caller.
 
         Rank 0 only by default (the other ranks get ``{}``: a full copy per rank is wasted host
         memory on a real model); ``all_ranks=True`` returns it everywhere.
+
+        Buffer lifetime: the tensors are never views of the live parameters, so a caller may keep
+        serving them while the next steps update the model in place (the policy publisher does).
+        With one rank on a CPU, FSDP2's "full" tensor *is* the local shard: those are copied.
         """
         self.check_on_device()
         options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         state = get_model_state_dict(self.model, options=options)
-        return {name: t.detach().cpu() for name, t in state.items()}
+        live = {local(t).untyped_storage().data_ptr() for t in self.model.state_dict().values()}
+        out = {}
+        for name, t in state.items():
+            t = t.detach().cpu()
+            out[name] = t.clone() if t.untyped_storage().data_ptr() in live else t
+        return out
 
     def export_pretrained(
         self, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, *,
@@ -524,7 +576,7 @@ class FSDPTrainEngine:
         """
         path = Path(path)
         state = self.full_state_dict()
-        if dist.get_rank() == 0:
+        if self.mesh.get_rank() == self.mesh.mesh.flatten()[0].item():
             if dtype is not None:
                 state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             path.mkdir(parents=True, exist_ok=True)
@@ -538,8 +590,15 @@ class FSDPTrainEngine:
                 config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
-        dist.barrier()  # nobody reads the directory before rank 0 has written it
+        self.barrier()  # nobody reads the directory before rank 0 has written it
         return path
+
+    def barrier(self) -> None:
+        """Wait for every rank of the mesh (not the whole world: in the disaggregated placement the
+        world also holds the generation workers, which take no part in training collectives)."""
+        for dim in range(self.mesh.ndim):
+            if self.mesh.size(dim) > 1:
+                dist.barrier(group=self.mesh.get_group(dim))
 
     # --- offload ------------------------------------------------------------------------------
     @property

@@ -3,15 +3,17 @@
 Why not ``model.generate()``: for tiny models its per-step Python overhead (logits processors,
 stopping criteria, cache objects, mask building) costs more than the maths. This engine runs a
 plain loop over the functional forward (``streamrl.models.functional``) with a preallocated
-KV cache, and for architectures the functional forward does not cover, over the Hugging Face
-forward with a ``DynamicCache`` (same results, slower).
+KV cache, and for architectures the functional forward does not cover (GPT-2, ...), over the
+Hugging Face forward with a ``DynamicCache`` (same results, slower). Which one runs is logged
+once per engine on ``streamrl.engine.rollout`` and kept in ``TorchRolloutEngine.forward_path``.
 
 What it does per call:
 - identical prompts are prefilled once and their cache rows copied (GRPO asks for n
   completions of each prompt, so the prefill shrinks n-fold);
-- ragged prompts are right-padded; every sequence keeps its own RoPE positions 0..n-1, the
-  same positions the train engine uses, so the logprobs returned here equal the train
-  engine's recomputation up to float rounding;
+- ragged prompts are right-padded; every sequence keeps its own positions 0..n-1 (RoPE angles,
+  or rows of a learned position table such as GPT-2's), the same positions the train engine
+  uses, so the logprobs returned here equal the train engine's recomputation up to float
+  rounding;
 - a sequence leaves the batch when it emits EOS or reaches ``max_new_tokens``; finished rows are
   dropped from the cache once they are a quarter of the batch (copying the cache every step
   costs more than computing a few dead rows).
@@ -19,6 +21,7 @@ What it does per call:
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -33,6 +36,9 @@ from streamrl.models.build import resolve_device
 from streamrl.models.functional import FunctionalCausalLM, FunctionalForward, KVCache, unsupported_reason
 
 FinishReason = Literal["eos", "length"]
+RolloutForwardPath = Literal["functional", "hf"]
+
+log = logging.getLogger("streamrl.engine.rollout")
 
 
 class GenerateArgumentError(ValueError):
@@ -109,7 +115,15 @@ class _FunctionalDecoder:
 
 
 class _HFDecoder:
-    """Fallback for architectures the functional forward does not cover: HF forward + DynamicCache."""
+    """Fallback for architectures the functional forward does not cover: HF forward + DynamicCache.
+
+    Prompts are right-padded, so the cache columns of a row are [its prompt, padding, generated
+    tokens]. Two things keep that equal to an unpadded forward: ``position_ids`` are passed
+    explicitly (row i's prompt sits at 0..len_i-1 and its generated token t at len_i + t; a model
+    left to infer them from the cache length would put every row at width + t, which shifts
+    RoPE angles and, for GPT-2's learned table, reads the wrong rows), and the attention mask
+    keeps the padding columns masked for every later query.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -337,6 +351,33 @@ class TorchRolloutEngine(BatchedRolloutEngine):
         if use_functional and reason is not None:
             raise GenerateArgumentError(f"use_functional=True but {reason}; pass use_functional=None")
         self.use_functional = reason is None if use_functional is None else use_functional
+        self.forward_path: RolloutForwardPath = "functional" if self.use_functional else "hf"
+        model_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        # Said once here, not per call: the HF path is several times slower per token, and a run
+        # that lands on it (a new architecture, an unusual rope type) should show why in its log.
+        if self.use_functional:
+            log.info("rollout forward: functional (%s)", model_type)
+        else:
+            why = reason if reason is not None else "use_functional=False"
+            log.info("rollout forward: Hugging Face module with KV cache (%s: %s)", model_type, why)
+        # A learned position table (GPT-2's wpe) has no row past its end, so a too-long prompt +
+        # completion would fail deep inside the forward with a bare IndexError; RoPE models run
+        # any position and are checked against what they advertise by the pipeline instead.
+        wpe = getattr(getattr(model, "base_model", None), "wpe", None)
+        self.position_table: int | None = wpe.num_embeddings if isinstance(wpe, nn.Embedding) else None
+
+    def _check(self, prompts: list[Tensor], max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+        super()._check(prompts, max_new_tokens, temperature, top_p, top_k)
+        if self.position_table is not None:
+            longest = max(p.numel() for p in prompts)
+            # The last sampled token is never fed, so the highest position run is longest + max_new_tokens - 2.
+            if longest + max_new_tokens - 1 > self.position_table:
+                raise GenerateArgumentError(
+                    f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} needs positions up to "
+                    f"{longest + max_new_tokens - 2}, but the model's learned position table has "
+                    f"{self.position_table} rows (0..{self.position_table - 1}); lower max_new_tokens or "
+                    "shorten the prompts"
+                )
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Take new policy weights (e.g. a published version from the trainer)."""

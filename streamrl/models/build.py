@@ -2,7 +2,9 @@
 
 ``build_model`` reproduces the TRL baseline's model build (``ops/bench/trl_grpo.py`` calls it)
 exactly: same ``Qwen2Config`` fields, same seeding, so a run here starts from the very same
-weights as the baseline run and their learning curves can be compared.
+weights as the baseline run and their learning curves can be compared. ``arch: gpt2`` builds a
+tiny GPT-2 (learned positions, GELU MLP, tied embeddings): an architecture outside the
+Llama/Qwen2 family, which the engines run through the Hugging Face forward.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -40,14 +44,20 @@ class TinyModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     Defaults are the baseline's workload W1 model (about 0.4 M parameters).
     """
 
-    arch: Literal["qwen2", "llama"] = "qwen2"  # qwen2 = the baseline (q/k/v biases); llama = no biases
+    # qwen2 = the baseline (q/k/v biases); llama = no biases; gpt2 = learned positions, GELU MLP,
+    # tied embeddings (outside the Llama family: the engines run it through the HF forward)
+    arch: Literal["qwen2", "llama", "gpt2"] = "qwen2"
     hidden: int = 128  # model width (channels)
     layers: int = 2  # decoder blocks
     heads: int = 4  # attention heads; head_dim = hidden / heads
     kv_heads: int | None = None  # key/value heads for grouped-query attention; None = heads (plain MHA)
-    intermediate: int = 256  # SwiGLU MLP width (channels)
-    max_positions: int = 64  # RoPE positions the config advertises (tokens); prompt + completion must fit
-    tie_embeddings: bool = False  # share input embedding and lm_head (the baseline does not)
+    intermediate: int = 256  # MLP width (channels): SwiGLU for qwen2/llama, GELU for gpt2
+    # positions the config advertises (tokens); prompt + completion must fit. qwen2/llama: RoPE;
+    # gpt2: the size of its learned position table, so a position past it cannot be run at all
+    max_positions: int = 64
+    # share input embedding and lm_head; None = the architecture's own choice, resolved at
+    # construction: untied for qwen2/llama (as the baseline), tied for gpt2 (which cannot untie)
+    tie_embeddings: bool | None = None
     seed: int = 0  # torch seed for the random init (same seed = same weights as the baseline)
 
     def __post_init__(self) -> None:
@@ -64,6 +74,25 @@ class TinyModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 f"TinyModelSpec.kv_heads ({self.kv_heads}) must divide heads ({self.heads}); "
                 "use None for plain multi-head attention"
             )
+        if self.arch == "gpt2":
+            if self.kv_heads is not None:
+                raise ValueError(
+                    f"TinyModelSpec.kv_heads must be left unset (null) for arch gpt2, got {self.kv_heads}: GPT-2 has "
+                    "plain multi-head attention, one key/value head per query head"
+                )
+            if self.tie_embeddings is False:
+                raise ValueError(
+                    "TinyModelSpec.tie_embeddings=false is not possible for arch gpt2: GPT-2's lm_head is "
+                    "always its input embedding; leave tie_embeddings out (or true)"
+                )
+        if self.tie_embeddings is None:
+            # Resolved here so every reader (run config dump, pipeline checks) sees a plain bool.
+            msgspec.structs.force_setattr(self, "tie_embeddings", self.arch == "gpt2")
+
+    @property
+    def tied(self) -> bool:
+        """``tie_embeddings`` as a bool (always resolved by construction)."""
+        return bool(self.tie_embeddings)
 
 
 def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -71,6 +100,8 @@ def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreT
 
     The global torch RNG is left as it was (the init runs under ``fork_rng``).
     """
+    if spec.arch == "gpt2":
+        return _build_gpt2(spec, tokenizer)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden,
@@ -79,7 +110,7 @@ def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreT
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads or spec.heads,
         max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=spec.tie_embeddings,
+        tie_word_embeddings=spec.tied,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
@@ -92,6 +123,35 @@ def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreT
             model: PreTrainedModel = Qwen2ForCausalLM(Qwen2Config(**common))
         else:
             model = LlamaForCausalLM(LlamaConfig(**common))
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    return model
+
+
+def _build_gpt2(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A tiny GPT-2, seeded like the other architectures; every dropout off so that a training
+    forward and a rollout forward of the same weights give the same numbers."""
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=spec.hidden,
+        n_layer=spec.layers,
+        n_head=spec.heads,
+        n_inner=spec.intermediate,
+        n_positions=spec.max_positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        use_cache=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)  # same seeding as the Llama-family builds: the init draws from it
+        model: PreTrainedModel = GPT2LMHeadModel(config)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
     )

@@ -1,8 +1,10 @@
 """Allgather-swap resharding between the training and the inference layouts (see docs/reshard.md).
 
-Layouts (:mod:`layout`), what to cut (:mod:`spec`, :mod:`shards`), the process groups
-(:mod:`groups`), the bucketed reshard (:mod:`resharder`), the training-state swap (:mod:`swap`),
-versioned inference weights (:mod:`weights`) and the awaitable policy objects (:mod:`policy`).
+Layouts (:mod:`layout`), what to cut (:mod:`spec`, :mod:`shards`, and :mod:`fsdp_layout` for an
+FSDP2 engine's placements), the process groups (:mod:`groups`), the bucketed reshard
+(:mod:`resharder`), versioned inference weights (:mod:`weights`) and the awaitable policy objects
+(:mod:`policy`). The train engine (``streamrl.engines.fsdp.FSDPTrainEngine``) and its
+training-state swap (``offload_state`` / ``reload_state``) live outside this package.
 """
 
 from streamrl.reshard.accounting import BucketStats, MemoryTracker, ReshardReport, SwapReport
@@ -19,14 +21,7 @@ from streamrl.reshard.policy import (
 from streamrl.reshard.resharder import Bucket, ReshardConfig, Resharder, plan_buckets
 from streamrl.reshard.shards import Block, shard_state, shard_tensor, train_block
 from streamrl.reshard.spec import InferencePlan, ModelShardingSpec, ParamSpec, Piece, local_hf_views
-from streamrl.reshard.swap import SwapStateError, TrainStateSwap
 from streamrl.reshard.tp_forward import rope_theta, tensor_parallel_logits
-from streamrl.reshard.train_engine import (
-    AdamWConfig,
-    ShardedTrainEngine,
-    StepStats,
-    TrainStateOffloadedError,
-)
 from streamrl.reshard.weights import (
     InferenceWeights,
     VersionError,
@@ -35,7 +30,6 @@ from streamrl.reshard.weights import (
 )
 
 __all__ = [
-    "AdamWConfig",
     "Block",
     "Bucket",
     "BucketStats",
@@ -55,15 +49,10 @@ __all__ = [
     "ReshardConfig",
     "ReshardReport",
     "Resharder",
-    "ShardedTrainEngine",
-    "StepStats",
     "SwapReport",
-    "SwapStateError",
     "Topology",
     "TrainGroups",
     "TrainLayout",
-    "TrainStateOffloadedError",
-    "TrainStateSwap",
     "VersionError",
     "WeightChannelClosedError",
     "WeightReceiver",

@@ -26,19 +26,32 @@ loop, and the only thing that waits for a version is whoever awaits it.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Literal, Protocol
 
 import anyio
 import anyio.to_thread
+import torch
 
 from streamrl.reshard.accounting import ReshardReport, SwapReport
 from streamrl.reshard.daemon import DaemonCall
 from streamrl.reshard.layout import LayoutError
 from streamrl.reshard.resharder import HEADER_CLOSE, HEADER_WEIGHTS, Resharder
-from streamrl.reshard.train_engine import ShardedTrainEngine
 from streamrl.reshard.weights import InferenceWeights
 
 Phase = Literal["training", "inference"]
+
+
+class ShardedTrainer(Protocol):
+    """What the reshard needs from a train engine (``streamrl.engines.fsdp.FSDPTrainEngine`` is one):
+    this rank's shards under the model's parameter names, and the swap of its training state."""
+
+    device: torch.device
+
+    def local_shards(self) -> dict[str, torch.Tensor]: ...
+
+    def offload_state(self) -> SwapReport: ...
+
+    def reload_state(self) -> SwapReport: ...
 Announce = Callable[[int, int], Awaitable[None]]  # (header kind, version): see WeightReceiver.receive
 
 
@@ -72,7 +85,7 @@ class ColocatedPolicy:
 
     def __init__(
         self,
-        engine: ShardedTrainEngine,
+        engine: ShardedTrainer,
         resharder: Resharder,
         *,
         swap_training_state: bool = True,
@@ -134,7 +147,7 @@ class ColocatedPolicy:
 class WeightSender:
     """Disaggregated train rank: streams each version's slices to its generation workers."""
 
-    def __init__(self, engine: ShardedTrainEngine, resharder: Resharder) -> None:
+    def __init__(self, engine: ShardedTrainer, resharder: Resharder) -> None:
         groups = resharder.groups
         if resharder.topology.placement != "disaggregated" or groups.train is None:
             raise LayoutError("WeightSender runs on the train ranks of a disaggregated topology")

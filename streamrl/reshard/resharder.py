@@ -44,7 +44,14 @@ from streamrl.reshard.accounting import BucketStats, MemoryTracker, ReshardRepor
 from streamrl.reshard.collectives import accelerator, all_gather_in_place, synchronize
 from streamrl.reshard.groups import RankGroups
 from streamrl.reshard.layout import LayoutError, TrainLayout
-from streamrl.reshard.shards import copy_rect, flat_range_rects, local_shape, rect_in, source_blocks
+from streamrl.reshard.shards import (
+    copy_rect,
+    flat_range_rects,
+    local_shape,
+    rect_in,
+    source_blocks,
+    train_block,
+)
 from streamrl.reshard.spec import ModelShardingSpec, ParamSpec, Piece, Rect, rect_shape
 
 HEADER_WEIGHTS = 1  # header kind: a new policy version follows, bucket by bucket
@@ -247,15 +254,20 @@ class Resharder:
 
     # -- train side -----------------------------------------------------------------------------
     def _check_shards(self, shards: Mapping[str, torch.Tensor]) -> None:
+        """Each shard must be this rank's block of the layout: either padded to the common shape, or
+        (FSDP2's ``to_local()``) exactly the rows it really holds, which the last ranks may lack."""
+        rank = self.groups.train.rank if self.groups.train is not None else 0
         for p in self.spec.params:
             shard = shards.get(p.name)
             if shard is None:
                 raise KeyError(f"training shards lack {p.name!r}")
-            expected = self._local_shapes[p.name]
-            if tuple(shard.shape) != expected or shard.dtype != self.shard_dtype:
+            padded = self._local_shapes[p.name]
+            block = train_block(p, self.layout, rank)
+            held = (0, *padded[1:]) if block.rect is None else rect_shape(block.rect)
+            if tuple(shard.shape) not in (padded, held) or shard.dtype != self.shard_dtype:
                 raise ValueError(
-                    f"{p.name}: shard is {tuple(shard.shape)} {shard.dtype}, the layout needs "
-                    f"{expected} {self.shard_dtype}"
+                    f"{p.name}: shard is {tuple(shard.shape)} {shard.dtype}, the layout needs {padded} (padded) "
+                    f"or {held} (unpadded) {self.shard_dtype}"
                 )
 
     def _gathered_buckets(

@@ -16,16 +16,23 @@ tensor-parallel rank t of T holds *fused* weights:
 A :class:`Piece` says "copy this rectangle of the full training tensor to this origin in this
 rank's target tensor"; an :class:`InferencePlan` lists the pieces of every inference rank. The
 reshard never builds a full tensor: it copies each piece straight out of the gathered shards.
+
+Any other architecture (GPT-2, ...) gets a *generic* spec from :meth:`ModelShardingSpec.from_model`,
+built from the module's parameter names and shapes alone: every parameter replicated over train
+TP (so only train tensor_parallel 1), data-parallel sharding along dim 0 as usual, and an
+inference plan for T = 1 only, in which each inference weight is the Hugging Face parameter
+itself. Without knowing which dims hold heads, nothing can be split safely.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
 from typing import Any
 
 import torch
+from torch import nn
 
 from streamrl.reshard.layout import LayoutError, TrainLayout
 
@@ -115,8 +122,12 @@ class InferencePlan:
 class ModelShardingSpec:
     """A Llama-style decoder (Qwen2, Llama) seen as shardable parameters.
 
-    Build it with :meth:`from_config` from a transformers config. Field units: counts of heads,
-    features and tokens.
+    Build it with :meth:`from_config` from a transformers config, or with :meth:`from_model` from
+    a module (the same spec for Qwen2/Llama; a generic one for any other architecture). Field
+    units: counts of heads, features and tokens.
+
+    llama_family: False for a generic spec (see the module docstring); its size fields are what
+        the config says (0 where it says nothing) and only describe the model: no split uses them.
     """
 
     model_type: str
@@ -130,6 +141,89 @@ class ModelShardingSpec:
     head_dim: int
     attention_bias: bool
     tied_embeddings: bool
+    llama_family: bool = True
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> ModelShardingSpec:
+        """The spec of ``model``'s parameters, as ``model.named_parameters()`` lists them.
+
+        Qwen2/Llama: :meth:`from_config` of its config, checked against the module's parameters.
+        Any other model_type: a generic spec (every parameter whole; T = 1, train TP 1). A tied
+        lm_head is the embedding's Parameter, listed once by ``named_parameters``, so it is not a
+        parameter of its own here either: the spec lists exactly what the trainer optimises.
+        """
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        shapes = [(name, tuple(param.shape)) for name, param in model.named_parameters()]
+        if model_type in SUPPORTED_MODEL_TYPES:
+            spec = cls.from_config(config)
+            expected = {p.name: p.shape for p in spec.params}
+            if dict(shapes) != expected:
+                actual = dict(shapes)
+                extra = sorted(set(actual) - set(expected))
+                missing = sorted(set(expected) - set(actual))
+                reshaped = sorted(n for n in set(actual) & set(expected) if actual[n] != expected[n])
+                raise LayoutError(
+                    f"the module's parameters do not match the {model_type} sharding spec of its config: "
+                    f"unexpected {extra[:3]}, missing {missing[:3]}, other shapes {reshaped[:3]}"
+                )
+            return spec
+        return cls.from_named_shapes(
+            str(model_type or type(model).__name__), shapes, config=config, tied=_tied_embeddings(model)
+        )
+
+    @classmethod
+    def from_named_shapes(
+        cls,
+        model_type: str,
+        shapes: Iterable[tuple[str, tuple[int, ...]]],
+        *,
+        config: Any = None,
+        tied: bool = False,
+    ) -> ModelShardingSpec:
+        """A generic spec over ``(name, shape)`` pairs, in their order (``named_parameters`` order).
+
+        ``config`` (optional) only fills the descriptive size fields; ``tied`` says the output
+        embedding is the input embedding (recorded, changes nothing: each listed tensor is whole).
+        """
+        params = tuple(ParamSpec(name, tuple(int(n) for n in shape), None) for name, shape in shapes)
+        if not params:
+            raise LayoutError(f"the {model_type} model has no parameters to shard")
+        names = [p.name for p in params]
+        if len(set(names)) != len(names):
+            duplicated = sorted({n for n in names if names.count(n) > 1})
+            raise LayoutError(f"parameter names must be unique, got {duplicated[:3]} more than once")
+        scalars = [p.name for p in params if not p.shape]
+        if scalars:
+            # Training shards every parameter along dim 0; a 0-d tensor has none to cut.
+            raise LayoutError(
+                f"the {model_type} model has 0-d (scalar) parameters {scalars[:3]}; the reshard shards "
+                "along dim 0 and cannot hold them"
+            )
+
+        def size(*keys: str) -> int:
+            for key in keys:
+                value = getattr(config, key, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+            return 0
+
+        heads = size("num_attention_heads")
+        hidden = size("hidden_size")
+        return cls(
+            model_type=model_type,
+            params=params,
+            vocab_size=size("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=size("intermediate_size", "n_inner"),
+            num_layers=size("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=size("num_key_value_heads") or heads,
+            head_dim=size("head_dim") or (hidden // heads if heads else 0),
+            attention_bias=False,
+            tied_embeddings=tied,
+            llama_family=False,
+        )
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShardingSpec:
@@ -188,6 +282,14 @@ class ModelShardingSpec:
     def check_train_layout(self, layout: TrainLayout) -> None:
         """Refuse a train TP degree that would split a head or leave uneven column chunks."""
         P = layout.tensor_parallel
+        if not self.llama_family:
+            if P > 1:
+                raise LayoutError(
+                    f"train tensor_parallel={P} needs a Llama-family model ({', '.join(SUPPORTED_MODEL_TYPES)}): "
+                    f"this {self.model_type} model has a generic sharding spec, which cannot tell which dims "
+                    "hold heads; use train tensor_parallel 1 (data-parallel sharding works for any model)"
+                )
+            return
         problems = [
             f"num_attention_heads={self.num_heads}" if self.num_heads % P else "",
             f"num_key_value_heads={self.num_kv_heads}" if self.num_kv_heads % P else "",
@@ -203,6 +305,14 @@ class ModelShardingSpec:
 
     # -- inference layout -----------------------------------------------------------------------
     def check_inference_tp(self, T: int) -> None:
+        if not self.llama_family:
+            if T != 1:
+                raise LayoutError(
+                    f"inference tensor_parallel T={T} needs a Llama-family model "
+                    f"({', '.join(SUPPORTED_MODEL_TYPES)}): this {self.model_type} model has a generic "
+                    "sharding spec, whose inference weights are the whole Hugging Face parameters; use T=1"
+                )
+            return
         problems = []
         if self.num_heads % T:
             problems.append(f"num_attention_heads={self.num_heads} (must be divisible by T)")
@@ -236,6 +346,8 @@ class ModelShardingSpec:
         return t // (T // self.num_kv_heads)  # replicated kv heads
 
     def _inference_shapes(self, T: int) -> dict[str, tuple[int, ...]]:
+        if not self.llama_family:  # T = 1 (checked): each inference weight is the parameter itself
+            return {p.name: p.shape for p in self.params}
         H, d = self.hidden_size, self.head_dim
         qh, kh = self._heads_per_rank(T)
         vocab_rows = self.padded_vocab(T) // T
@@ -259,6 +371,10 @@ class ModelShardingSpec:
 
     def _pieces(self, T: int, t: int) -> Iterator[Piece]:
         """Pieces of inference rank t, in training-parameter order."""
+        if not self.llama_family:  # identity: the whole parameter, to the same name
+            for p in self.params:
+                yield Piece(p.name, p.name, full_rect(p.shape), (0,) * len(p.shape))
+            return
         d = self.head_dim
         qh, kh = self._heads_per_rank(T)
         kv0 = self._kv_head_start(T, t)
@@ -286,7 +402,9 @@ class ModelShardingSpec:
             elif name.endswith(("o_proj.weight", "down_proj.weight")):  # row-parallel: a column block
                 cols = shape[1] // T
                 yield Piece(name, name, with_range(shape, 1, t * cols, (t + 1) * cols), (0, 0))
-            elif p.train_tp_dim == 0:  # q/k/v/gate/up weight or bias: a row block of a fused target
+            elif name.rsplit(".", 2)[1] in fused_rows:  # q/k/v/gate/up weight or bias: a row block
+                # of a fused target. By name, not by train_tp_dim: the inference layout does not depend
+                # on how training splits (spec_for_placements rewrites train_tp_dim from FSDP2's placements)
                 module, proj, kind = name.rsplit(".", 2)
                 (r0, r1), offset = fused_rows[proj]
                 fused = "qkv_proj" if proj in ("q_proj", "k_proj", "v_proj") else "gate_up_proj"
@@ -294,6 +412,20 @@ class ModelShardingSpec:
                 yield Piece(name, f"{module}.{fused}.{kind}", with_range(shape, 0, r0, r1), origin)
             else:  # norms and other replicated vectors
                 yield Piece(name, name, full_rect(shape), (0,) * len(shape))
+
+
+def _tied_embeddings(model: nn.Module) -> bool:
+    """Whether the output embedding's weight is the input embedding's Parameter (GPT-2's lm_head)."""
+    get_inputs = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if not callable(get_inputs) or not callable(get_output):
+        return False
+    try:
+        inputs, output = get_inputs(), get_output()
+    except NotImplementedError:  # transformers' default for a model that does not say
+        return False
+    weight = getattr(inputs, "weight", None)
+    return weight is not None and getattr(output, "weight", None) is weight
 
 
 def local_hf_views(

@@ -402,14 +402,15 @@ class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gate_on_policy: bool = True  # wait for policy version step - max_staleness before each step's prompts
 
 
-class ReshardTrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # the engine: torch FSDP2 over the train stage's workers (streamrl/engines/fsdp.py)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, ~1/3 more compute
+    cpu_offload: bool = False  # sharded params, grads and AdamW moments in host memory (FSDP2 CPUOffloadPolicy)
+    # how each version reaches generation (placements colocated and disaggregated)
     bucket_bytes: int = 64 * 2**20  # reshard bucket cap (bytes): the peak transient memory of one reshard per rank
+    swap: bool = True  # colocated: training state to host memory while generating
     collective_timeout_s: float = 600.0  # how long a rank waits in a collective for the others
     backend: str | None = None  # torch.distributed backend; None: gloo on CPU, nccl on CUDA, hccl on NPU
-
-
-class ColocatedTrainOptions(ReshardTrainOptions, forbid_unknown_fields=True, kw_only=True):
-    swap: bool = True  # training state to host memory while generating
 
 
 class ReshardGenerateOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -463,7 +464,7 @@ def _check_options(s: StageSpec, cls: type, at: str) -> None:
 
 
 def _check_option_values(opts: msgspec.Struct, at: str) -> None:
-    if isinstance(opts, ReshardTrainOptions):
+    if isinstance(opts, TrainOptions):
         if opts.bucket_bytes < 1:
             raise ConfigError(f"{at}.bucket_bytes must be >= 1 (bytes), got {opts.bucket_bytes}")
         if not opts.collective_timeout_s > 0:
@@ -530,8 +531,9 @@ def _import_quietly(spec: str) -> type | None:
     return cls if inspect.isclass(cls) else None
 
 
-def _is_sharded_trainer(cls: type | None) -> bool:
-    return cls is not None and any(c.__name__ == "ShardedGrpoTrainer" for c in cls.__mro__)
+def _is_trainer(cls: type | None) -> bool:
+    """The built-in train stage (or a user's subclass of it): its workers split every step's samples."""
+    return cls is not None and any(_class_key(c) == "streamrl.stages.train:TrainStage" for c in cls.__mro__)
 
 
 def _check_batching(spec: PipelineSpec, cfg: RunConfig, classes: dict[str, type | None], where: str) -> None:
@@ -544,15 +546,15 @@ def _check_batching(spec: PipelineSpec, cfg: RunConfig, classes: dict[str, type 
         if key == "streamrl.stages.advantage:AdvantageStage" and not s.whole_groups:
             raise ConfigError(f"{at}: the advantage stage normalises rewards within a group; set whole_groups: true")
         share = batch
-        if _is_sharded_trainer(cls):
+        if _is_trainer(cls):
             if batch % s.workers:
                 raise ConfigError(f"{at}: algo.prompts_per_step x algo.group_size = {batch} samples per step must "
                                   f"divide evenly over its workers={s.workers}; change one of them")
             share = batch // s.workers
-            if a.old_logprobs != "rollout":
-                raise ConfigError(f"{at}: algo.old_logprobs={a.old_logprobs!r} is not supported by "
-                                  f"{cls.__name__} yet; set algo.old_logprobs: rollout")  # type: ignore[union-attr]
-            if spec.weights_receiver(s.name) is None:
+            if s.workers > 1 and cfg.resources.launch != "processes":
+                raise ConfigError(f"{at}: workers={s.workers} train as one torch.distributed group, one process "
+                                  "each; it needs resources.launch: processes (not inprocess)")
+            if spec.placement != "separate" and spec.weights_receiver(s.name) is None:
                 link = "colocate_with" if spec.placement == "colocated" else "weights_from"
                 raise ConfigError(f"{at}: no stage says `{link}: {s.name}`, so its policy versions reach no "
                                   f"generate stage; add `{link}: {s.name}` to the generate stage")
@@ -641,9 +643,18 @@ def _check_reshard_model(spec: PipelineSpec, cfg: RunConfig, model_config: dict[
     stage's tensor_parallel T must split its heads and MLP evenly (checked from the config alone)."""
     from types import SimpleNamespace
 
-    from streamrl.reshard.spec import LayoutError, ModelShardingSpec
+    from streamrl.reshard.spec import SUPPORTED_MODEL_TYPES, LayoutError, ModelShardingSpec
 
     model = f"model.path {cfg.model.path!r}" if cfg.model.path is not None else "model.tiny"
+    if model_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        # any other architecture reshards as whole parameters (a generic spec): T = 1 only
+        for s in spec.stages:
+            T = inference_tensor_parallel(s) if (s.colocate_with or s.weights_from) else 1
+            if T > 1:
+                raise ConfigError(f"{where}: stage {s.name!r} options.tensor_parallel={T}: inference tensor "
+                                  f"parallelism needs a Llama-family model ({', '.join(SUPPORTED_MODEL_TYPES)}), "
+                                  f"but {model} is {model_config.get('model_type')!r}; use tensor_parallel: 1")
+        return
     try:
         sharding = ModelShardingSpec.from_config(SimpleNamespace(**model_config))
     except (LayoutError, TypeError, ValueError) as exc:

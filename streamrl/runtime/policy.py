@@ -103,14 +103,19 @@ class PolicyPublisher:
         self.dropped = 0  # requests that were not valid (counted, logged sparsely)
         self._warn = wire.SparseLog(log).warning
 
-    async def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+    async def publish(self, version: int, state: Mapping[str, torch.Tensor], *, owned: bool = False) -> None:
         """Make ``version`` current and answer everyone waiting for it at once.
 
-        Snapshots ``state`` (see the module's buffer-lifetime note)."""
+        Snapshots ``state`` (see the module's buffer-lifetime note). ``owned=True``: the caller
+        hands over CPU tensors it made for this version (e.g. a gathered full state dict) and never
+        writes them again, so they are served as they are, without a second copy."""
         if version <= self.version and self._tensors:
             raise ValueError(f"policy versions must increase: {version} after {self.version}")
         self._names = list(state)
-        self._tensors = [t.detach().to("cpu", copy=True) for t in state.values()]
+        if owned and all(t.device.type == "cpu" for t in state.values()):
+            self._tensors = [t.detach() for t in state.values()]
+        else:
+            self._tensors = [t.detach().to("cpu", copy=True) for t in state.values()]
         self.version = version
         await self._answer()
 

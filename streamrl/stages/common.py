@@ -26,13 +26,21 @@ def build_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
     return build_char_tokenizer(cfg.model.extra_chars)
 
 
-def build_policy(cfg: RunConfig, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The initial policy (version 0): every stage that needs it builds the identical model."""
+def build_policy(cfg: RunConfig, device: str, *, for_training: bool = False
+                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The initial policy (version 0): every stage that needs it builds the identical model.
+
+    In ``model.dtype``, except for training (``for_training``): the trainer keeps float32 master
+    weights and computes in ``model.dtype`` through FSDP2's mixed precision. A lower dtype is a
+    cast of the same float32 weights, so every stage still starts from the same version 0.
+    """
     tokenizer = build_tokenizer(cfg)
     if cfg.model.path is not None:
         model = load_model(str(resolve_model_dir(cfg)), dtype=torch.float32, device=device)
     else:
         model = build_model(cfg.model.tiny, tokenizer).to(device)
+    if not for_training and cfg.model.dtype != "float32":
+        model = model.to(getattr(torch, cfg.model.dtype))
     return model, tokenizer
 
 

@@ -8,14 +8,14 @@ processes join one torch.distributed world through a FileStore in
 rank R + j (``Topology.disaggregated(TrainLayout(R), T=1, replicas=G)``: each generation worker holds
 a whole inference copy, fed by train rank j mod R).
 
-Train side, per step (:class:`DisaggregatedTrainStage`):
+Train side, per step (the one train stage with :class:`streamrl.stages.handover.DisaggregatedHandOver`):
 
-- each micro-batch of this rank's share is trained on *as it arrives* (forward/backward into the
-  sharded gradients, unnormalised): the train processes hold no generation, so nothing makes them
-  wait for the whole step; this overlaps training with the generation of the step's later
+- each micro-batch of this rank's share is trained on *as it arrives* (FSDP2 forward/backward into
+  the sharded gradients, unnormalised): the train processes hold no generation, so nothing makes
+  them wait for the whole step; this overlaps training with the generation of the step's later
   micro-batches;
-- once every rank has its share (the all-reduce of the step's counts), the summed gradients are
-  scaled to the step's mean (``optimizer_step(grad_scale=...)``) and AdamW steps on the shards;
+- once every rank has its share, ``engine.step()`` divides the summed gradients by the step's
+  count summed over the ranks and AdamW steps on the shards;
 - ``WeightSender.send(v)``: the train group all-gathers bucket by bucket (peak extra memory: one
   bucket) and each rank sends its generation workers their slices, point to point;
 - rank 0 publishes the version number for the source's staleness gate (no weights: they never
@@ -36,131 +36,23 @@ destroy and exits (the header wait runs in a daemon thread).
 from __future__ import annotations
 
 import logging
-import time
 
-import anyio
 import msgspec
+import torch
 import torch.distributed as dist
 
-from streamrl.reshard import (
-    ModelShardingSpec,
-    ReshardConfig,
-    Resharder,
-    ReshardReport,
-    Topology,
-    TrainLayout,
-    WeightReceiver,
-    WeightSender,
-)
-from streamrl.runtime.pipeline import (
-    ReshardGenerateOptions,
-    ReshardTrainOptions,
-    StageSpec,
-    inference_tensor_parallel,
-)
+from streamrl.reshard import ModelShardingSpec, ReshardConfig, Resharder, WeightReceiver
+from streamrl.runtime.pipeline import ReshardGenerateOptions, TrainOptions
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
-from streamrl.stages.sharded_grpo import (
-    ShardedGrpoTrainer,
-    ViewRollout,
-    default_backend,
-    grpo_micro_batch,
-    join_world,
-    rank_device,
-    weights_receiver,
-)
+from streamrl.stages.handover import disaggregated_topology
 from streamrl.stages.tp_generation import TensorParallelGeneration
+from streamrl.stages.view_rollout import ViewRollout
+from streamrl.stages.world import default_backend, join_world, rank_device
 
 log = logging.getLogger("streamrl.stage.disaggregated")
 
 CLOSE_WAIT_S = 10.0  # how long a train rank tries to deliver its close header at shutdown
-
-
-class WeightSendError(RuntimeError):
-    """A train rank could not deliver a policy version to its generation workers."""
-
-
-def _topology(train_workers: int, generate: StageSpec) -> Topology:
-    # G = T x replicas generation workers; worker j is TP rank j % T of replica j // T
-    T = inference_tensor_parallel(generate)
-    return Topology.disaggregated(TrainLayout(train_workers), T, generate.workers // T)
-
-
-class DisaggregatedTrainStage(ShardedGrpoTrainer):
-    """Sharded GRPO training over R ranks that sends each version to the generation workers.
-
-    Options: ``bucket_bytes`` (reshard bucket cap, bytes, default 64 MiB; the generation workers read
-    it from here), ``backend`` (default gloo on CPU, nccl on CUDA, hccl on NPU), ``collective_timeout_s`` (how
-    long a rank waits in a collective or a weight send, default 600).
-    """
-
-    placement = "disaggregated"
-
-    def _world_size(self) -> int:
-        return self.R + weights_receiver(self.ctx).workers
-
-    def _topology(self) -> Topology:
-        return _topology(self.R, weights_receiver(self.ctx))
-
-    async def _start_weights(self) -> None:
-        resharder = Resharder(self.spec, self.groups, config=ReshardConfig(bucket_bytes=self.bucket_bytes),
-                              shard_dtype=self.engine.dtype, inference_dtype=self.engine.dtype,
-                              device=self.device)
-        self.sender = WeightSender(self.engine, resharder)
-        # In the background: the generation workers may take version 0 only after the start barrier
-        # (TP followers serve their leader's commands from then on), and set-up must not wait for them.
-        self.initial_sent = anyio.Event()
-        self.ctx.tasks.start_soon(self._send_initial)  # type: ignore[attr-defined]
-
-    async def _send_initial(self) -> None:
-        await self._send(0)
-        self.initial_sent.set()
-
-    async def _send(self, version: int) -> ReshardReport:
-        try:
-            return await self.sender.send(version)
-        except RuntimeError as exc:  # gloo/nccl: a peer closed the connection or timed out
-            generation = weights_receiver(self.ctx).name
-            workers = ", ".join(f"{generation} worker {r - self.R} (world rank {r})"
-                                for r in self.groups.weight_destinations)
-            raise WeightSendError(f"sending policy version {version} to {workers} failed (did it exit? see its "
-                                  f"log): {exc}") from exc
-
-    async def _accumulate(self, batch: Batch) -> None:
-        # Train now, unnormalised: the step's denominator is applied to the summed gradients at the step.
-        await self.ctx.run_sync(self.engine.forward_backward, grpo_micro_batch(batch.columns), self.loss_fn)
-
-    def _train(self, scale: float) -> tuple[dict[str, float], float]:
-        stats = self.engine.optimizer_step(grad_scale=scale)
-        return self.loss_fn.sums, stats.grad_norm
-
-    async def _hand_over(self, version: int) -> dict[str, float]:
-        await self.initial_sent.wait()  # (long done: version 0 generated this step's first samples)
-        t0 = time.perf_counter()
-        report = await self._send(version)
-        return {
-            "reshard_ms": report.total_s * 1e3,
-            "send_ms": (time.perf_counter() - t0) * 1e3,  # includes waiting for a receiver's lease
-            "reshard_peak_extra_bytes": float(report.peak_extra_bytes),
-            "reshard_largest_bucket_bytes": float(report.largest_bucket_bytes),
-            "reshard_bucket_bytes_limit": float(report.bucket_bytes_limit or 0),
-            "reshard_buckets": float(len(report.buckets)),
-            "reshard_sent_bytes": float(report.sent_bytes),
-        }
-
-    async def close(self) -> None:
-        sender = getattr(self, "sender", None)
-        if sender is not None:
-            try:  # releases the generation workers' receivers (their close waits for this)
-                with anyio.fail_after(CLOSE_WAIT_S):
-                    await sender.close()
-            except Exception as exc:  # a generation worker already gone: nothing left to release
-                log.warning("could not send the close header to every generation worker: %s", exc)
-        if (self.ctx.config.output.checkpoint and not self.checkpoint_saved and self.R == 1
-                and getattr(self, "version", 0) > 0):
-            # one rank holds the whole model: no collective needed to write the newest version
-            await self.ctx.run_sync(self._save_checkpoint, self.engine.full_state_dict())
-        await super().close()
 
 
 class DisaggregatedGenerateStage:
@@ -183,10 +75,10 @@ class DisaggregatedGenerateStage:
             raise ValueError(f"stage {ctx.spec.name!r} needs `weights_from: <the disaggregated train stage>`")
         train = ctx.pipeline.stage(ctx.spec.weights_from)
         R, G = train.workers, ctx.spec.workers
-        topology = _topology(R, ctx.spec)
+        topology = disaggregated_topology(R, ctx.spec)
         # the receiver's bucket plan must be the sender's: both read the train stage's options, through
         # the same type and defaults (checked when the pipeline loads)
-        train_options = msgspec.convert(train.options, ReshardTrainOptions)
+        train_options = msgspec.convert(train.options, TrainOptions)
         bucket_bytes = train_options.bucket_bytes
         timeout_s = train_options.collective_timeout_s
         # A generate loop can end (its input is exhausted) while training still runs a few steps and
@@ -195,12 +87,14 @@ class DisaggregatedGenerateStage:
         backend = train_options.backend or default_backend(ctx.device)
         device = rank_device(ctx.device, R + ctx.worker, R + G, backend)  # generate worker j = world rank R + j
         model, tokenizer = build_policy(ctx.config, device)
-        spec = ModelShardingSpec.from_config(model.config)
+        spec = ModelShardingSpec.from_model(model)
         groups = await join_world(ctx, train.name, R + ctx.worker, R + G, topology, backend=backend,
                                   timeout_s=timeout_s, device=device)
-        dtype = next(model.parameters()).dtype
-        resharder = Resharder(spec, groups, config=ReshardConfig(bucket_bytes=bucket_bytes), shard_dtype=dtype,
-                              inference_dtype=dtype, device=device)
+        # the sender's bucket plan is over its float32 master shards; the wire and these weights carry
+        # the rollout's dtype (the cast happens in the sender's slice copy)
+        resharder = Resharder(spec, groups, config=ReshardConfig(bucket_bytes=bucket_bytes),
+                              shard_dtype=torch.float32, inference_dtype=next(model.parameters()).dtype,
+                              device=device)
         self.receiver = WeightReceiver(resharder)
         if topology.inference.tensor_parallel == 1:
             self.rollout = ViewRollout(ctx, model, tokenizer, resharder.plan, 0)

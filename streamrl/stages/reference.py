@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamrl.engines.train import TorchLogprobEngine
+from streamrl.engines.logprob import LogprobEngine
 from streamrl.runtime.pipeline import NoOptions
 from streamrl.runtime.stage import Batch, StageContext
 from streamrl.stages.common import build_policy
@@ -17,7 +17,7 @@ class ReferenceStage:
         self.ctx = ctx
         model, _ = build_policy(ctx.config, ctx.device)
         model.eval().requires_grad_(False)
-        self.engine = TorchLogprobEngine(model, device=ctx.device)  # no optimizer: the reference is frozen
+        self.engine = LogprobEngine(model, device=ctx.device)  # no optimizer: the reference is frozen
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         logp = await self.ctx.run_sync(self.engine.logprobs, batch.columns["prompt_ids"],

@@ -59,7 +59,7 @@ from streamrl.engines.tp_rollout import TensorParallelRolloutEngine
 from streamrl.reshard import DaemonCall, InferenceWeights, RankGroups
 from streamrl.reshard.resharder import HEADER_CLOSE
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.sharded_grpo import generation_output, version_needed
+from streamrl.stages.view_rollout import generation_output, version_needed
 
 log = logging.getLogger("streamrl.stage.tp_generation")
 

@@ -1,104 +1,206 @@
-"""The train stage: GRPO/PPO clipped objective, gradients accumulated micro-batch by micro-batch.
+"""The train stage: GRPO/PPO clipped objective on torch FSDP2 over the stage's R workers, every placement.
 
-Streaming: each claimed micro-batch is forwarded and back-propagated as soon as it arrives
-(the engine sums unnormalised losses), and the optimizer steps once a whole step's samples
-(prompts_per_step x group_size) went through, normalising by the step's global token or
-sequence count. So training of step s starts while later micro-batches of s are still being
-generated and scored. After each step the new weights are published as version v+1.
+Each of the R workers (``workers: R``; R = 1 is the default) is one rank of an FSDP2 mesh
+(:class:`~streamrl.engines.fsdp.FSDPTrainEngine`, any Hugging Face causal LM) and claims its own
+share of every step, ``batch_size / R`` samples, in micro-batches of the same sizes on every rank
+(each forward/backward is a collective, so every rank runs the same number of them). A step:
+
+    for each micro-batch of my share:          # as the dock hands it over
+        engine.accumulate(micro_batch)          # forward + backward, unnormalised sum
+    engine.step()                               # counts summed over ranks, divide, clip, AdamW
+    hand_over.publish(version + 1)              # how the version reaches generation
+
+Normalisation is exact across ranks: the engine backpropagates sums and divides by the step's
+token / sequence count summed over the ranks, so R ranks give the update one rank gives on the
+same samples. The placement decides only the hand-over (:mod:`streamrl.stages.handover`):
+``separate`` publishes full snapshots on the policy channel, ``colocated`` reshards into this
+process's inference weights and swaps the training state out, ``disaggregated`` streams buckets
+to separate generation workers. In the colocated placement the micro-batches wait until every
+rank has its share (generation on this rank may still feed the others) and train then.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from streamrl.engines.train import TorchTrainEngine, samples_from_columns
-from streamrl.runtime.pipeline import NoOptions
-from streamrl.runtime.policy import PolicyPublisher
+from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
+from streamrl.engines.samples import samples_from_columns
+from streamrl.runtime.pipeline import TrainOptions
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
+from streamrl.stages.handover import HandOver, hand_over_for
+from streamrl.stages.world import default_backend, join_world, rank_device
 
 
 class TrainStage:
-    Options = NoOptions  # it takes no options; checked when the pipeline loads
+    """Options (:class:`~streamrl.runtime.pipeline.TrainOptions`): ``activation_checkpointing``,
+    ``cpu_offload`` (the engine); ``bucket_bytes``, ``swap``, ``collective_timeout_s``, ``backend``
+    (the world and the hand-over)."""
 
-    # One trainer process holds the policy and publishes its versions; data-parallel training
-    # across processes is the reshard's train group (streamrl.reshard), not more workers here.
-    max_workers = 1
+    Options = TrainOptions  # checked when the pipeline loads
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
-        a = ctx.config.algo
-        self.model, self.tokenizer = build_policy(ctx.config, ctx.device)
-        self.engine = TorchTrainEngine(self.model, lr=a.lr, betas=a.betas, weight_decay=a.weight_decay,
-                                       max_grad_norm=a.max_grad_norm, device=ctx.device)
+        try:
+            await self._setup(ctx)
+        except BaseException as exc:
+            hand_over = getattr(self, "hand_over", None)
+            if hand_over is not None:
+                hand_over.setup_failed(exc)  # colocated: the generate stage of this process waits for it
+            raise
+
+    async def _setup(self, ctx: StageContext) -> None:
+        cfg, a = ctx.config, ctx.config.algo
+        self.R, self.rank = ctx.spec.workers, ctx.worker
+        if cfg.batch_size % self.R:
+            raise ValueError(f"prompts_per_step x group_size = {cfg.batch_size} samples per step must divide "
+                             f"evenly over the train stage's workers={self.R}")
+        self.per_rank = cfg.batch_size // self.R
+        self.options = msgspec.convert(ctx.options, TrainOptions)
+        self.hand_over: HandOver = hand_over_for(ctx, self.options)
+        backend = self.options.backend or default_backend(ctx.device)
+        world_size = self._world_size()
+        self.device = rank_device(ctx.device, self.rank, world_size, backend)  # train worker k = world rank k
+        self.groups = await join_world(ctx, ctx.spec.name, self.rank, world_size, self.hand_over.topology(),
+                                       backend=backend, timeout_s=self.options.collective_timeout_s,
+                                       device=self.device)
+        model, self.tokenizer = build_policy(cfg, self.device, for_training=True)
+        options = FSDPOptions(dtype=cfg.model.dtype, activation_checkpointing=self.options.activation_checkpointing,
+                              cpu_offload=self.options.cpu_offload)
+
+        def build() -> FSDPTrainEngine:  # collective (the mesh, the sharding): in a thread
+            mesh = None  # separate, colocated: the world is the train group, the engine meshes all of it
+            if world_size > self.R:
+                # disaggregated: the generate workers follow in the world; mesh the train ranks only
+                # (local synchronisation: the generate ranks take no part in creating the group)
+                group = dist.new_group(list(range(self.R)), use_local_synchronization=True)
+                mesh = DeviceMesh.from_group(group, torch.device(self.device).type, mesh_dim_names=("dp",))
+            return FSDPTrainEngine(model, lr=a.lr, betas=(a.betas[0], a.betas[1]), weight_decay=a.weight_decay,
+                                   max_grad_norm=a.max_grad_norm, device=self.device, mesh=mesh, options=options)
+
+        self.engine = await ctx.run_sync(build)
         self.loss_config = msgspec.structs.replace(a.loss, temperature=a.temperature)
-        self.publisher = PolicyPublisher(ctx.weights_endpoint)
-        ctx.tasks.start_soon(self.publisher.serve)  # type: ignore[attr-defined]
         self.version = 0
-        self.batch_size = ctx.config.batch_size
+        await self.hand_over.start(self)  # version 0 = the initial policy
         self._reset()
         self.t_step = time.monotonic()
 
+    def _world_size(self) -> int:
+        return self.hand_over.world_size()
+
     def _reset(self) -> None:
         self.tally = StepTally()
-        self.micro: list[dict[str, float]] = []
+        self.pending: list[dict[str, Any]] = []  # colocated: this rank's share, trained once all shares are in
 
     def claim_size(self) -> ClaimSize:
-        return step_claim(self.ctx.spec.micro_batch, self.batch_size - self.tally.consumed, self.version,
+        # every rank claims the same sizes in the same order, so every rank runs the same number
+        # of forward/backward collectives per step
+        return step_claim(self.ctx.spec.micro_batch, self.per_rank - self.tally.consumed, self.version,
                           self.ctx.config.algo.max_staleness)
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
-        a = self.ctx.config.algo
-        cols = dict(batch.columns)
-        if a.old_logprobs == "recompute":
-            cols["old_logprobs"] = await self.ctx.run_sync(self.engine.logprobs, cols["prompt_ids"],
-                                                           cols["response_ids"], a.temperature)
-        samples = samples_from_columns(cols)
-        self.micro.append(await self.ctx.run_sync(self.engine.accumulate, samples, self.loss_config))
+        if self.hand_over.trains_on_arrival:
+            await self.ctx.run_sync(self._accumulate, dict(batch.columns))
+        else:
+            self.pending.append(dict(batch.columns))
         self.tally.add(batch, self.version)
-        if self.tally.consumed >= self.batch_size:
+        if self.tally.consumed >= self.per_rank:
             await self._step()
         return {}
 
-    async def _step(self) -> None:
+    def _accumulate(self, cols: dict[str, Any]) -> None:
+        """Forward + backward of one micro-batch (collective)."""
         a = self.ctx.config.algo
+        if a.old_logprobs == "recompute":
+            cols["old_logprobs"] = self.engine.logprobs(cols["prompt_ids"], cols["response_ids"], a.temperature)
+        self.engine.accumulate(samples_from_columns(cols), self.loss_config)
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.R > 1:
+            dist.all_reduce(t, op=op, group=self.engine.dp_mesh.get_group())
+        return t.tolist()
+
+    async def _step(self) -> None:
+        t0 = time.perf_counter()
+        tally, r = self.tally, self.tally.rewards
+        # Returns once every rank has its whole share of the step; in the colocated placement that
+        # is also when all the generation this step waits for is done.
+        (r_sum, r_sq, g_seq_tok, st_sum) = await self.ctx.run_sync(
+            self._all_reduce, [sum(r), sum(x * x for x in r), float(tally.sequence_tokens),
+                               float(sum(tally.staleness))])
+        (st_max,) = await self.ctx.run_sync(self._all_reduce, [float(max(tally.staleness, default=0))],
+                                            dist.ReduceOp.MAX)
+        t_barrier = time.perf_counter()
+        before = await self.hand_over.before_train()
+        t_ready = time.perf_counter()
+        for cols in self.pending:
+            await self.ctx.run_sync(self._accumulate, cols)
         stats = await self.ctx.run_sync(self.engine.step)
+        t_train = time.perf_counter()
         self.version += 1
-        await self.publisher.publish(self.version, self.engine.state_dict(copy=False))
+        reason = self._stop_reason(r_sum / max(stats["sequences"], 1.0))
+        if reason is not None and self.ctx.config.output.checkpoint:
+            # every rank is here together, with the training state on its device: export (collective)
+            await self.ctx.run_sync(self.engine.export_pretrained, self.ctx.run_dir / "checkpoint", self.tokenizer)
+        weight_metrics = await self.hand_over.publish(self.version)
+        t_end = time.perf_counter()
         now = time.monotonic()
         wall = max(now - self.t_step, 1e-9)
         self.t_step = now
-        r = torch.tensor(self.tally.rewards) if self.tally.rewards else torch.zeros(1)
+        n = max(stats["sequences"], 1.0)
+        tokens = stats["tokens"]
+        mean = r_sum / n
+        var = (r_sq - n * mean * mean) / (n - 1) if n > 1 else 0.0
         metrics = {
-            "reward_mean": float(r.mean()),
-            "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(var, 0.0)),
             "loss": stats["loss"],
-            "kl": stats.get("kl", stats.get("approx_kl", 0.0)),
+            "kl": stats.get("kl", stats["approx_kl"]),
             "clip_fraction": stats["clip_fraction"],
             "entropy": stats["entropy"],
             "grad_norm": stats["grad_norm"],
-            "samples_per_s": self.tally.consumed / wall,
-            "tokens_per_s": self.tally.response_tokens / wall,
-            "response_len_mean": self.tally.response_tokens / max(self.tally.consumed, 1),
-            "response_tokens": float(self.tally.response_tokens),
-            "sequence_tokens": float(self.tally.sequence_tokens),
-            "staleness_mean": sum(self.tally.staleness) / max(len(self.tally.staleness), 1),
-            "staleness_max": float(max(self.tally.staleness, default=0)),
+            "samples_per_s": n / wall,
+            "tokens_per_s": tokens / wall,
+            "response_len_mean": tokens / n,
+            "response_tokens": tokens,
+            "sequence_tokens": g_seq_tok,
+            "staleness_mean": st_sum / n,
+            "staleness_max": st_max,
             "micro_batches": stats["micro_batches"],
             "step_time_s": wall,
+            "wait_other_ranks_ms": (t_barrier - t0) * 1e3,
+            "train_ms": (t_train - t_ready) * 1e3,
+            "hand_over_ms": (t_end - t_train) * 1e3,
+            **before,
+            **weight_metrics,
         }
-        self.ctx.report_step(self.version, metrics)
+        if "is_weight" in stats:
+            metrics["is_weight"] = stats["is_weight"]
+        if self.rank == 0:
+            self.ctx.report_step(self.version, metrics)
         self._reset()
-        if a.stop_reward is not None and metrics["reward_mean"] >= a.stop_reward:
-            raise StopRun(f"reward {metrics['reward_mean']:.3f} >= stop_reward {a.stop_reward} at step {self.version}")
+        if reason is not None:  # every rank sees the same global figures, so every rank stops here
+            raise StopRun(reason)
+
+    def _stop_reason(self, reward_mean: float) -> str | None:
+        a = self.ctx.config.algo
+        if a.stop_reward is not None and reward_mean >= a.stop_reward:
+            return f"reward {reward_mean:.3f} >= stop_reward {a.stop_reward} at step {self.version}"
         if self.version >= a.steps:
-            raise StopRun(f"completed {a.steps} steps")
+            return f"completed {a.steps} steps"
+        return None
 
     async def close(self) -> None:
-        self.publisher.close()
-        if self.ctx.config.output.checkpoint and self.version > 0:
-            await self.ctx.run_sync(self.engine.save_checkpoint, self.ctx.run_dir / "checkpoint", self.tokenizer)
+        hand_over = getattr(self, "hand_over", None)
+        if hand_over is not None:
+            await hand_over.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,9 +1,12 @@
-"""Tiny models for the engine tests (fast on 2 cores)."""
+"""Tiny models for the engine tests (fast on 2 cores), and a gloo world of one in the pytest process."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedTokenizerFast
 
 from streamrl.models.build import TinyModelSpec, build_model
@@ -20,6 +23,23 @@ def tok() -> PreTrainedTokenizerFast:
 @pytest.fixture
 def model(tok: PreTrainedTokenizerFast) -> torch.nn.Module:
     return build_model(TINY, tok)
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """torch.distributed initialised in this process as a gloo world of 1 (what FSDPTrainEngine
+    needs at R=1), for one test module; destroyed at the module's end whatever its tests did, so
+    no other module of the session finds a default process group."""
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already initialised in this pytest process; "
+                           "another fixture or test leaked one")
+    store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
 
 
 def encode(tok: PreTrainedTokenizerFast, texts: list[str]) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ from streamrl.algos.grpo import LossConfig
 from streamrl.engines.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine, StateOffloadedError
 from streamrl.engines.parallel import ParallelConfigError
-from streamrl.engines.train import NothingAccumulatedError, TrainBatchError, TrainSample
+from streamrl.engines.samples import NothingAccumulatedError, TrainBatchError, TrainSample
 
 VOCAB = 24
 SAMPLES_PER_STEP = 8

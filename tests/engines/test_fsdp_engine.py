@@ -1,13 +1,14 @@
 """The FSDP2 / DTensor train engine on real gloo worlds equals one process, and survives DCP resharding.
 
 One spawned world per layout (start-up dominates on this 2-core machine), every check of that
-layout inside it; see ``fsdp_workers``. Reference: the same engine at R=1, and the
-single-process ``TorchTrainEngine`` (HF forward, same loss maths) in this process.
+layout inside it; see ``fsdp_workers``. Reference: the same engine at R=1, and an independent
+oracle in this process (``plain_reference.PlainReference``: the plain HF module, one forward per
+sample, torch's clip_grad_norm_ and AdamW).
 
 Tolerances (float32, CPU; seen here): a step's loss is a sum over ranks of float32 partial sums,
-so R=2 and R=1 differ by rounding only (seen 2.9e-7 over 20 steps; FSDP R=1 vs TorchTrainEngine
-1.2e-7). After 20 AdamW steps at lr 1e-3 the parameters differ by 6.1e-6 (FSDP R=2), 4.2e-6
-(TorchTrainEngine: foreach AdamW vs the engine's fused one), 3.9e-6 / 2.9e-6 (TP=2 / dp2 x tp2),
+so R=2 and R=1 differ by rounding only (seen 2.9e-7 over 20 steps; FSDP R=1 vs the oracle
+5e-8). After 20 AdamW steps at lr 1e-3 the parameters differ by 6.1e-6 (FSDP R=2), 1.7e-6
+(the oracle: per-sample forwards, per-parameter AdamW), 3.9e-6 / 2.9e-6 (TP=2 / dp2 x tp2),
 far below the 1.6e-2 that training moved them. Rounding differences grow through Adam: a
 gradient component near zero is divided by its own small sqrt(v), so its update's last bits
 follow the summation order.
@@ -26,7 +27,6 @@ from transformers import AutoModelForCausalLM
 
 from streamrl.engines.fsdp import FSDPOptions
 from streamrl.engines.parallel import ParallelConfigError, build_mesh, decoder_layers, tensor_parallel_plan
-from streamrl.engines.train import TorchTrainEngine
 from tests.engines.fsdp_workers import (
     LR,
     build_gpt2,
@@ -39,6 +39,7 @@ from tests.engines.fsdp_workers import (
     step_samples,
     train_world,
 )
+from tests.engines.plain_reference import PlainReference
 from tests.reshard.reshard_harness import run_world
 
 STEPS = 20
@@ -66,8 +67,8 @@ def one_rank(out_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def torch_engine() -> Iterator[tuple[list[float], dict[str, torch.Tensor]]]:
-    """The single-process engine on the same samples (one rank's micro-batches), HF forward."""
-    engine = TorchTrainEngine(build_model(), lr=LR, max_grad_norm=1.0, device="cpu", use_functional=False)
+    """The plain single-process oracle on the same samples (one rank's micro-batches)."""
+    engine = PlainReference(build_model(), lr=LR, max_grad_norm=1.0)
     losses = []
     for step in range(STEPS):
         samples, config = step_samples(step)
@@ -110,16 +111,16 @@ def test_fsdp_two_ranks_equal_one_rank(fsdp2: dict[str, Any], one_rank: dict[str
     assert moved > 100 * FSDP_PARAM_ATOL
 
 
-def test_logprobs_at_two_ranks_equal_the_single_process_engine(fsdp2: dict[str, Any], out_dir: Path) -> None:
+def test_logprobs_at_two_ranks_equal_the_plain_reference(fsdp2: dict[str, Any], out_dir: Path) -> None:
     samples, _ = step_samples(0)
-    reference = TorchTrainEngine(build_model(), lr=LR, device="cpu", use_functional=False).logprobs(
+    reference = PlainReference(build_model(), lr=LR).logprobs(
         [s.prompt_ids for s in samples], [s.response_ids for s in samples], temperature=0.7
     )
     got = {**load_file(str(out_dir / "logprobs-0.safetensors")), **load_file(str(out_dir / "logprobs-1.safetensors"))}
     assert sorted(got, key=int) == [str(i) for i in range(len(samples))]
     for i, expected in enumerate(reference):
         torch.testing.assert_close(got[str(i)], expected, atol=1e-6, rtol=1e-6)
-    reference = TorchTrainEngine(build_model(), lr=LR, device="cpu", use_functional=False).logprobs(
+    reference = PlainReference(build_model(), lr=LR).logprobs(
         [s.prompt_ids for s in samples], [s.response_ids for s in samples]
     )
     alone = load_file(str(out_dir / "logprobs-all-0.safetensors"))
@@ -141,12 +142,12 @@ def test_each_rank_holds_half_of_the_training_state(fsdp2: dict[str, Any], one_r
     assert fsdp2["memory"]["gradients"] == 0  # step() drops them (set_to_none)
 
 
-def test_fsdp_equals_the_single_process_engine(
+def test_fsdp_equals_the_plain_single_process_reference(
     one_rank: dict[str, Any], torch_engine: tuple[list[float], dict[str, torch.Tensor]], out_dir: Path
 ) -> None:
     losses, state = torch_engine
-    _assert_losses_close(one_rank["losses"], losses, LOSS_ATOL, "FSDP R=1 vs TorchTrainEngine")
-    _assert_params_close(_params(out_dir, "r1"), state, FSDP_PARAM_ATOL, "FSDP R=1 vs TorchTrainEngine")
+    _assert_losses_close(one_rank["losses"], losses, LOSS_ATOL, "FSDP R=1 vs the plain reference")
+    _assert_params_close(_params(out_dir, "r1"), state, FSDP_PARAM_ATOL, "FSDP R=1 vs the plain reference")
 
 
 def test_tensor_parallel_two_equals_one_rank(one_rank: dict[str, Any], out_dir: Path) -> None:
@@ -215,16 +216,16 @@ def test_an_architecture_outside_the_llama_family_trains(out_dir: Path) -> None:
     """GPT-2 (Conv1D, LayerNorm, learned positions, tied lm_head) through its own HF forward."""
     steps = 8
     fsdp = run_world(gpt2_world, 2, steps, str(out_dir), timeout_s=120.0)[0]
-    engine = TorchTrainEngine(build_gpt2(), lr=LR, max_grad_norm=1.0, device="cpu", use_functional=False)
+    engine = PlainReference(build_gpt2(), lr=LR, max_grad_norm=1.0)
     losses = []
     for step in range(steps):
         samples, config = step_samples(step)
         for mb in micro_batches(samples, 0, 1, step):
             engine.accumulate(mb, config)
         losses.append(engine.step()["loss"])
-    _assert_losses_close(fsdp["losses"], losses, LOSS_ATOL, "GPT-2 R=2 vs TorchTrainEngine")
+    _assert_losses_close(fsdp["losses"], losses, LOSS_ATOL, "GPT-2 R=2 vs the plain reference")
     params = _params(out_dir, "gpt2")
-    _assert_params_close(params, engine.state_dict(), FSDP_PARAM_ATOL, "GPT-2 R=2 vs TorchTrainEngine")
+    _assert_params_close(params, engine.state_dict(), FSDP_PARAM_ATOL, "GPT-2 R=2 vs the plain reference")
     exported = AutoModelForCausalLM.from_pretrained(out_dir / "gpt2-export", local_files_only=True, dtype="auto")
     assert exported.lm_head.weight is exported.transformer.wte.weight  # still tied after the export
     for name, tensor in exported.state_dict().items():

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.rollout import GenerateArgumentError, TorchRolloutEngine, sample_tokens
-from streamrl.engines.train import TorchTrainEngine
-from tests.engines.conftest import constant_model, encode
+from streamrl.models.build import TinyModelSpec, build_model
+from tests.engines.conftest import TINY, constant_model, encode
 
 PROMPTS = ["1+2+3=", "45=", "9=", "1+2+3=", "7777777=", "45="]
 
@@ -57,15 +60,17 @@ def test_finish_invariants_on_a_random_model(
 
 @pytest.mark.parametrize("use_functional", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_equal_the_train_engine_recomputation(
+def test_logprobs_equal_the_logprob_engine_recomputation(
     model: torch.nn.Module, tok: PreTrainedTokenizerFast, use_functional: bool, temperature: float
 ) -> None:
     prompts = encode(tok, PROMPTS * 2)
     gens = _engine(model, tok, use_functional=use_functional).generate(
         prompts, max_new_tokens=10, temperature=temperature, seed=2
     )
-    trainer = TorchTrainEngine(model, lr=1e-3, device="cpu")
-    recomputed = trainer.logprobs(prompts, [g.response_ids for g in gens], temperature=temperature)
+    # LogprobEngine scores with the model's own forward, as the train engine does (packed prompts)
+    recomputed = LogprobEngine(model, device="cpu").logprobs(
+        prompts, [g.response_ids for g in gens], temperature=temperature
+    )
     for g, r in zip(gens, recomputed, strict=True):
         torch.testing.assert_close(g.logprobs, r, atol=1e-5, rtol=1e-5)
     # And against the plain HF forward, token by token.
@@ -155,3 +160,93 @@ def test_bad_prompts(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> No
         engine.generate([torch.tensor([3, 4]), torch.tensor([1.0, 2.0])], max_new_tokens=2)
     with pytest.raises(GenerateArgumentError, match=r"prompts\[0\]"):
         engine.generate([torch.zeros(0, dtype=torch.int64)], max_new_tokens=2)
+
+
+# -- an architecture outside the Llama family: GPT-2 on the Hugging Face path ---------------------
+GPT2 = TinyModelSpec(arch="gpt2", hidden=32, layers=2, heads=4, intermediate=64, seed=3)
+# Ragged lengths (2..12 tokens) and repeats (the shared-prompt expansion) in one batch.
+GPT2_PROMPTS = ["1+2+3=", "45=", "9=", "1+2+3=", "7777777=", "45=", "123456789+1="]
+
+
+@pytest.fixture
+def gpt2(tok: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """A tiny GPT-2 whose greedy continuations depend on positions.
+
+    At GPT-2's init (std 0.02) every prompt continues with the same token at every step, which
+    would let a decoder with wrong position ids pass; redrawn at std 0.3 (LayerNorms kept), the
+    continuations differ by prompt and step. Weights are written in place, so lm_head stays tied.
+    """
+    model = build_model(GPT2, tok).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".ln_" not in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+def test_forward_path_is_logged_once_with_its_reason(
+    model: torch.nn.Module, gpt2: PreTrainedModel, tok: PreTrainedTokenizerFast, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="streamrl.engine.rollout"):
+        assert _engine(model, tok).forward_path == "functional"
+        assert _engine(model, tok, use_functional=False).forward_path == "hf"
+        assert _engine(gpt2, tok).forward_path == "hf"
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "streamrl.engine.rollout"]
+    assert lines[0] == (logging.INFO, "rollout forward: functional (qwen2)")
+    forced = "rollout forward: Hugging Face module with KV cache (qwen2: use_functional=False)"
+    assert lines[1] == (logging.INFO, forced)
+    assert lines[2][0] == logging.INFO
+    assert lines[2][1].startswith("rollout forward: Hugging Face module with KV cache (gpt2: model_type 'gpt2'")
+    assert len(lines) == 3  # once per engine, at construction
+    with pytest.raises(GenerateArgumentError, match="use_functional=True but model_type 'gpt2'"):
+        _engine(gpt2, tok, use_functional=True)
+
+
+@pytest.mark.parametrize("compact_below", [0.0, 0.75, 1.0])
+def test_gpt2_greedy_equals_transformers_generate(
+    gpt2: PreTrainedModel, tok: PreTrainedTokenizerFast, compact_below: float
+) -> None:
+    prompts = encode(tok, GPT2_PROMPTS)
+    engine = _engine(gpt2, tok, compact_below=compact_below)
+    gens = engine.generate(prompts, max_new_tokens=12, top_k=1, seed=0)
+    for p, g in zip(prompts, gens, strict=True):
+        # transformers' own greedy decoding, one unpadded prompt at a time: the oracle for positions
+        expected = gpt2.generate(
+            p.unsqueeze(0), attention_mask=torch.ones(1, p.numel(), dtype=torch.int64),
+            max_new_tokens=12, do_sample=False,
+        )[0, p.numel() :]
+        assert g.response_ids.tolist() == expected.tolist(), tok.decode(p)
+        assert g.finish_reason == ("eos" if expected[-1] == tok.eos_token_id else "length")
+        with torch.no_grad():  # teacher-forced: one forward over prompt + response
+            logits = gpt2(torch.cat([p, g.response_ids]).unsqueeze(0)).logits[0, p.numel() - 1 : -1]
+        teacher = torch.log_softmax(logits, -1).gather(1, g.response_ids.unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(g.logprobs, teacher, atol=1e-5, rtol=0.0)
+    # The batch exercises what it should: different continuations, and both ways of finishing.
+    assert len({tuple(g.response_ids.tolist()) for g in gens}) >= 4
+    assert {g.finish_reason for g in gens} == {"eos", "length"}
+
+
+def test_gpt2_sampled_logprobs_equal_the_logprob_engine_recomputation(
+    gpt2: PreTrainedModel, tok: PreTrainedTokenizerFast
+) -> None:
+    prompts = encode(tok, GPT2_PROMPTS * 2)
+    gens = _engine(gpt2, tok).generate(prompts, max_new_tokens=10, temperature=0.7, seed=2)
+    recomputed = LogprobEngine(gpt2, device="cpu").logprobs(
+        prompts, [g.response_ids for g in gens], temperature=0.7
+    )
+    for g, r in zip(gens, recomputed, strict=True):
+        torch.testing.assert_close(g.logprobs, r, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_refuses_positions_past_its_learned_table(gpt2: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    engine = _engine(gpt2, tok)
+    assert engine.position_table == GPT2.max_positions == 64
+    prompt = [torch.tensor(tok("1" * 59 + "=")["input_ids"], dtype=torch.int64)]  # 60 tokens
+    with pytest.raises(GenerateArgumentError, match=r"max_new_tokens=6 needs positions up to 64.*64 rows"):
+        engine.generate(prompt, max_new_tokens=6)
+    # 60 + 5: the last token fed sits at position 63, the table's last row.
+    (g,) = engine.generate(prompt, max_new_tokens=5, top_k=1)
+    assert 1 <= g.response_ids.numel() <= 5
+    assert _engine(build_model(TINY, tok), tok).position_table is None  # RoPE: no table to run past

@@ -9,6 +9,7 @@ import json
 import types
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -39,7 +40,13 @@ def test_spec_defaults_are_workload_w1() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
-    [({"hidden": 30}, "multiple of heads"), ({"kv_heads": 3}, "kv_heads"), ({"layers": 0}, "layers")],
+    [
+        ({"hidden": 30}, "multiple of heads"),
+        ({"kv_heads": 3}, "kv_heads"),
+        ({"layers": 0}, "layers"),
+        ({"arch": "gpt2", "kv_heads": 2}, r"TinyModelSpec\.kv_heads must be left unset \(null\) for arch gpt2"),
+        ({"arch": "gpt2", "tie_embeddings": False}, r"TinyModelSpec\.tie_embeddings=false is not possible.*gpt2"),
+    ],
 )
 def test_spec_rejects_bad_shapes(kwargs: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
@@ -62,6 +69,55 @@ def test_build_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert (cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id) == (1, 0, None)
     llama = build_model(TinyModelSpec(arch="llama", hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64), tok)
     assert llama.config.model_type == "llama" and llama.config.num_key_value_heads == 2
+
+
+GPT2 = TinyModelSpec(arch="gpt2", hidden=32, layers=2, heads=4, intermediate=64, max_positions=48)
+
+
+def test_tie_embeddings_defaults_to_the_architectures_choice() -> None:
+    assert TinyModelSpec().tie_embeddings is False and TinyModelSpec(arch="llama").tie_embeddings is False
+    assert TinyModelSpec(arch="gpt2").tie_embeddings is True
+    assert TinyModelSpec(arch="gpt2", tie_embeddings=True).tie_embeddings is True
+    assert TinyModelSpec(tie_embeddings=True).tie_embeddings is True
+
+
+def test_gpt2_build() -> None:
+    tok = build_char_tokenizer()
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    model = build_model(GPT2, tok)
+    assert torch.equal(before, torch.rand(1))  # the global RNG is left alone, as for the other archs
+    assert _same_weights(model, build_model(GPT2, tok))
+    assert not _same_weights(model, build_model(msgspec.structs.replace(GPT2, seed=1), tok))
+    cfg = model.config
+    assert (cfg.model_type, cfg.vocab_size, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.n_inner, cfg.n_positions) == (
+        "gpt2", len(tok), 32, 2, 4, 64, 48
+    )
+    assert (cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id, cfg.tie_word_embeddings) == (1, 0, None, True)
+    assert (cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop, cfg.summary_first_dropout) == (0.0, 0.0, 0.0, 0.0)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.transformer.wpe.weight.shape == (48, 32)  # learned positions: one row per position
+    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (1, 0)
+    # No dropout: a forward in train mode gives the eval-mode numbers.
+    ids = torch.tensor([tok("12+34=")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.train()(ids).logits, model.eval()(ids).logits, rtol=0, atol=0)
+
+
+def test_gpt2_save_and_load_roundtrip(tmp_path: Path) -> None:
+    tok = build_char_tokenizer()
+    model = build_model(GPT2, tok).eval()
+    save_pretrained_dir(model, tok, tmp_path / "g")
+    loaded = load_model(tmp_path / "g").eval()
+    assert type(loaded).__name__ == "GPT2LMHeadModel" and loaded.dtype == torch.float32
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # still tied after the round trip
+    assert _same_weights(loaded, model)
+    ids = torch.tensor([tok("1+2=")["input_ids"], tok("9+8=")["input_ids"]])
+    with torch.no_grad():
+        logits = loaded(ids).logits
+        torch.testing.assert_close(logits, model(ids).logits, rtol=0, atol=0)
+    assert logits.shape == (2, 4, len(tok)) and bool(logits.isfinite().all())
 
 
 def test_same_weights_as_the_baseline_build(baseline: types.ModuleType) -> None:

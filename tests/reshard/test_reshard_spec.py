@@ -12,8 +12,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
 
+from streamrl.models.build import TinyModelSpec
+from streamrl.models.build import build_model as build_tiny
+from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.reshard import (
     InferenceLayout,
     LayoutError,
@@ -69,7 +73,12 @@ def test_train_blocks_tile_the_full_tensor_and_reassemble_it(
 # -- inference slices ---------------------------------------------------------------------------
 def _simulated_reshard(config, full, layout: TrainLayout, T: int) -> list[dict[str, torch.Tensor]]:
     """The resharder's slicing over per-rank shards built in memory instead of all-gathered."""
-    spec = ModelShardingSpec.from_config(config)
+    return _simulated_reshard_of(ModelShardingSpec.from_config(config), full, layout, T)
+
+
+def _simulated_reshard_of(
+    spec: ModelShardingSpec, full: dict[str, torch.Tensor], layout: TrainLayout, T: int
+) -> list[dict[str, torch.Tensor]]:
     shards = [shard_state(full, spec.params, layout, r) for r in range(layout.world_size)]
     views = {p.name: [(b.rect, shards[r][p.name]) for r, b in source_blocks(p, layout)] for p in spec.params}
     plan = spec.inference_plan(T)
@@ -216,3 +225,92 @@ def test_kv_heads_are_replicated_when_t_exceeds_them() -> None:
         next(p.source_rect[0] for p in plan.pieces[t] if p.source.endswith("k_proj.weight")) for t in range(4)
     ]
     assert k_rows == [(0, 16), (0, 16), (16, 32), (16, 32)]
+
+
+# -- from_model: the Llama family as from_config, anything else generic ------------------------------
+GPT2 = TinyModelSpec(arch="gpt2", hidden=32, layers=2, heads=4, intermediate=64, seed=1)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_from_model_equals_from_config_for_the_llama_family(model: str) -> None:
+    config = MODELS[model]
+    assert ModelShardingSpec.from_model(build_model(config)) == ModelShardingSpec.from_config(config)
+    tiny = build_tiny(TinyModelSpec(hidden=32, layers=2, heads=4, intermediate=64), build_char_tokenizer())
+    spec = ModelShardingSpec.from_model(tiny)
+    assert spec == ModelShardingSpec.from_config(tiny.config) and spec.llama_family
+
+
+def test_from_model_refuses_a_llama_family_module_that_its_config_does_not_describe() -> None:
+    model = build_model(tiny_config())
+    model.model.extra = nn.Parameter(torch.zeros(3))  # e.g. an adapter the config knows nothing of
+    with pytest.raises(LayoutError, match=r"do not match the qwen2 sharding spec.*unexpected \['model.extra'\]"):
+        ModelShardingSpec.from_model(model)
+
+
+def test_generic_spec_lists_what_named_parameters_lists() -> None:
+    model = build_tiny(GPT2, build_char_tokenizer())
+    spec = ModelShardingSpec.from_model(model)
+    named = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert (spec.model_type, spec.llama_family, spec.tied_embeddings) == ("gpt2", False, True)
+    assert [(p.name, p.shape) for p in spec.params] == named  # same names, shapes and order
+    assert all(p.train_tp_dim is None for p in spec.params)  # replicated over train TP
+    # lm_head.weight is transformer.wte.weight: one Parameter, listed once, as the trainer sees it.
+    assert "lm_head.weight" not in spec.names and "transformer.wte.weight" in spec.names
+    assert spec.numel() == sum(p.numel() for p in model.parameters())
+    assert (spec.vocab_size, spec.hidden_size, spec.num_layers, spec.num_heads, spec.intermediate_size) == (
+        15, 32, 2, 4, 64
+    )
+
+
+def test_generic_plan_at_t1_is_the_parameters_themselves() -> None:
+    tok = build_char_tokenizer()
+    model = build_tiny(GPT2, tok)
+    spec = ModelShardingSpec.from_model(model)
+    plan = spec.inference_plan(1)
+    full = {k: v.detach() for k, v in model.named_parameters()}
+    assert plan.shapes == {k: tuple(v.shape) for k, v in full.items()}
+    (pieces,) = plan.pieces
+    assert [(p.source, p.target) for p in pieces] == [(n, n) for n in spec.names]  # identity, each once
+    assert all(p.source_rect == full_rect(p.shape) and not any(p.target_origin) for p in pieces)
+    coverage = {n: torch.zeros(s, dtype=torch.int32) for n, s in plan.shapes.items()}
+    for piece in pieces:
+        coverage[piece.target][tuple(slice(lo, hi) for lo, hi in piece.target_rect())] += 1
+    assert all(bool((c == 1).all()) for c in coverage.values())
+    for R in (1, 2, 3):  # dp shards along dim 0 (ragged for R = 3), gathered back whole
+        (out,) = _simulated_reshard_of(spec, full, TrainLayout(R), 1)
+        views = local_hf_views(out, plan, 0)
+        assert views.keys() == full.keys()
+        assert all(torch.equal(views[k], full[k]) for k in full)
+        assert all(views[k].data_ptr() == out[k].data_ptr() for k in full)  # views, not copies
+    # What a rollout engine does with them: load into another GPT-2 and get the same outputs.
+    other = build_tiny(TinyModelSpec(arch="gpt2", hidden=32, layers=2, heads=4, intermediate=64, seed=2), tok)
+    result = other.load_state_dict(views, strict=False)
+    assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]  # the tied alias
+    assert other.lm_head.weight is other.transformer.wte.weight
+    ids = torch.tensor([tok("12+3=")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(other.eval()(ids).logits, model.eval()(ids).logits)
+
+
+def test_generic_spec_refuses_tensor_parallelism_with_a_clear_message() -> None:
+    spec = ModelShardingSpec.from_model(build_tiny(GPT2, build_char_tokenizer()))
+    with pytest.raises(LayoutError, match=r"inference tensor_parallel T=2 needs a Llama-family model.*gpt2.*T=1"):
+        spec.inference_plan(2)
+    with pytest.raises(LayoutError, match="T=4 needs a Llama-family model"):
+        spec.check_inference_tp(4)
+    with pytest.raises(LayoutError, match=r"train tensor_parallel=2 needs a Llama-family model.*tensor_parallel 1"):
+        spec.check_train_layout(TrainLayout(4, 2))
+    spec.check_train_layout(TrainLayout(4))  # data-parallel sharding alone works for any model
+    buckets = plan_buckets(spec.params, TrainLayout(4), 4096, itemsize=4)
+    assert [p for b in buckets for p in b.params] == list(spec.params)
+
+
+def test_from_named_shapes_refusals() -> None:
+    with pytest.raises(LayoutError, match="no parameters"):
+        ModelShardingSpec.from_named_shapes("x", [])
+    with pytest.raises(LayoutError, match=r"unique.*\['a'\]"):
+        ModelShardingSpec.from_named_shapes("x", [("a", (2,)), ("a", (3,))])
+    with pytest.raises(LayoutError, match=r"0-d \(scalar\) parameters \['scale'\]"):
+        ModelShardingSpec.from_named_shapes("x", [("w", (2, 2)), ("scale", ())])
+    spec = ModelShardingSpec.from_named_shapes("x", [("w", (4, 2)), ("b", (4,))], config=PretrainedConfig())
+    assert spec.names == ("w", "b") and spec.inference_plan(1).shapes == {"w": (4, 2), "b": (4,)}

@@ -1,24 +1,38 @@
-"""Versioned inference weights (shared leases, exclusive updates) and the host swap, in one process."""
+"""Versioned inference weights (shared leases, exclusive updates), and the FSDP2 engine at R = 1 (offload /
+reload, reshard of its shards), in one process."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import pytest
 import torch
+import torch.distributed as dist
 
+from streamrl.engines.fsdp import FSDPTrainEngine, StateOffloadedError
+from streamrl.engines.parallel import build_mesh
+from streamrl.engines.samples import TrainSample
 from streamrl.reshard import (
     InferenceWeights,
-    ModelShardingSpec,
-    ShardedTrainEngine,
-    SwapStateError,
-    TrainGroups,
+    ReshardConfig,
+    Resharder,
+    Topology,
     TrainLayout,
-    TrainStateOffloadedError,
     VersionError,
     WeightsUnavailableError,
+    build_rank_groups,
 )
-from tests.reshard.reshard_harness import build_model, tiny_config
-from tests.reshard.reshard_workers import batches, lm_loss
+from tests.reshard.reshard_harness import tiny_config
+from tests.reshard.reshard_workers import (
+    expected_slice,
+    fsdp2_spec,
+    full_tensors,
+    grpo_steps,
+    make_engine,
+    train_step,
+)
 
 SHAPES = {"w": (2, 3), "b": (3,)}
 
@@ -116,23 +130,59 @@ def test_publish_and_release_rules() -> None:
     anyio.run(main)
 
 
-def test_single_rank_engine_trains_and_swaps() -> None:
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    """torch.distributed as a gloo world of 1 in this process (what FSDPTrainEngine needs at R = 1),
+    destroyed at the end whatever the test did."""
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already initialised in this pytest process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _objective(engine: FSDPTrainEngine, samples: list[TrainSample]) -> float:
+    """Sum of advantage x response logprob: what a GRPO step on these samples increases."""
+    logprobs = engine.logprobs([s.prompt_ids for s in samples], [s.response_ids for s in samples])
+    return sum(s.advantage * float(lp.sum()) for s, lp in zip(samples, logprobs, strict=True))
+
+
+def test_single_rank_fsdp2_engine_trains_swaps_and_reshards(world_of_one: None) -> None:
     config = tiny_config()
-    spec = ModelShardingSpec.from_config(config)
-    groups = TrainGroups(TrainLayout(1), 0, None, None, None)
-    engine = ShardedTrainEngine(build_model(config), spec, groups)
-    batch = {"input_ids": batches(config, steps=1, rows=2)[0]}
-    first = engine.train_step(batch, lm_loss)
+    engine = make_engine(config, build_mesh("cpu", 1))
+    samples = grpo_steps(config, steps=1)[0]
+    before = _objective(engine, samples)
+    train_step(engine, samples)
     report = engine.offload_state()
     assert engine.state_on_host and report.direction == "to_host" and not report.pinned
-    with pytest.raises(TrainStateOffloadedError, match="to_training"):
-        engine.train_step(batch, lm_loss)
-    with pytest.raises(SwapStateError):
+    assert report.bytes == 0  # CPU: the state already lives in host memory, nothing moves
+    with pytest.raises(StateOffloadedError, match="reload_state"):
+        train_step(engine, samples)
+    with pytest.raises(StateOffloadedError, match="reload_state"):
+        engine.local_shards()
+    with pytest.raises(StateOffloadedError):
         engine.offload_state()
-    engine.reload_state()
-    with pytest.raises(SwapStateError):
+    assert engine.reload_state().direction == "to_device"
+    with pytest.raises(StateOffloadedError):
         engine.reload_state()
-    second = engine.train_step(batch, lm_loss)
-    assert second < first  # the same batch again, after a step on it
-    full = engine.full_state_dict()
-    assert set(full) == set(spec.names) and full["lm_head.weight"].shape == (16, 64)
+    train_step(engine, samples)
+
+    # R = 1: the reshard of the (whole) FSDP2 shards is the oracle of full_tensor(), bitwise
+    spec, layout = fsdp2_spec(engine)
+    assert layout == TrainLayout(1, 1)
+    groups = build_rank_groups(Topology.colocated(layout, 1))
+    resharder = Resharder(spec, groups, config=ReshardConfig(bucket_bytes=40_000))
+    out = {n: torch.zeros(shape) for n, shape in resharder.inference_shapes().items()}
+    reshard = resharder.reshard_local(engine.local_shards(), out, version=1)
+    full = full_tensors(engine)
+    expected = expected_slice(full, config, 1, 0)
+    assert out.keys() == expected.keys()
+    assert [n for n in expected if not torch.equal(out[n], expected[n])] == []
+    assert len(reshard.buckets) >= 5 and reshard.peak_extra_bytes <= reshard.largest_bucket_bytes <= 40_000
+    state = engine.full_state_dict()
+    assert set(state) == set(spec.names) and state["lm_head.weight"].shape == (16, 64)
+    # last: a no-grad forward leaves the root's parameters unsharded (dp = 1: all of them) until
+    # the next backward, and the reshard above needs them sharded
+    assert _objective(engine, samples) > before  # two steps on these samples raised their objective

@@ -8,17 +8,11 @@ stages' own set-up errors (a device that vanished, a bad checkpoint) would surfa
 
 from __future__ import annotations
 
-from streamrl.stages.colocated import ColocatedTrainStage
-from streamrl.stages.disaggregated import DisaggregatedTrainStage
+from streamrl.stages.train import TrainStage
 
 MESSAGE = "set-up failed on purpose before joining the world"
 
 
-class SetupFailsColocatedTrain(ColocatedTrainStage):
-    def _world_size(self) -> int:  # called in ShardedGrpoTrainer.setup, before the rendezvous
-        raise ValueError(f"{MESSAGE} (train worker {self.ctx.worker})")
-
-
-class SetupFailsDisaggregatedTrain(DisaggregatedTrainStage):
-    def _world_size(self) -> int:
+class SetupFailsTrain(TrainStage):
+    def _world_size(self) -> int:  # called in TrainStage.setup, before the rendezvous
         raise ValueError(f"{MESSAGE} (train worker {self.ctx.worker})")

@@ -124,7 +124,7 @@ def test_a_train_setup_error_stops_the_generation_workers_waiting_to_join(tmp_pa
     tests/runtime/failing_stages.py), and the generation workers blocked in the rendezvous are
     stopped at once (not after the start timeout), leaving nothing behind."""
     before = ipc_dirs()
-    pipe = _write(tmp_path, DISAGGREGATED, **{"train.class": "tests.runtime.failing_stages:SetupFailsDisaggregatedTrain"})
+    pipe = _write(tmp_path, DISAGGREGATED, **{"train.class": "tests.runtime.failing_stages:SetupFailsTrain"})
     t0 = time.monotonic()
     with pytest.raises(StageError) as info:
         streamrl.run(CONFIG, _run_config(tmp_path, f"pipeline={pipe}", "resources.start_timeout_s=100"))

@@ -109,8 +109,8 @@ def test_reference_logprobs_are_the_initial_policy(tmp_path: Path) -> None:
 
     Step 0 is sampled from that very policy, so its reference and behaviour logprobs agree; step 1
     is sampled after an optimizer step, so they differ. Bug found: ReferenceStage.setup freezes the
-    model (requires_grad_(False)) and then builds a TorchTrainEngine, whose AdamW gets an empty
-    parameter list and raises, so every grpo_kl run fails at set-up."""
+    model (requires_grad_(False)) and then built a train engine (since deleted), whose AdamW got an empty
+    parameter list and raised, so every grpo_kl run failed at set-up."""
     pipeline = _with_recorder("grpo_kl.yaml", "[step, response_ids, rollout_logprobs, ref_logprobs]")
     # 64 samples a step: enough for some group to have mixed rewards, so the policy moves at step 1
     result = _run(tmp_path, pipeline, algo={"steps": 2, "prompts_per_step": 8, "group_size": 8,

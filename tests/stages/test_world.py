@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.stages import sharded_grpo
-from streamrl.stages.sharded_grpo import default_backend, rank_device
+from streamrl.stages import world
+from streamrl.stages.world import default_backend, rank_device
 
 
 def test_cpu_ranks_stay_on_cpu_with_gloo() -> None:
@@ -19,7 +19,7 @@ def test_cpu_ranks_stay_on_cpu_with_gloo() -> None:
 
 
 def test_accelerator_ranks_spread_over_the_devices_of_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharded_grpo, "resolve_device", lambda d: torch.device(d))
+    monkeypatch.setattr(world, "resolve_device", lambda d: torch.device(d))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert default_backend("cuda") == "nccl"
     assert [rank_device("cuda", r, 4, "nccl") for r in range(4)] == [f"cuda:{r}" for r in range(4)]
@@ -30,7 +30,7 @@ def test_accelerator_ranks_spread_over_the_devices_of_the_machine(monkeypatch: p
 
 
 def test_more_nccl_ranks_than_devices_is_refused_saying_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharded_grpo, "resolve_device", lambda d: torch.device(d))
+    monkeypatch.setattr(world, "resolve_device", lambda d: torch.device(d))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"2 reshard ranks .* but 1 cuda device\(s\): nccl needs one device per rank"):
         rank_device("cuda", 1, 2, "nccl")

@@ -1,0 +1,205 @@
+"""Response-token logprobs through a Hugging Face module's own forward, with shared prompts packed.
+
+A GRPO micro-batch holds G completions of each prompt. Fed as right-padded prompt+response rows,
+every prompt is computed G times and every row is as wide as the longest one; on the W2 workload
+that is 3.4x the tokens that carry information. Here each distinct prompt is computed once:
+
+    row:  [ prompt | c1[:-1] | c2[:-1] | ... ]        (the last response token is never an input)
+
+with ``position_ids`` restarting after the prompt for every completion and a 4-D attention mask
+in which a prompt token sees the prompt causally and a completion token sees the prompt and its
+own completion causally, nothing else. The logits that predict response token j of completion c
+are at the prompt's last position (j = 0) or at c's input token j - 1. The maths is the padded
+forward's exactly (tests/engines/test_packing.py: equal within float rounding).
+
+The mask goes through the module's own attention (``sdpa``: boolean, True = attend; ``eager``: an
+additive float mask), so this works for any architecture whose attention takes a prepared 4-D
+mask and whose positions come from ``position_ids`` (transformers returns a 4-D mask as given).
+Whether a model does is *measured* once per engine (:func:`probe_packing`: packed vs padded on a
+tiny batch before sharding); where it does not, the padded rows are used and the log says why.
+
+A row holds at most ``max_row_tokens`` tokens (its mask is rows x width^2): a group whose
+completions do not fit is split over several rows, each repeating the prompt.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+ForwardPath = Literal["packed", "padded"]
+DEFAULT_MAX_ROW_TOKENS = 4096  # tokens per packed row: its mask costs width^2 bools (16 MiB at 4096)
+PROBE_TOLERANCE = 1e-4  # packed vs padded logprob difference (float32) that still counts as the same maths
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What one forward takes, and where each response token's predicting logits sit."""
+
+    kwargs: dict[str, Tensor]  # input_ids, attention_mask (, position_ids)
+    rows: Tensor  # [N] flat index into the [B * (width - start)] kept logits, one per response token
+    start: int  # first kept position: logits before it only ever predict prompt tokens
+    width: int
+
+
+def _flat_response_index(response_ids: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(seq_index, offset) of every response token: which sample, and its position in the response."""
+    lens = torch.tensor([r.numel() for r in response_ids], device=device)
+    seq_index = torch.repeat_interleave(torch.arange(len(response_ids), device=device), lens)
+    offset = torch.arange(seq_index.numel(), device=device) - (lens.cumsum(0) - lens)[seq_index]
+    return seq_index, offset
+
+
+def padded_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], device: torch.device,
+                  keep_from_first: bool = True) -> ModelInputs:
+    """Right-padded prompt+response rows (one per sample), the fallback layout."""
+    inputs = [torch.cat([p, r[:-1]]) for p, r in zip(prompt_ids, response_ids, strict=True)]
+    lengths = torch.tensor([x.numel() for x in inputs], device=device)
+    width = int(lengths.max())
+    padded = torch.nn.utils.rnn.pad_sequence(inputs, batch_first=True).to(device)
+    mask = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
+    first = torch.tensor([p.numel() - 1 for p in prompt_ids], device=device)
+    start = int(first.min()) if keep_from_first else 0
+    seq_index, offset = _flat_response_index(response_ids, device)
+    rows = seq_index * (width - start) + first[seq_index] + offset - start
+    return ModelInputs({"input_ids": padded, "attention_mask": mask.long()}, rows, start, width)
+
+
+def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], device: torch.device, *,
+                  mask_dtype: torch.dtype | None, max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
+                  keep_from_first: bool = True) -> ModelInputs:
+    """Shared-prompt rows (see the module doc). ``mask_dtype`` None: a boolean mask (sdpa), else an
+    additive mask of that dtype (eager attention)."""
+    # group samples by prompt content, in order of first appearance
+    group_of: dict[tuple[int, ...], int] = {}
+    members: list[list[int]] = []
+    for i, p in enumerate(prompt_ids):
+        g = group_of.setdefault(tuple(p.tolist()), len(members))
+        if g == len(members):
+            members.append([])
+        members[g].append(i)
+    ids_rows: list[list[Tensor]] = []
+    pos_rows: list[list[Tensor]] = []
+    seg_rows: list[list[Tensor]] = []
+    lengths: list[int] = []
+    # for sample i: (row, position predicting its token 0, position of its first input token)
+    where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(prompt_ids)
+    for group in members:
+        prompt = prompt_ids[group[0]]
+        P = prompt.numel()
+        row = -1
+        for i in group:
+            cont = response_ids[i][:-1]
+            # a new row once this one would overflow (a row always takes its first completion, and one
+            # with no input token adds nothing: it never opens a row of its own)
+            if row < 0 or (cont.numel() and lengths[row] + cont.numel() > max_row_tokens
+                           and len(seg_rows[row]) > 1):
+                ids_rows.append([prompt])
+                pos_rows.append([torch.arange(P)])
+                seg_rows.append([torch.zeros(P, dtype=torch.int64)])
+                lengths.append(P)
+                row = len(lengths) - 1
+            seg = len(seg_rows[row])  # 0 is the prompt; completions are 1, 2, ...
+            where[i] = (row, P - 1, lengths[row])
+            ids_rows[row].append(cont)
+            pos_rows[row].append(torch.arange(P, P + cont.numel()))
+            seg_rows[row].append(torch.full((cont.numel(),), seg, dtype=torch.int64))
+            lengths[row] += cont.numel()
+    width = max(lengths)
+    B = len(lengths)
+    input_ids = torch.zeros(B, width, dtype=torch.int64)
+    position_ids = torch.zeros(B, width, dtype=torch.int64)
+    segment = torch.full((B, width), -1, dtype=torch.int64)  # -1: padding
+    for r in range(B):
+        n = lengths[r]
+        input_ids[r, :n] = torch.cat(ids_rows[r])
+        position_ids[r, :n] = torch.cat(pos_rows[r])
+        segment[r, :n] = torch.cat(seg_rows[r])
+    segment = segment.to(device)
+    q, k = segment.unsqueeze(2), segment.unsqueeze(1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    allowed = causal & ((k == 0) | (k == q)) & (k >= 0) & (q >= 0)
+    # a padding query sees itself: a row with nothing to attend to would give NaN in softmax
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)
+    mask = allowed.unsqueeze(1)
+    if mask_dtype is not None:
+        mask = torch.zeros(mask.shape, dtype=mask_dtype, device=device).masked_fill(~mask, torch.finfo(mask_dtype).min)
+    firsts = [where[i][1] for i in range(len(where))]
+    start = min(firsts) if keep_from_first else 0
+    seq_index, offset = _flat_response_index(response_ids, device)
+    row_of = torch.tensor([w[0] for w in where], device=device)[seq_index]
+    first = torch.tensor(firsts, device=device)[seq_index]
+    input_start = torch.tensor([w[2] for w in where], device=device)[seq_index]
+    # token 0 is predicted by the prompt's last position, token j >= 1 by the completion's input j - 1
+    position = torch.where(offset == 0, first, input_start + offset - 1)
+    rows = row_of * (width - start) + position - start
+    kwargs = {"input_ids": input_ids.to(device), "attention_mask": mask, "position_ids": position_ids.to(device)}
+    return ModelInputs(kwargs, rows, start, width)
+
+
+def attention_mask_dtype(model: nn.Module) -> torch.dtype | None:
+    """The 4-D mask form the model's attention takes: None (boolean) for sdpa and the like, float
+    (additive) for eager attention."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return torch.float32 if impl == "eager" else None
+
+
+def model_inputs(path: ForwardPath, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor],
+                 device: torch.device, *, mask_dtype: torch.dtype | None, max_row_tokens: int,
+                 keep_from_first: bool = True) -> ModelInputs:
+    if path == "packed":
+        return packed_inputs(prompt_ids, response_ids, device, mask_dtype=mask_dtype,
+                             max_row_tokens=max_row_tokens, keep_from_first=keep_from_first)
+    return padded_inputs(prompt_ids, response_ids, device, keep_from_first=keep_from_first)
+
+
+def response_logits(model: nn.Module, inputs: ModelInputs) -> Tensor:
+    """[N, vocab] logits predicting each response token (the model's dtype), through ``model.__call__``
+    (so FSDP2's hooks gather each layer's parameters). Inputs built with ``keep_from_first`` need a
+    model whose forward takes ``logits_to_keep`` (:func:`uses_logits_to_keep`)."""
+    kwargs: dict[str, object] = {**inputs.kwargs, "use_cache": False}
+    if inputs.start:
+        kwargs["logits_to_keep"] = inputs.width - inputs.start
+    logits = model(**kwargs).logits
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, inputs.rows)
+
+
+def probe_packing(model: nn.Module, vocab_size: int, device: torch.device) -> tuple[ForwardPath, str]:
+    """Whether ``model`` computes shared-prompt rows exactly: packed vs padded logprobs on a tiny
+    batch (two prompts, two completions each, different lengths). Returns the path and why."""
+    g = torch.Generator().manual_seed(0)
+    high = max(vocab_size, 2)
+    prompts = [torch.randint(0, high, (n,), generator=g) for n in (5, 3)]
+    responses = [torch.randint(0, high, (n,), generator=g) for n in (4, 2, 3, 1)]
+    prompt_ids = [prompts[0], prompts[0], prompts[1], prompts[1]]
+    targets = torch.cat(responses).to(device)
+    keep = uses_logits_to_keep(model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = {}
+            for path in ("padded", "packed"):
+                inputs = model_inputs(path, prompt_ids, responses, device, mask_dtype=attention_mask_dtype(model),
+                                      max_row_tokens=DEFAULT_MAX_ROW_TOKENS, keep_from_first=keep)
+                logits = response_logits(model, inputs).float()
+                out[path] = torch.log_softmax(logits, -1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    except Exception as exc:  # an attention that refuses a 4-D mask or position_ids
+        return "padded", f"shared-prompt packing failed on {type(model).__name__} ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(was_training)
+    diff = float((out["packed"] - out["padded"]).abs().max())
+    if not diff <= PROBE_TOLERANCE:
+        return "padded", (f"{type(model).__name__} does not honour a 4-D attention mask with position_ids "
+                          f"(packed vs padded logprobs differ by {diff:.2g})")
+    return "packed", f"{type(model).__name__}: shared prompts packed (packed = padded within {diff:.1g})"
+
+
+def uses_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the model's forward can skip the logits of leading positions (transformers' ``logits_to_keep``)."""
+    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
