@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 GRPO = REPO / "pipelines" / "grpo.yaml"
 GRPO_KL = REPO / "pipelines" / "grpo_kl.yaml"
 COLOCATED = REPO / "pipelines" / "grpo_colocated.yaml"
+DISAGGREGATED = REPO / "pipelines" / "grpo_disaggregated.yaml"
 VALIDATION_BUDGET_S = 2.0  # nothing starts: validation is file reads and imports already done
 CLI_TIMEOUT_S = 120  # a fresh interpreter imports torch + transformers (several seconds on 2 busy cores)
 
@@ -211,6 +212,13 @@ CASES: dict[str, Case] = {
     "train-step-split": Case(("stage 'train'", "9 samples per step", "divide evenly over its workers=2"),
                              config={"algo": {"prompts_per_step": 3, "group_size": 3}},
                              overrides=("stages.train.workers=2",)),
+    "train-tp-vs-workers": Case(("stage 'train'", "options.tensor_parallel=2 must divide workers=3"),
+                                overrides=("stages.train.workers=3", "stages.train.options={tensor_parallel: 2}")),
+    "disaggregated-train-tp": Case(("stage 'train'", "options.tensor_parallel=2", "not disaggregated"),
+                                   config={"pipeline": str(DISAGGREGATED)},
+                                   overrides=("stages.train.options={tensor_parallel: 2}",)),
+    "train-tp-zero": Case(("stage 'train' options.tensor_parallel must be >= 1",),
+                          overrides=("stages.train.options={tensor_parallel: 0}",)),
     "train-workers-inprocess": Case(("stage 'train'", "workers=2", "resources.launch: processes"),
                                     config={"resources": {"launch": "inprocess"}},
                                     overrides=("stages.train.workers=2",)),

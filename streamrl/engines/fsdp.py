@@ -45,7 +45,6 @@ import msgspec
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -54,6 +53,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from transformers import PreTrainedTokenizerBase
 
@@ -552,18 +552,21 @@ class FSDPTrainEngine:
         Rank 0 only by default (the other ranks get ``{}``: a full copy per rank is wasted host
         memory on a real model); ``all_ranks=True`` returns it everywhere.
 
-        Buffer lifetime: the tensors are never views of the live parameters, so a caller may keep
-        serving them while the next steps update the model in place (the policy publisher does).
-        With one rank on a CPU, FSDP2's "full" tensor *is* the local shard: those are copied.
+        Buffer lifetime: the tensors are fresh copies, never views of the live parameters, so a
+        caller may keep serving them while the next steps update the model in place (the policy
+        publisher does).
         """
         self.check_on_device()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
-        state = get_model_state_dict(self.model, options=options)
-        live = {local(t).untyped_storage().data_ptr() for t in self.model.state_dict().values()}
-        out = {}
-        for name, t in state.items():
-            t = t.detach().cpu()
-            out[name] = t.clone() if t.untyped_storage().data_ptr() in live else t
+        keep = all_ranks or self.mesh.get_rank() == self.mesh.mesh.flatten()[0].item()
+        out: dict[str, Tensor] = {}
+        for name, t in self.model.state_dict().items():
+            if isinstance(t, DTensor):
+                # a mesh of one holds the whole tensor locally: skip full_tensor()'s DTensor dispatch
+                # (2 ms per version for the 0.4 M-parameter W1 model, a third of its training step)
+                t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()  # collective
+            if keep:
+                # copy=True: never a view of the live parameters (at one rank, to_local() is one)
+                out[name] = t.detach().to("cpu", copy=True)
         return out
 
     def export_pretrained(

@@ -36,6 +36,11 @@ class DaemonCall(Generic[T]):
         self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """The call has not returned yet."""
+        return self._thread.is_alive()
+
     async def wait(self, poll_s: float = 0.005) -> T:
         while self._thread.is_alive():
             await anyio.sleep(poll_s)

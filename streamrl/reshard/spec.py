@@ -294,7 +294,8 @@ class ModelShardingSpec:
             f"num_attention_heads={self.num_heads}" if self.num_heads % P else "",
             f"num_key_value_heads={self.num_kv_heads}" if self.num_kv_heads % P else "",
             f"intermediate_size={self.intermediate_size}" if self.intermediate_size % P else "",
-            f"vocab_size={self.vocab_size}" if self.vocab_size % P else "",
+            # only where training splits the vocab (Megatron style): FSDP2 x TP keeps it whole
+            f"vocab_size={self.vocab_size}" if self.vocab_size % P and self._vocab_split() else "",
         ]
         problems = [p for p in problems if p]
         if problems:
@@ -302,6 +303,10 @@ class ModelShardingSpec:
                 f"train tensor_parallel={P} must divide {', '.join(problems)} (training TP splits whole "
                 "heads, equal MLP chunks and equal vocab chunks); pick a train tensor_parallel that divides them"
             )
+
+    def _vocab_split(self) -> bool:
+        return any(p.train_tp_dim is not None for p in self.params
+                   if p.name in ("model.embed_tokens.weight", "lm_head.weight"))
 
     # -- inference layout -----------------------------------------------------------------------
     def check_inference_tp(self, T: int) -> None:

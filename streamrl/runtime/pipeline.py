@@ -404,6 +404,7 @@ class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class TrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the engine: torch FSDP2 over the train stage's workers (streamrl/engines/fsdp.py)
+    tensor_parallel: int = 1  # train TP: workers per model replica (DTensor); data parallel = workers / this
     activation_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, ~1/3 more compute
     cpu_offload: bool = False  # sharded params, grads and AdamW moments in host memory (FSDP2 CPUOffloadPolicy)
     # how each version reaches generation (placements colocated and disaggregated)
@@ -465,6 +466,9 @@ def _check_options(s: StageSpec, cls: type, at: str) -> None:
 
 def _check_option_values(opts: msgspec.Struct, at: str) -> None:
     if isinstance(opts, TrainOptions):
+        if opts.tensor_parallel < 1:
+            raise ConfigError(f"{at}.tensor_parallel must be >= 1 (workers per model replica), got "
+                              f"{opts.tensor_parallel}")
         if opts.bucket_bytes < 1:
             raise ConfigError(f"{at}.bucket_bytes must be >= 1 (bytes), got {opts.bucket_bytes}")
         if not opts.collective_timeout_s > 0:
@@ -547,10 +551,19 @@ def _check_batching(spec: PipelineSpec, cfg: RunConfig, classes: dict[str, type 
             raise ConfigError(f"{at}: the advantage stage normalises rewards within a group; set whole_groups: true")
         share = batch
         if _is_trainer(cls):
-            if batch % s.workers:
+            tp = msgspec.convert(s.options, TrainOptions).tensor_parallel
+            if s.workers % tp:
+                raise ConfigError(f"{at}: options.tensor_parallel={tp} must divide workers={s.workers} (each "
+                                  "model replica is tensor_parallel workers)")
+            if tp > 1 and spec.placement == "disaggregated":
+                raise ConfigError(f"{at}: options.tensor_parallel={tp}: train tensor parallelism is built for "
+                                  "placement separate and colocated, not disaggregated; set it to 1")
+            replicas = s.workers // tp
+            if batch % replicas:
+                over = f"workers={s.workers}" if tp == 1 else f"{replicas} model replicas (workers / tensor_parallel)"
                 raise ConfigError(f"{at}: algo.prompts_per_step x algo.group_size = {batch} samples per step must "
-                                  f"divide evenly over its workers={s.workers}; change one of them")
-            share = batch // s.workers
+                                  f"divide evenly over its {over}; change one of them")
+            share = batch // replicas
             if s.workers > 1 and cfg.resources.launch != "processes":
                 raise ConfigError(f"{at}: workers={s.workers} train as one torch.distributed group, one process "
                                   "each; it needs resources.launch: processes (not inprocess)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.config import RunConfig, resolve_model_dir, task_options
 from streamrl.models.build import build_model, load_model
 from streamrl.models.tokenizer import build_char_tokenizer
-from streamrl.runtime.stage import Batch, ClaimSize
+from streamrl.runtime.stage import ClaimSize
 from streamrl.tasks.base import Task
 from streamrl.tasks.registry import get_task
 
@@ -69,12 +69,12 @@ class StepTally:
     response_tokens: int = 0
     sequence_tokens: int = 0  # prompt + response tokens trained on (for FLOP accounting)
 
-    def add(self, batch: Batch, version: int) -> None:
-        cols = batch.columns
+    def add(self, cols: Mapping[str, Sequence[Any]], versions: Sequence[int], version: int) -> None:
+        """A micro-batch's columns and its samples' policy versions, at trainer version ``version``."""
         responses: Sequence[Any] = cols["response_ids"]
-        self.consumed += len(batch)
+        self.consumed += len(versions)
         self.rewards.extend(float(r) for r in cols.get("reward", []))
-        self.staleness.extend(version - v for v in batch.versions)
+        self.staleness.extend(version - v for v in versions)
         self.response_tokens += sum(int(t.numel()) for t in responses)
         self.sequence_tokens += sum(int(p.numel()) + int(r.numel())
                                     for p, r in zip(cols["prompt_ids"], responses, strict=True))

@@ -193,7 +193,7 @@ class ColocatedHandOver:
         return self.R
 
     def topology(self) -> Topology:
-        return Topology.colocated(TrainLayout(self.R), self.T)
+        return Topology.colocated(TrainLayout(self.R, self.options.tensor_parallel), self.T)
 
     async def start(self, trainer: TrainStage) -> None:
         from streamrl.stages.colocated import colocated_rank

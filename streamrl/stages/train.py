@@ -21,10 +21,13 @@ rank has its share (generation on this rank may still feed the others) and train
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
 from typing import Any
 
+import anyio
 import msgspec
 import torch
 import torch.distributed as dist
@@ -32,11 +35,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
 from streamrl.engines.samples import samples_from_columns
+from streamrl.reshard import DaemonCall
 from streamrl.runtime.pipeline import TrainOptions
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
 from streamrl.stages.handover import HandOver, hand_over_for
+from streamrl.stages.replica import ReplicaChannel
 from streamrl.stages.world import default_backend, join_world, rank_device
+
+log = logging.getLogger("streamrl.stage.train")
+
+STOP_WAIT_S = 10.0  # how long a TP leader tries to release its followers when stopped from outside
 
 
 class TrainStage:
@@ -62,8 +71,13 @@ class TrainStage:
         if cfg.batch_size % self.R:
             raise ValueError(f"prompts_per_step x group_size = {cfg.batch_size} samples per step must divide "
                              f"evenly over the train stage's workers={self.R}")
-        self.per_rank = cfg.batch_size // self.R
         self.options = msgspec.convert(ctx.options, TrainOptions)
+        # R = replicas x tp; the tp ranks of a replica train on the same samples (streamrl/stages/replica.py)
+        self.tp = self.options.tensor_parallel
+        self.per_rank = cfg.batch_size // (self.R // self.tp)
+        self.follows = self.rank % self.tp != 0  # the runtime then runs follow() instead of claiming
+        self.channel: ReplicaChannel | None = None
+        self._receiving: DaemonCall[tuple[dict[str, list[Any]], list[int]] | None] | None = None
         self.hand_over: HandOver = hand_over_for(ctx, self.options)
         backend = self.options.backend or default_backend(ctx.device)
         world_size = self._world_size()
@@ -72,7 +86,8 @@ class TrainStage:
                                        backend=backend, timeout_s=self.options.collective_timeout_s,
                                        device=self.device)
         model, self.tokenizer = build_policy(cfg, self.device, for_training=True)
-        options = FSDPOptions(dtype=cfg.model.dtype, activation_checkpointing=self.options.activation_checkpointing,
+        options = FSDPOptions(dtype=cfg.model.dtype, tensor_parallel=self.tp,
+                              activation_checkpointing=self.options.activation_checkpointing,
                               cpu_offload=self.options.cpu_offload)
 
         def build() -> FSDPTrainEngine:  # collective (the mesh, the sharding): in a thread
@@ -86,6 +101,10 @@ class TrainStage:
                                    max_grad_norm=a.max_grad_norm, device=self.device, mesh=mesh, options=options)
 
         self.engine = await ctx.run_sync(build)
+        if self.tp > 1:
+            tp_mesh = self.engine.tp_mesh
+            assert tp_mesh is not None
+            self.channel = ReplicaChannel(tp_mesh.get_group(), self.rank - self.rank % self.tp)
         self.loss_config = msgspec.structs.replace(a.loss, temperature=a.temperature)
         self.version = 0
         await self.hand_over.start(self)  # version 0 = the initial policy
@@ -106,14 +125,34 @@ class TrainStage:
                           self.ctx.config.algo.max_staleness)
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        if self.channel is not None:  # the replica's other ranks train on it too
+            await self.ctx.run_sync(self.channel.send, batch.columns, list(batch.versions))
+        await self._take(dict(batch.columns), list(batch.versions))
+        return {}
+
+    async def follow(self) -> None:
+        """A TP follower: train on what the replica's rank 0 claims until the run stops (the
+        same step figures make every rank raise StopRun at the same step) or it says stop."""
+        assert self.channel is not None
+        channel = self.channel
+        while True:
+            # kept across a cancellation (the launcher's Stop): close() waits for the same receive
+            if self._receiving is None:
+                self._receiving = DaemonCall(channel.receive, "streamrl-train-replica")
+            received = await self._receiving.wait()
+            self._receiving = None
+            if received is None:
+                return
+            await self._take(*received)
+
+    async def _take(self, cols: dict[str, Any], versions: list[int]) -> None:
         if self.hand_over.trains_on_arrival:
-            await self.ctx.run_sync(self._accumulate, dict(batch.columns))
+            await self.ctx.run_sync(self._accumulate, cols)
         else:
-            self.pending.append(dict(batch.columns))
-        self.tally.add(batch, self.version)
+            self.pending.append(cols)
+        self.tally.add(cols, versions, self.version)
         if self.tally.consumed >= self.per_rank:
             await self._step()
-        return {}
 
     def _accumulate(self, cols: dict[str, Any]) -> None:
         """Forward + backward of one micro-batch (collective)."""
@@ -188,6 +227,7 @@ class TrainStage:
             self.ctx.report_step(self.version, metrics)
         self._reset()
         if reason is not None:  # every rank sees the same global figures, so every rank stops here
+            self.stopped = True
             raise StopRun(reason)
 
     def _stop_reason(self, reward_mean: float) -> str | None:
@@ -199,8 +239,23 @@ class TrainStage:
         return None
 
     async def close(self) -> None:
+        channel = getattr(self, "channel", None)
+        if channel is not None and not self.follows and not getattr(self, "stopped", False):
+            # stopped from outside (another stage failed): release followers waiting for a micro-batch
+            with anyio.move_on_after(STOP_WAIT_S):
+                await DaemonCall(channel.send_stop, "streamrl-train-replica-stop").wait()
+        receiving = getattr(self, "_receiving", None)
+        if receiving is not None:
+            # a follower stopped from outside: its leader's stop message ends the receive (bounded)
+            with anyio.move_on_after(STOP_WAIT_S), contextlib.suppress(Exception):
+                await receiving.wait()
         hand_over = getattr(self, "hand_over", None)
         if hand_over is not None:
             await hand_over.close()
+        if receiving is not None and receiving.running:
+            # still blocked in a broadcast: destroying the group under it could hang; exit cleans up
+            log.warning("train[%d]: no stop from TP rank 0 within %.0f s; leaving the process group",
+                        self.rank, STOP_WAIT_S)
+            return
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -21,6 +21,7 @@ from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
 DISAGGREGATED = REPO / "configs" / "grpo_digits_disaggregated.yaml"
+COLOCATED = REPO / "configs" / "grpo_digits_colocated.yaml"
 BUDGET = 200
 
 
@@ -53,6 +54,39 @@ def test_two_trainers_take_the_steps_of_one(tmp_path: Path) -> None:
     assert (two.run_dir / "checkpoint" / "model.safetensors").is_file()
     assert not (two.run_dir / "rendezvous").exists()
     assert_run_cleaned(two.run_dir, os.getpid(), before)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_trainers_take_the_steps_of_one(tmp_path: Path) -> None:
+    """stages.train.options.tensor_parallel=2 with 2 workers: one model replica split over two ranks
+    (DTensor column/row-parallel projections under FSDP2). Only its TP rank 0 claims; it hands each
+    micro-batch to rank 1 (streamrl/stages/replica.py), so both compute the same samples."""
+    before = ipc_dirs()
+    one = streamrl.run(DIGITS, _overrides(tmp_path / "one", "algo.steps=3", "algo.stop_reward=null"))
+    tp = streamrl.run(DIGITS, _overrides(tmp_path / "tp", "algo.steps=3", "algo.stop_reward=null",
+                                         "stages.train.workers=2", "stages.train.options={tensor_parallel: 2}"))
+    rows1, rows2 = _rows(one), _rows(tp)
+    assert len(rows2) == 3
+    # same samples at step 1 (version 0 everywhere, same generator seeds): the same update
+    assert rows2[0]["reward_mean"] == rows1[0]["reward_mean"]
+    assert rows2[0]["loss"] == pytest.approx(rows1[0]["loss"], abs=1e-6)
+    assert rows2[0]["grad_norm"] == pytest.approx(rows1[0]["grad_norm"], rel=1e-5)
+    assert rows2[0]["response_tokens"] == rows1[0]["response_tokens"]  # each sample counted once
+    logs = (tp.run_dir / "logs" / "train-1.log").read_text()
+    assert "stage loop ended" in logs  # the follower ran and ended with the run
+    assert (tp.run_dir / "checkpoint" / "model.safetensors").is_file()
+    assert_run_cleaned(tp.run_dir, os.getpid(), before)
+
+
+@pytest.mark.timeout(300)
+def test_colocated_tensor_parallel_trainers_reshard_from_their_slices(tmp_path: Path) -> None:
+    """Colocated, 2 processes: one train replica of TP 2 hands each version to 2 whole-model generators
+    through the allgather-swap, reading FSDP2 x TP shards (layout from the DTensor placements)."""
+    result = streamrl.run(COLOCATED, _overrides(tmp_path, "algo.steps=3", "algo.stop_reward=null",
+                                                "stages.train.options={tensor_parallel: 2, bucket_bytes: 262144}"))
+    rows = _rows(result)
+    assert len(rows) == 3 and all(r["reshard_buckets"] > 1 for r in rows)
+    assert all(0 < r["reshard_peak_extra_bytes"] <= 262144 for r in rows)
 
 
 @pytest.mark.timeout(300)
