@@ -72,9 +72,11 @@ from streamrl.engines.samples import TrainSample
 
 try:
     from ops.bench._common import fmt_spread, print_json_line, print_table, spread
+    from ops.bench.reshard import model_config as reshard_model_config
 except ImportError:  # run as a script from anywhere
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import fmt_spread, print_json_line, print_table, spread
+    from reshard import model_config as reshard_model_config
 
 LR = 1e-3
 MAX_GRAD_NORM = 1.0
@@ -149,16 +151,10 @@ class GrpoLossFn:
 
 # -- model and batch ----------------------------------------------------------------------------------
 def model_config(args: argparse.Namespace) -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(64, args.prompt_len + args.max_response),
-        tie_word_embeddings=False,
-    )
+    """The reshard benchmark's Qwen2, with enough positions for this benchmark's sequences."""
+    config = reshard_model_config(args)
+    config.max_position_embeddings = max(64, args.prompt_len + args.max_response)
+    return config
 
 
 def build_model(config: Qwen2Config, seed: int) -> PreTrainedModel:
@@ -233,8 +229,9 @@ class HandWrittenRunner:
     per micro-batch, then ``optimizer_step``."""
 
     def __init__(self, config: Qwen2Config, micro_batches: list[list[TrainSample]], args: argparse.Namespace) -> None:
-        from streamrl.reshard import ModelShardingSpec, Topology, TrainLayout, build_rank_groups
         from streamrl.reshard.train_engine import AdamWConfig, ShardedTrainEngine
+
+        from streamrl.reshard import ModelShardingSpec, Topology, TrainLayout, build_rank_groups
 
         spec = ModelShardingSpec.from_config(config)
         groups = build_rank_groups(Topology.colocated(TrainLayout(dist.get_world_size()), 1)).train
