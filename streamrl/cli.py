@@ -75,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM behaves like Ctrl-C: re-raised as SIGINT, which the event loop turns into a clean
     # cancellation (raising inside the handler could land in the middle of a cancel scope)
     signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # A command started with `&` from a script inherits SIGINT ignored: the re-raised SIGINT
+        # would then vanish and SIGTERM would never stop the run (seen: a run kept training).
+        # No terminal's Ctrl-C reaches a background job anyway, so nothing is lost by restoring it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -22,10 +22,12 @@ DIGITS = REPO / "configs" / "grpo_digits.yaml"
 
 @pytest.fixture(autouse=True)
 def _keep_sigterm_handler() -> Iterator[None]:
-    """cli.main installs a SIGTERM handler for the process; give pytest its own back."""
-    before = signal.getsignal(signal.SIGTERM)
+    """cli.main installs a SIGTERM handler (and SIGINT's default where it was ignored) for the
+    process; give pytest its own back."""
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     yield
-    signal.signal(signal.SIGTERM, before)
+    signal.signal(signal.SIGTERM, before[0])
+    signal.signal(signal.SIGINT, before[1])
 
 
 def test_validate_prints_the_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:

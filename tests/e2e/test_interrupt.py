@@ -1,5 +1,6 @@
 """Ctrl-C on ``streamrl run``: the launcher stops every process it started and exits 130.
-(SIGTERM takes the same path: the CLI re-raises it as SIGINT.)"""
+SIGTERM takes the same path (the CLI re-raises it as SIGINT), also where SIGINT is ignored, as
+for a command started with ``&`` from a script."""
 
 from __future__ import annotations
 
@@ -25,8 +26,15 @@ REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a non-interactive shell does for `cmd &`
+
+
 @pytest.mark.timeout(180)
-def test_sigint_stops_the_run_and_every_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("sent", "sigint_ignored"), [(signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["sigint", "sigterm-with-sigint-ignored"])
+def test_an_interrupt_stops_the_run_and_every_process(tmp_path: Path, sent: signal.Signals,
+                                                       sigint_ignored: bool) -> None:
     before = ipc_dirs()
     out = tmp_path / "out.txt"
     with out.open("w") as sink:
@@ -34,6 +42,7 @@ def test_sigint_stops_the_run_and_every_process(tmp_path: Path) -> None:
             [sys.executable, "-m", "streamrl.cli", "run", str(DIGITS), "algo.steps=100000", "algo.stop_reward=null",
              f"output.run_dir={tmp_path / 'runs'}", "output.progress=lines"],
             stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+            preexec_fn=_ignore_sigint if sigint_ignored else None,
         )
     try:
         # wait until it trains: the first step's line is in metrics.jsonl
@@ -53,7 +62,7 @@ def test_sigint_stops_the_run_and_every_process(tmp_path: Path) -> None:
         assert dirs and all(d.exists() for d in dirs)
 
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sent)
         code = proc.wait(timeout=60)
         took = time.monotonic() - t0
     finally:
