@@ -17,6 +17,7 @@ import builtins
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -228,12 +229,30 @@ def process_alive(pid: int) -> bool:
         return True  # no /proc (not Linux): existence is all we can tell
 
 
+ORPHAN_EXIT_S = 20.0  # after the launcher is gone, how long a worker may take to stop before it exits hard
+
+
+def _exit_orphan(parent_pid: int) -> None:
+    log.error("launcher %d is gone and this worker did not stop within %.0f s (a blocking call, e.g. a "
+              "collective waiting for a peer that is gone); exiting", parent_pid, ORPHAN_EXIT_S)
+    logging.shutdown()
+    os._exit(1)
+
+
 async def _watch_parent(parent_pid: int, tg: anyio.abc.TaskGroup) -> None:
-    """Workers are forked from a forkserver, not the launcher, so watch the launcher's pid itself."""
+    """Workers are forked from a forkserver, not the launcher, so watch the launcher's pid itself.
+
+    Cancelling stops the event loop's work, but not a blocking call in a worker thread (a
+    collective or a stage's own ``run_sync``), which can hold the process for as long as its own
+    timeout (600 s for collectives): with nobody left to stop it, the worker exits hard once
+    ``ORPHAN_EXIT_S`` has passed."""
     while True:
         await anyio.sleep(1.0)
         if not process_alive(parent_pid):
             log.error("launcher %d is gone: stopping", parent_pid)
+            timer = threading.Timer(ORPHAN_EXIT_S, _exit_orphan, args=(parent_pid,))
+            timer.daemon = True
+            timer.start()
             tg.cancel_scope.cancel()
             return
 

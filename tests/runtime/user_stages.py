@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -134,6 +135,22 @@ class Doubler:
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(3)
         return {"y": [2 * x for x in xs]}
+
+    async def close(self) -> None:
+        pass
+
+
+class BlocksInAThread:
+    """A scorer whose first batch blocks in a worker thread for an hour (a stand-in for a collective
+    waiting on a peer that is gone): cancellation cannot stop it. Touches ``<run_dir>/blocked``."""
+
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        (self.ctx.run_dir / "blocked").touch()
+        await self.ctx.run_sync(time.sleep, 3600.0)
+        return {"reward": [0.0] * len(batch)}
 
     async def close(self) -> None:
         pass

@@ -1,0 +1,62 @@
+"""The launcher killed with SIGKILL while a worker is stuck in a blocking call in a thread.
+
+Every child watches the launcher's pid; a worker cancels itself when it is gone, but a blocking
+call in a worker thread (a collective waiting for a peer, a stage's own ``run_sync``) survives the
+cancellation. The worker then exits hard after ``ORPHAN_EXIT_S`` instead of living on for the
+call's own timeout (600 s for a collective; an hour here).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from streamrl.runtime.worker import ORPHAN_EXIT_S
+from tests.runtime.hygiene import descendants, wait_gone
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_blocked_in_a_thread_exits_once_the_launcher_is_killed(tmp_path: Path) -> None:
+    pipeline = yaml.safe_load((REPO / "pipelines" / "grpo.yaml").read_text())
+    for stage in pipeline["stages"]:
+        if stage["name"] == "score":
+            stage["class"] = "tests.runtime.user_stages:BlocksInAThread"
+    pipe = tmp_path / "stuck.yaml"
+    pipe.write_text(yaml.safe_dump(pipeline))
+    runs = tmp_path / "runs"
+    started: dict[int, str] = {}
+    with (tmp_path / "out.txt").open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamrl.cli", "run", str(REPO / "configs" / "grpo_digits.yaml"),
+             f"pipeline={pipe}", f"output.run_dir={runs}", "output.progress=none"],
+            stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not list(runs.glob("*/blocked")):
+            time.sleep(0.2)
+        assert list(runs.glob("*/blocked")), (tmp_path / "out.txt").read_text()
+        started.update(descendants(proc.pid))
+        assert len(started) >= 7, started
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        left = wait_gone(started, ORPHAN_EXIT_S + 15)
+        assert not left, {p: started[p] for p in left}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for pid in wait_gone(started, 0):  # whatever the test left, it stops
+            os.kill(pid, signal.SIGKILL)
+    log = next(runs.glob("*/logs/score-0.log")).read_text()
+    assert "did not stop within" in log and "exiting" in log
