@@ -64,15 +64,7 @@ from streamrl.algos.grpo import (
     per_token_loss,
     unnormalized_loss,
 )
-from streamrl.engines.packing import (
-    DEFAULT_MAX_ROW_TOKENS,
-    ForwardPath,
-    attention_mask_dtype,
-    model_inputs,
-    probe_packing,
-    response_logits,
-    uses_logits_to_keep,
-)
+from streamrl.engines.packing import DEFAULT_MAX_ROW_TOKENS, ForwardPath, ResponseForward, flat_response_index
 from streamrl.engines.parallel import (
     ParallelConfigError,
     apply_tensor_parallel,
@@ -122,11 +114,6 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError(f"FSDPOptions.tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.max_row_tokens < 2:
             raise ValueError(f"FSDPOptions.max_row_tokens must be >= 2, got {self.max_row_tokens}")
-
-
-def _vocab_size(model: nn.Module) -> int:
-    config = getattr(model, "config", None)
-    return int(getattr(config, "vocab_size", 0) or 0) or int(model.get_input_embeddings().weight.shape[0])
 
 
 def _adamw_kernel(device: torch.device, tensor_parallel: int) -> dict[str, bool]:
@@ -201,13 +188,10 @@ class FSDPTrainEngine:
         if any(p.dtype != torch.float32 for p in model.parameters()):
             model = model.to(torch.float32)  # the sharded copy is the optimizer's master: keep it float32
         self.model = model
-        self.forward_path: ForwardPath = "padded"
-        why = "pack_prompts is off"
-        if options.pack_prompts:
-            # before sharding: the probe's two tiny forwards run on the plain module, no collective
-            self.forward_path, why = probe_packing(model.to(self.device), _vocab_size(model), self.device)
-        log.info("train forward: %s (%s)", self.forward_path, why)
-        self._mask_dtype = attention_mask_dtype(model)
+        # before sharding: the probe's two tiny forwards run on the plain module, no collective
+        self.forward = ResponseForward(model.to(self.device), self.device, pack_prompts=options.pack_prompts,
+                                       max_row_tokens=options.max_row_tokens)
+        log.info("train forward: %s (%s)", self.forward.path, self.forward.why)
         self._shard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
@@ -215,7 +199,6 @@ class FSDPTrainEngine:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_adamw_kernel(self.device, tp),
         )
-        self._logits_to_keep = uses_logits_to_keep(model)
         self.steps = 0  # optimizer steps taken = policy version of the current weights
         self._sums = StepSums()
         self._on_host = False
@@ -255,6 +238,11 @@ class FSDPTrainEngine:
                 module.set_force_sum_reduction_for_comms(True)
 
     # --- forward ------------------------------------------------------------------------------
+    @property
+    def forward_path(self) -> ForwardPath:
+        """"packed" (shared prompts computed once) or "padded" (see streamrl/engines/packing.py)."""
+        return self.forward.path
+
     def check_on_device(self) -> None:
         """Raise StateOffloadedError while the state is offloaded (compute would read host memory)."""
         if self._on_host:
@@ -272,19 +260,12 @@ class FSDPTrainEngine:
         Logits are computed only from the earliest position that predicts a response token on
         (``logits_to_keep``) where the model supports it.
         """
-        device = self.device
-        inputs = model_inputs(self.forward_path, prompt_ids, response_ids, device, mask_dtype=self._mask_dtype,
-                              max_row_tokens=self.options.max_row_tokens, keep_from_first=self._logits_to_keep)
-        picked = response_logits(self.model, inputs)
-        targets = torch.cat([r.reshape(-1) for r in response_ids]).to(device)
-        logp_all = torch.log_softmax(picked.float() / temperature, dim=-1)
-        logp = logp_all.gather(1, targets.unsqueeze(1)).squeeze(1)
+        logp, logp_all = self.forward.logprobs(prompt_ids, response_ids, temperature)
         ent = None
         if entropy:
             with torch.no_grad():
                 ent = -(logp_all.exp() * logp_all).sum(-1)
-        lens = torch.tensor([r.numel() for r in response_ids], device=device)
-        seq_index = torch.repeat_interleave(torch.arange(len(response_ids), device=device), lens)
+        seq_index, _ = flat_response_index(response_ids, self.device)
         return logp, ent, seq_index
 
     @torch.no_grad()

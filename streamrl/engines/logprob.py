@@ -13,15 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from streamrl.engines.packing import (
-    DEFAULT_MAX_ROW_TOKENS,
-    ForwardPath,
-    attention_mask_dtype,
-    model_inputs,
-    probe_packing,
-    response_logits,
-    uses_logits_to_keep,
-)
+from streamrl.engines.packing import DEFAULT_MAX_ROW_TOKENS, ForwardPath, ResponseForward
 from streamrl.engines.samples import TrainBatchError, TrainSample, check_sample
 from streamrl.models.build import resolve_device
 
@@ -35,15 +27,13 @@ class LogprobEngine:
                  max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
-        self.max_row_tokens = max_row_tokens
-        self.forward_path: ForwardPath = "padded"
-        why = "pack_prompts is off"
-        if pack_prompts:
-            vocab = int(model.get_input_embeddings().weight.shape[0])
-            self.forward_path, why = probe_packing(self.model, vocab, self.device)
-        log.info("logprob forward: %s (%s)", self.forward_path, why)
-        self._mask_dtype = attention_mask_dtype(model)
-        self._logits_to_keep = uses_logits_to_keep(model)
+        self.forward = ResponseForward(self.model, self.device, pack_prompts=pack_prompts,
+                                       max_row_tokens=max_row_tokens)
+        log.info("logprob forward: %s (%s)", self.forward.path, self.forward.why)
+
+    @property
+    def forward_path(self) -> ForwardPath:
+        return self.forward.path
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         """Replace the model weights (strict: every name must match)."""
@@ -60,9 +50,5 @@ class LogprobEngine:
             return []
         for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
             check_sample(i, TrainSample(p, r, 0.0))
-        inputs = model_inputs(self.forward_path, prompt_ids, response_ids, self.device, mask_dtype=self._mask_dtype,
-                              max_row_tokens=self.max_row_tokens, keep_from_first=self._logits_to_keep)
-        logits = response_logits(self.model, inputs)
-        targets = torch.cat([r.reshape(-1) for r in response_ids]).to(self.device)
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        logp, _ = self.forward.logprobs(prompt_ids, response_ids, temperature)
         return list(logp.cpu().split([r.numel() for r in response_ids]))

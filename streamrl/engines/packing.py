@@ -47,7 +47,7 @@ class ModelInputs:
     width: int
 
 
-def _flat_response_index(response_ids: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+def flat_response_index(response_ids: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
     """(seq_index, offset) of every response token: which sample, and its position in the response."""
     lens = torch.tensor([r.numel() for r in response_ids], device=device)
     seq_index = torch.repeat_interleave(torch.arange(len(response_ids), device=device), lens)
@@ -65,7 +65,7 @@ def padded_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
     mask = torch.arange(width, device=device).unsqueeze(0) < lengths.unsqueeze(1)
     first = torch.tensor([p.numel() - 1 for p in prompt_ids], device=device)
     start = int(first.min()) if keep_from_first else 0
-    seq_index, offset = _flat_response_index(response_ids, device)
+    seq_index, offset = flat_response_index(response_ids, device)
     rows = seq_index * (width - start) + first[seq_index] + offset - start
     return ModelInputs({"input_ids": padded, "attention_mask": mask.long()}, rows, start, width)
 
@@ -131,7 +131,7 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
         mask = torch.zeros(mask.shape, dtype=mask_dtype, device=device).masked_fill(~mask, torch.finfo(mask_dtype).min)
     firsts = [where[i][1] for i in range(len(where))]
     start = min(firsts) if keep_from_first else 0
-    seq_index, offset = _flat_response_index(response_ids, device)
+    seq_index, offset = flat_response_index(response_ids, device)
     row_of = torch.tensor([w[0] for w in where], device=device)[seq_index]
     first = torch.tensor(firsts, device=device)[seq_index]
     input_start = torch.tensor([w[2] for w in where], device=device)[seq_index]
@@ -169,15 +169,27 @@ def response_logits(model: nn.Module, inputs: ModelInputs) -> Tensor:
     return logits.reshape(-1, logits.shape[-1]).index_select(0, inputs.rows)
 
 
-def probe_packing(model: nn.Module, vocab_size: int, device: torch.device) -> tuple[ForwardPath, str]:
+def token_logprobs(logits: Tensor, response_ids: Sequence[Tensor], temperature: float) -> tuple[Tensor, Tensor]:
+    """(logprob [N] of each response token, log-softmax over the vocabulary [N, V]), in float32, from
+    the [N, V] logits that predict them (:func:`response_logits`)."""
+    targets = torch.cat([r.reshape(-1) for r in response_ids]).to(logits.device)
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp_all.gather(1, targets.unsqueeze(1)).squeeze(1), logp_all
+
+
+def vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    return int(getattr(config, "vocab_size", 0) or 0) or int(model.get_input_embeddings().weight.shape[0])
+
+
+def probe_packing(model: nn.Module, device: torch.device) -> tuple[ForwardPath, str]:
     """Whether ``model`` computes shared-prompt rows exactly: packed vs padded logprobs on a tiny
     batch (two prompts, two completions each, different lengths). Returns the path and why."""
     g = torch.Generator().manual_seed(0)
-    high = max(vocab_size, 2)
+    high = max(vocab_size(model), 2)
     prompts = [torch.randint(0, high, (n,), generator=g) for n in (5, 3)]
     responses = [torch.randint(0, high, (n,), generator=g) for n in (4, 2, 3, 1)]
     prompt_ids = [prompts[0], prompts[0], prompts[1], prompts[1]]
-    targets = torch.cat(responses).to(device)
     keep = uses_logits_to_keep(model)
     was_training = model.training
     model.eval()
@@ -187,8 +199,7 @@ def probe_packing(model: nn.Module, vocab_size: int, device: torch.device) -> tu
             for path in ("padded", "packed"):
                 inputs = model_inputs(path, prompt_ids, responses, device, mask_dtype=attention_mask_dtype(model),
                                       max_row_tokens=DEFAULT_MAX_ROW_TOKENS, keep_from_first=keep)
-                logits = response_logits(model, inputs).float()
-                out[path] = torch.log_softmax(logits, -1).gather(1, targets.unsqueeze(1)).squeeze(1)
+                out[path], _ = token_logprobs(response_logits(model, inputs), responses, 1.0)
     except Exception as exc:  # an attention that refuses a 4-D mask or position_ids
         return "padded", f"shared-prompt packing failed on {type(model).__name__} ({type(exc).__name__}: {exc})"
     finally:
@@ -198,6 +209,32 @@ def probe_packing(model: nn.Module, vocab_size: int, device: torch.device) -> tu
         return "padded", (f"{type(model).__name__} does not honour a 4-D attention mask with position_ids "
                           f"(packed vs padded logprobs differ by {diff:.2g})")
     return "packed", f"{type(model).__name__}: shared prompts packed (packed = padded within {diff:.1g})"
+
+
+class ResponseForward:
+    """One engine's way to its response tokens' logprobs: the model's own forward on shared-prompt
+    rows where :func:`probe_packing` shows the model computes them exactly, else on padded rows.
+
+    Built on the plain module (the probe's two tiny forwards are no collective): an engine that
+    shards the module afterwards keeps calling the same object, now with FSDP2's hooks.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, *, pack_prompts: bool = True,
+                 max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS) -> None:
+        self.model, self.device, self.max_row_tokens = model, device, max_row_tokens
+        self.path: ForwardPath = "padded"
+        self.why = "pack_prompts is off"
+        if pack_prompts:
+            self.path, self.why = probe_packing(model, device)
+        self.mask_dtype = attention_mask_dtype(model)
+        self.keep_from_first = uses_logits_to_keep(model)
+
+    def logprobs(self, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor],
+                 temperature: float) -> tuple[Tensor, Tensor]:
+        """:func:`token_logprobs` of every response token (flat, sample order)."""
+        inputs = model_inputs(self.path, prompt_ids, response_ids, self.device, mask_dtype=self.mask_dtype,
+                              max_row_tokens=self.max_row_tokens, keep_from_first=self.keep_from_first)
+        return token_logprobs(response_logits(self.model, inputs), response_ids, temperature)
 
 
 def uses_logits_to_keep(model: nn.Module) -> bool:

@@ -136,7 +136,7 @@ def test_eager_attention_gives_the_same_as_sdpa(model: PreTrainedModel, tok: Pre
             torch.testing.assert_close(_logprobs(eager, path, prompts, responses), sdpa, atol=ATOL, rtol=0)
         torch.testing.assert_close(_logprobs(eager, "packed", prompts, responses, max_row_tokens=9), sdpa,
                                    atol=ATOL, rtol=0)
-    assert probe_packing(eager, len(tok), CPU)[0] == "packed"
+    assert probe_packing(eager, CPU)[0] == "packed"
 
 
 @pytest.mark.parametrize("max_row_tokens", [4096, 9])
@@ -158,10 +158,10 @@ def test_gradients_through_the_packed_forward_equal_the_padded(
 def test_probe_packing_chooses_packed_where_the_model_honours_the_mask(
     model: PreTrainedModel, tok: PreTrainedTokenizerFast
 ) -> None:
-    path, why = probe_packing(model, len(tok), CPU)
+    path, why = probe_packing(model, CPU)
     assert path == "packed" and "Qwen2ForCausalLM" in why
     gpt2 = build_model(TinyModelSpec(arch="gpt2", hidden=32, layers=2, heads=4, intermediate=64, seed=3), tok)
-    path, why = probe_packing(gpt2, len(tok), CPU)
+    path, why = probe_packing(gpt2, CPU)
     assert path == "packed" and "GPT2LMHeadModel" in why
     assert gpt2.training  # the probe puts the module back in the mode it found
     prompts, responses = _batch(tok)
@@ -194,7 +194,7 @@ def test_probe_packing_falls_back_to_padded(model: PreTrainedModel, tok: PreTrai
                         (_RefusesPackingInputs, "packing failed on _RefusesPackingInputs (ValueError: only a 2-D")):
         other = cls(model.config)
         other.load_state_dict(model.state_dict())
-        path, why = probe_packing(other, len(tok), CPU)
+        path, why = probe_packing(other, CPU)
         assert path == "padded", cls
         assert reason in why, why
         assert LogprobEngine(other, device="cpu").forward_path == "padded"
