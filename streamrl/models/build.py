@@ -23,6 +23,7 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Config,
@@ -100,58 +101,36 @@ def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreT
 
     The global torch RNG is left as it was (the init runs under ``fork_rng``).
     """
+    tokens = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                  use_cache=True)
+    model_cls: type[PreTrainedModel]
+    config: PretrainedConfig
     if spec.arch == "gpt2":
-        return _build_gpt2(spec, tokenizer)
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads or spec.heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=spec.tied,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        use_cache=True,
-    )
+        # every dropout off, so that a training forward and a rollout forward of the same weights
+        # give the same numbers
+        model_cls, config = GPT2LMHeadModel, GPT2Config(
+            vocab_size=len(tokenizer), n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads,
+            n_inner=spec.intermediate, n_positions=spec.max_positions, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, summary_first_dropout=0.0, tie_word_embeddings=True, **tokens,
+        )
+    else:
+        common = dict(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden,
+            intermediate_size=spec.intermediate,
+            num_hidden_layers=spec.layers,
+            num_attention_heads=spec.heads,
+            num_key_value_heads=spec.kv_heads or spec.heads,
+            max_position_embeddings=spec.max_positions,
+            tie_word_embeddings=spec.tied,
+            **tokens,
+        )
+        model_cls, config = ((Qwen2ForCausalLM, Qwen2Config(**common)) if spec.arch == "qwen2"
+                             else (LlamaForCausalLM, LlamaConfig(**common)))
     with torch.random.fork_rng(devices=[]):
         # Seed right before construction, as the baseline does: the init draws from the global RNG.
         torch.manual_seed(spec.seed)
-        if spec.arch == "qwen2":
-            model: PreTrainedModel = Qwen2ForCausalLM(Qwen2Config(**common))
-        else:
-            model = LlamaForCausalLM(LlamaConfig(**common))
-    model.generation_config = GenerationConfig(
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
-    )
-    return model
-
-
-def _build_gpt2(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """A tiny GPT-2, seeded like the other architectures; every dropout off so that a training
-    forward and a rollout forward of the same weights give the same numbers."""
-    config = GPT2Config(
-        vocab_size=len(tokenizer),
-        n_embd=spec.hidden,
-        n_layer=spec.layers,
-        n_head=spec.heads,
-        n_inner=spec.intermediate,
-        n_positions=spec.max_positions,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        summary_first_dropout=0.0,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        use_cache=True,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)  # same seeding as the Llama-family builds: the init draws from it
-        model: PreTrainedModel = GPT2LMHeadModel(config)
+        model = model_cls(config)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
     )
