@@ -75,9 +75,11 @@ class HandOver(Protocol):
     async def start(self, trainer: TrainStage) -> None: ...
 
     def setup_failed(self, exc: BaseException) -> None:
-        """The trainer's set-up raised ``exc`` (before or in ``start``)."""
+        """The trainer's set-up raised ``exc`` (before or in ``start``). Default: nothing to tell."""
 
-    async def before_train(self) -> dict[str, float]: ...
+    async def before_train(self) -> dict[str, float]:
+        """Every rank has its share of the step; its compute comes next. Default: nothing to do."""
+        return {}
 
     async def publish(self, version: int) -> dict[str, float]: ...
 
@@ -128,7 +130,7 @@ class _VersionNumbers:
             self.publisher.close()
 
 
-class PublishHandOver:
+class PublishHandOver(HandOver):
     """``separate``: rank 0 publishes each version's full float32 weights; generators fetch them."""
 
     trains_on_arrival = True
@@ -146,12 +148,6 @@ class PublishHandOver:
 
     async def start(self, trainer: TrainStage) -> None:
         self.trainer = trainer  # version 0 is built by every stage itself: nothing to send
-
-    def setup_failed(self, exc: BaseException) -> None:
-        pass
-
-    async def before_train(self) -> dict[str, float]:
-        return {}
 
     async def publish(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -176,7 +172,7 @@ def _resharder(trainer: TrainStage, topology: Topology, bucket_bytes: int) -> Re
                      device=trainer.device)
 
 
-class ColocatedHandOver:
+class ColocatedHandOver(HandOver):
     """``colocated``: the R processes alternate generation and training; each version is resharded
     into this process's inference weights and the training state goes to the host meanwhile."""
 
@@ -246,7 +242,7 @@ class ColocatedHandOver:
                 await shared.generation_closed.wait()
 
 
-class DisaggregatedHandOver:
+class DisaggregatedHandOver(HandOver):
     """``disaggregated``: the train group sends each version, bucket by bucket, to G generate workers."""
 
     trains_on_arrival = True
@@ -272,9 +268,6 @@ class DisaggregatedHandOver:
         self.initial_sent = anyio.Event()
         self.ctx.tasks.start_soon(self._send_initial)  # type: ignore[attr-defined]
 
-    def setup_failed(self, exc: BaseException) -> None:
-        pass
-
     async def _send_initial(self) -> None:
         await self._send(0)
         self.initial_sent.set()
@@ -288,9 +281,6 @@ class DisaggregatedHandOver:
                                 for r in self.groups.weight_destinations)
             raise WeightSendError(f"sending policy version {version} to {workers} failed (did it exit? see its "
                                   f"log): {exc}") from exc
-
-    async def before_train(self) -> dict[str, float]:
-        return {}
 
     async def publish(self, version: int) -> dict[str, float]:
         await self.initial_sent.wait()  # (long done: version 0 generated this step's first samples)
