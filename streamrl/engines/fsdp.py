@@ -538,7 +538,7 @@ class FSDPTrainEngine:
         publisher does).
         """
         self.check_on_device()
-        keep = all_ranks or self.mesh.get_rank() == self.mesh.mesh.flatten()[0].item()
+        keep = all_ranks or self.is_first_rank
         out: dict[str, Tensor] = {}
         for name, t in self.model.state_dict().items():
             if isinstance(t, DTensor):
@@ -560,7 +560,7 @@ class FSDPTrainEngine:
         """
         path = Path(path)
         state = self.full_state_dict()
-        if self.mesh.get_rank() == self.mesh.mesh.flatten()[0].item():
+        if self.is_first_rank:
             if dtype is not None:
                 state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
             path.mkdir(parents=True, exist_ok=True)
@@ -576,6 +576,12 @@ class FSDPTrainEngine:
                 tokenizer.save_pretrained(path)
         self.barrier()  # nobody reads the directory before rank 0 has written it
         return path
+
+    @property
+    def is_first_rank(self) -> bool:
+        """This rank is the mesh's first (the one that keeps gathered state and writes files); not
+        necessarily world rank 0 where the world holds more than the train ranks."""
+        return self.mesh.get_rank() == int(self.mesh.mesh.flatten()[0])
 
     def barrier(self) -> None:
         """Wait for every rank of the mesh (not the whole world: in the disaggregated placement the

@@ -163,7 +163,7 @@ class TrainStage:
 
     def _all_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
-        if self.R > 1:
+        if self.engine.dp_size > 1:  # the tp ranks of a replica hold the same samples: dp only
             dist.all_reduce(t, op=op, group=self.engine.dp_mesh.get_group())
         return t.tolist()
 
