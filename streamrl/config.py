@@ -94,7 +94,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str = "digits-max"  # a built-in task (streamrl.tasks.registry) or "jsonl"
     options: dict[str, Any] = msgspec.field(default_factory=dict)  # passed to the task factory
-    seed: int = 0  # prompt stream seed
+    seed: int = 0  # prompt stream seed (and the per-epoch shuffle of a dataset)
+    # Render each prompt through the tokenizer's chat template (model.path's tokenizer must have
+    # one): a plain prompt becomes one user message; a dataset row may give whole messages.
+    chat_template: bool = False
+    # With chat_template: a system message put before every prompt's messages (None: none).
+    system_prompt: str | None = None
 
 
 class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -105,7 +110,16 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: float = 1.0
     top_p: float = 1.0  # 1.0 = off
     top_k: int = 0  # 0 = off
-    lr: float = 1e-3  # AdamW learning rate (constant)
+    # Run length in passes over the task's train split, instead of algo.steps (set one of the two):
+    # steps = ceil(epochs * rows / prompts_per_step), resolved when the run starts.
+    epochs: float | None = None
+    lr: float = 1e-3  # AdamW peak learning rate (after warmup)
+    # Learning rate per optimizer step (transformers' schedulers): linear warmup from 0 over
+    # warmup_steps, then constant, or a linear / cosine decay to lr * min_lr_ratio at total_steps.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # the decay's floor, as a fraction of lr (linear and cosine)
+    total_steps: int | None = None  # the schedule's length in optimizer steps; None = algo.steps
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0  # clip the global gradient norm; None = no clipping
@@ -171,10 +185,38 @@ class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     start_timeout_s: float = 120.0  # worker start-up (imports, model build) must finish within this
 
 
+class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Held-out evaluation: a stage of its own generates on the task's eval split with the newest
+    policy version while training goes on, and writes ``eval/...`` rows to metrics.jsonl."""
+
+    every: int = 0  # evaluate policy versions every, 2*every, ... (optimizer steps); 0 = no evaluation
+    # also evaluate the final version (when every > 0), from the exported checkpoint (output.checkpoint)
+    at_end: bool = True
+    end_timeout_s: float = 600.0  # the final evaluation must finish within this after training ends
+    max_prompts: int | None = None  # eval prompts per evaluation (the first of the eval split); None = all
+    samples: int = 1  # completions per eval prompt: mean@k and pass@k with k = samples
+    pass_threshold: float = 1.0  # pass@k counts a prompt when one of its k rewards is >= this
+    temperature: float = 0.0  # 0 = greedy (then samples must be 1)
+    max_new_tokens: int | None = None  # None = algo.max_new_tokens
+    seed: int = 0  # sampling seed (temperature > 0), and the prompts of a task without an eval split
+
+
+class WandbConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Weights & Biases logging (pip install wandb). offline: files under <run dir>/wandb, no
+    network (upload later with `wandb sync`)."""
+
+    project: str = "streamrl"
+    mode: Literal["online", "offline"] = "online"
+    entity: str | None = None
+    group: str | None = None
+    tags: list[str] = msgspec.field(default_factory=list)
+
+
 class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run_dir: str = "runs"  # each run writes to <run_dir>/<name>-<timestamp>/
     name: str = "run"
     tensorboard: bool = True
+    wandb: WandbConfig | None = None  # None: no Weights & Biases run
     plot: bool = True  # reward_curve.png at the end
     checkpoint: bool = True  # final policy as a transformers save_pretrained directory
     progress: Literal["auto", "tty", "lines", "none"] = "auto"  # none: silent
@@ -188,6 +230,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
     output: OutputConfig = msgspec.field(default_factory=OutputConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     stages: dict[str, StageOverride] = msgspec.field(default_factory=dict)  # per-stage overrides
     config_dir: str = "."  # set by the loader: where relative paths in the config resolve
 
@@ -228,6 +271,31 @@ def _check(cfg: RunConfig, where: str) -> None:
         (a.loss.temperature == a.temperature or a.loss.temperature == 1.0,
          "algo.loss.temperature must equal algo.temperature (logprobs are recomputed at the sampling one); "
          "leave algo.loss.temperature out"),
+        (a.epochs is None or (a.epochs > 0 and math.isfinite(a.epochs)),
+         f"algo.epochs must be > 0 (passes over the train split, e.g. 1 or 0.5), or null; got {a.epochs}"),
+        (a.warmup_steps >= 0, f"algo.warmup_steps must be >= 0, got {a.warmup_steps}"),
+        (0 <= a.min_lr_ratio <= 1, f"algo.min_lr_ratio must be in [0, 1] (a fraction of algo.lr), got {a.min_lr_ratio}"),
+        (a.total_steps is None or a.total_steps >= 1,
+         f"algo.total_steps must be >= 1, or null for algo.steps; got {a.total_steps}"),
+        (a.total_steps is None or a.warmup_steps <= a.total_steps,
+         f"algo.warmup_steps ({a.warmup_steps}) must be <= algo.total_steps ({a.total_steps})"),
+        (cfg.eval.every >= 0, f"eval.every must be >= 0 (0 = no evaluation), got {cfg.eval.every}"),
+        (cfg.eval.max_prompts is None or cfg.eval.max_prompts >= 1,
+         f"eval.max_prompts must be >= 1, or null for the whole eval split; got {cfg.eval.max_prompts}"),
+        (cfg.eval.end_timeout_s > 0 and math.isfinite(cfg.eval.end_timeout_s),
+         f"eval.end_timeout_s must be > 0 seconds, got {cfg.eval.end_timeout_s}"),
+        (math.isfinite(cfg.eval.pass_threshold), f"eval.pass_threshold must be a finite number, got "
+         f"{cfg.eval.pass_threshold}"),
+        (cfg.eval.samples >= 1, f"eval.samples must be >= 1, got {cfg.eval.samples}"),
+        (cfg.eval.temperature >= 0 and math.isfinite(cfg.eval.temperature),
+         f"eval.temperature must be >= 0 (0 = greedy), got {cfg.eval.temperature}"),
+        (cfg.eval.temperature > 0 or cfg.eval.samples == 1,
+         f"eval.samples={cfg.eval.samples} with eval.temperature 0 (greedy) would repeat one completion; "
+         "set eval.temperature > 0 (e.g. 0.7) or eval.samples: 1"),
+        (cfg.eval.max_new_tokens is None or cfg.eval.max_new_tokens >= 1,
+         f"eval.max_new_tokens must be >= 1, or null for algo.max_new_tokens; got {cfg.eval.max_new_tokens}"),
+        (cfg.output.wandb is None or bool(cfg.output.wandb.project.strip()),
+         "output.wandb.project is empty; name the W&B project, e.g. streamrl"),
         (r.dock.warehouses >= 1, f"resources.dock.warehouses must be >= 1, got {r.dock.warehouses}"),
         (r.dock.capacity is None or r.dock.capacity >= 1,
          f"resources.dock.capacity must be >= 1, or null for (max_staleness + 2) steps' worth; got {r.dock.capacity}"),
@@ -427,6 +495,10 @@ def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list
         for prefix, dotted in _PREFIXES.items():
             text = text.replace(prefix, dotted)
         raise ConfigError(f"{where}: {text}") from None
+    algo_raw = raw.get("algo") if isinstance(raw.get("algo"), dict) else {}
+    if cfg.algo.epochs is not None and "steps" in algo_raw:
+        raise ConfigError(f"{where}: algo.epochs and algo.steps both set the run's length; keep one (algo.epochs "
+                          "counts passes over the train split, algo.steps optimizer steps)")
     _check(cfg, where)
     return cfg
 

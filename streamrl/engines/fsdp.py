@@ -82,7 +82,7 @@ from streamrl.engines.samples import (
     TrainSample,
     check_sample,
 )
-from streamrl.models.build import resolve_device
+from streamrl.models.build import resolve_device, write_export_version
 from streamrl.reshard.accounting import SwapReport
 
 log = logging.getLogger("streamrl.engine.train")
@@ -574,6 +574,7 @@ class FSDPTrainEngine:
                 config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
+            write_export_version(path, self.steps)  # the policy version these weights are
         self.barrier()  # nobody reads the directory before rank 0 has written it
         return path
 

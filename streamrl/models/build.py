@@ -244,3 +244,24 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if index is not None and index >= count:
         raise DeviceUnavailableError(f"device {device!r} requested but only {count} {kind} device(s) exist")
     return torch.device(kind, index) if index is not None else torch.device(kind)
+
+
+#: Written into an exported policy directory beside config.json: which policy version it holds
+#: (the eval stage's final evaluation reads it).
+EXPORT_STATE = "streamrl_state.json"
+
+
+def write_export_version(path: Path, version: int) -> None:
+    """Record which policy version the exported directory ``path`` holds (beside config.json)."""
+    (path / EXPORT_STATE).write_text(json.dumps({"policy_version": version}) + "\n")
+
+
+def read_export_version(path: Path) -> int | None:
+    """The policy version of the checkpoint at ``path``; None when there is none (the run was
+    stopped from outside, or output.checkpoint is off)."""
+    try:
+        state: Any = json.loads((path / EXPORT_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    version = state.get("policy_version") if isinstance(state, dict) else None
+    return version if isinstance(version, int) else None

@@ -80,6 +80,11 @@ class StepReport(_Msg, tag="step"):
     metrics: dict[str, float]
 
 
+class EvalReport(_Msg, tag="eval"):
+    step: int  # the policy version evaluated (= the optimizer steps it has)
+    metrics: dict[str, float]
+
+
 class Failed(_FromWorker, tag="failed"):
     indices: list[int]
     message: str
@@ -102,7 +107,8 @@ class Stop(_Msg, tag="stop"):
     reason: str
 
 
-WorkerEvent = Starting | Ready | StageBusy | StageMetrics | StepReport | Failed | StopRequest | Finished
+WorkerEvent = (Starting | Ready | StageBusy | StageMetrics | StepReport | EvalReport | Failed | StopRequest
+               | Finished)
 LauncherCommand = Go | Stop
 
 encoder = msgspec.msgpack.Encoder()
@@ -164,6 +170,9 @@ class ControlClient:
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}))
+
+    def eval_report(self, step: int, metrics: dict[str, float]) -> None:
+        self._send(EvalReport(step, {k: float(v) for k, v in metrics.items()}))
 
     def failed(self, indices: list[int], message: str, traceback: str) -> None:
         # the launcher refuses events over MAX_EVENT_BYTES: keep the traceback's end (the raise)

@@ -32,7 +32,7 @@ from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
 from streamrl.metrics.writer import MetricsWriter, plot_reward_curve
 from streamrl.runtime import control as c
-from streamrl.runtime.pipeline import PipelineSpec, load_pipeline
+from streamrl.runtime.pipeline import PipelineSpec, load_pipeline, resolve_run_length
 from streamrl.runtime.stage import StageError
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
 
@@ -112,6 +112,7 @@ class RunResult:
     time_to_target_s: float | None  # Go until the first step with reward >= algo.stop_reward
     checkpoint: Path | None
     worker_logs: dict[str, Path] = field(default_factory=dict)
+    eval_metrics: list[dict[str, Any]] = field(default_factory=list)  # eval rows (eval/... keys), in arrival order
 
     @property
     def final_reward(self) -> float | None:
@@ -150,7 +151,7 @@ async def arun(config: str | Path | dict[str, Any] | RunConfig, overrides: list[
                run_dir: str | Path | None = None) -> RunResult:
     """Validate the config and pipeline, launch everything, stream metrics, stop cleanly."""
     t_launch = time.monotonic()
-    cfg = load_config(config, overrides)
+    cfg = resolve_run_length(load_config(config, overrides))
     pipeline = load_pipeline(cfg)
     rdir = Path(run_dir) if run_dir is not None else _new_run_dir(cfg)
     rdir.mkdir(parents=True, exist_ok=True)
@@ -170,6 +171,8 @@ class _Launch:
         self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard)
         self.busy: dict[tuple[str, int], float] = {}
         self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
+        self.train_rows: list[dict[str, Any]] = []
+        self.eval_rows: list[dict[str, Any]] = []
         self.busy_at_last_step: dict[str, float] = {}
         self.t_last_step = 0.0
         self.t_go = 0.0
@@ -188,7 +191,7 @@ class _Launch:
         dc = cfg.resources.dock
         limits = DockLimits(dc.max_message_mib, dc.max_header_mib, dc.max_clients, dc.max_parked)
         # each consumer's reads are fixed from the pipeline, so no claim (from any client) can set them
-        views = {s.name: ConsumerView(list(s.reads), s.whole_groups) for s in self.pipeline.stages if not s.is_source}
+        views = {s.name: ConsumerView(list(s.reads), s.whole_groups) for s in self.pipeline.stages if s.reads}
         if cfg.resources.launch == "processes":
             dock = LocalDock(self.pipeline.consumers, cfg.dock_capacity, dc.warehouses, dc.transport,
                              start_timeout_s=cfg.resources.start_timeout_s, limits=limits, views=views)
@@ -308,12 +311,14 @@ class _Launch:
                     self.stage_metrics[(s, k)] = m
                 case c.StepReport(step=step, metrics=m):
                     self._on_step(step, m)
+                case c.EvalReport(step=step, metrics=m):
+                    self._on_eval(step, m)
                 case c.Failed():
                     self.failure = event
                 case c.StopRequest(reason=reason):
                     self.stop_reason = reason
                     await server.broadcast(c.Stop(reason))
-                    stop_deadline = time.monotonic() + STOP_GRACE_S
+                    stop_deadline = time.monotonic() + self._stop_grace_s()
                 case c.Finished(stage=s, worker=k):
                     finished.add((s, k))
             if self.death is not None and self.failure is None:
@@ -343,6 +348,12 @@ class _Launch:
                                       "Stop; stopping them (see their logs)")
                 return  # stragglers are reaped below
 
+    def _stop_grace_s(self) -> float:
+        """How long workers get to finish after a stop request: the final evaluation (eval.at_end)
+        runs then, in the eval stage's close, and may take longer than a checkpoint."""
+        side = any(s.is_side for s in self.pipeline.stages)
+        return max(STOP_GRACE_S, self.cfg.eval.end_timeout_s if side and self.cfg.eval.at_end else 0.0)
+
     async def _drain_for_failure(self, events: anyio.abc.ObjectReceiveStream[c.WorkerEvent | None],
                                  wait_s: float = 1.0) -> None:
         """A worker process ended badly: its ``Failed`` (sent just before it exited) may still be
@@ -369,8 +380,18 @@ class _Launch:
         target = self.cfg.algo.stop_reward
         if target is not None and self.time_to_target is None and metrics.get("reward_mean", -1e9) >= target:
             self.time_to_target = now - self.t_go
+        self.train_rows.append(row)
         self.metrics.write(row)
         self.progress.update(row)
+
+    def _on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation of policy version ``step``: a row of its own (no training figures)."""
+        row: dict[str, Any] = {"step": step, **{f"eval/{k}": v for k, v in metrics.items()},
+                               "elapsed_s": round(time.monotonic() - self.t_go, 4)}
+        self.eval_rows.append(row)
+        self.metrics.write(row)
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "@" in k)  # mean@k, pass@k
+        self.progress.message(f"streamrl: eval of version {step}: {shown}")
 
     def _reap(self) -> None:
         """Wait for workers to exit after Stop; SIGTERM, then SIGKILL, whoever lingers."""
@@ -401,7 +422,7 @@ class _Launch:
             raise StageError(f.stage, f.worker, f.indices, f"{f.message.split(': ', 1)[-1]}\n{tail}")
         if self.death is not None:
             raise RunFailed(self.death)
-        rows = self.metrics.rows
+        rows = self.train_rows
         if self.cfg.output.plot and rows:
             plot_reward_curve(rows, self.run_dir / "reward_curve.png", title=self.cfg.output.name)
         ckpt = self.run_dir / "checkpoint"
@@ -415,5 +436,5 @@ class _Launch:
             run_dir=self.run_dir, metrics=rows, steps=len(rows), stop_reason=self.stop_reason, setup_s=setup,
             train_s=now - (self.t_go or now), total_s=time.monotonic() - self.t_launch,
             time_to_target_s=self.time_to_target,
-            checkpoint=ckpt if ckpt.is_dir() else None, worker_logs=logs,
+            checkpoint=ckpt if ckpt.is_dir() else None, worker_logs=logs, eval_metrics=self.eval_rows,
         )

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ from streamrl.config import (
     read_yaml_mapping,
     resolve_path,
 )
+
+log = logging.getLogger("streamrl.pipeline")
 
 
 class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename={"cls": "class"}):
@@ -78,10 +81,20 @@ class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename
 
     @property
     def is_source(self) -> bool:
-        return not self.reads
+        """It makes samples: no reads, some writes."""
+        return not self.reads and bool(self.writes)
+
+    @property
+    def is_side(self) -> bool:
+        """It neither reads nor writes dock columns (e.g. evaluation): its ``run()`` works beside
+        the dataflow until it returns or the run stops."""
+        return not self.reads and not self.writes
 
 
 PLACEMENTS = ("separate", "colocated", "disaggregated")
+# The stage `eval.every > 0` adds to a pipeline that does not list one (streamrl.stages.evaluate).
+EVAL_STAGE_NAME = "eval"
+EVAL_STAGE_CLASS = "streamrl.stages.evaluate:EvalStage"
 _PIPELINE_FIELDS = ["name", "stages", "placement"]
 
 
@@ -101,7 +114,7 @@ class PipelineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def consumers(self) -> list[str]:
         """Stages that claim samples: each must ack every sample before it is freed."""
-        return [s.name for s in self.stages if not s.is_source]
+        return [s.name for s in self.stages if s.reads]
 
     def weights_receiver(self, train: str) -> StageSpec | None:
         """The stage that takes the policy from reshard train stage ``train``: the one with
@@ -187,13 +200,58 @@ def load_pipeline(cfg: RunConfig) -> PipelineSpec:
         raise ConfigError(f"{where}: {_explain_stage_error(str(exc), raw)}") from None
     names = [s.name for s in spec.stages]
     for name in cfg.stages:
-        if name not in names:
+        if name not in names and not (name == EVAL_STAGE_NAME and cfg.eval.every > 0):
             raise ConfigError(f"run config: stages.{name} overrides a stage that {where} does not have "
                               f"(stages: {names})")
     spec.stages = [_apply_overrides(s, cfg.stages[s.name]) if s.name in cfg.stages else s for s in spec.stages]
+    if cfg.eval.every > 0 and not any(s.cls == EVAL_STAGE_CLASS for s in spec.stages):
+        # evaluation is asked for in the run config: it runs as a stage of its own beside the dataflow
+        if EVAL_STAGE_NAME in names:
+            raise ConfigError(f"{where}: eval.every > 0 adds a stage named {EVAL_STAGE_NAME!r}, but the pipeline "
+                              f"already has a stage of that name; rename it, or list {{name: {EVAL_STAGE_NAME}, "
+                              f"class: {EVAL_STAGE_CLASS}}} in the pipeline yourself")
+        eval_stage = StageSpec(name=EVAL_STAGE_NAME, cls=EVAL_STAGE_CLASS)
+        spec.stages.append(_apply_overrides(eval_stage, cfg.stages[EVAL_STAGE_NAME])
+                           if EVAL_STAGE_NAME in cfg.stages else eval_stage)
     validate_pipeline(spec, cfg)
     check_run(spec, cfg)
     return spec
+
+
+def resolve_run_length(cfg: RunConfig) -> RunConfig:
+    """The config with its run length final: ``algo.epochs`` turned into ``algo.steps`` from the
+    task's train split (ceil(epochs x rows / prompts_per_step)), and the checks that need it
+    (the lr schedule's length). The launcher calls it before anything starts."""
+    import math
+
+    from streamrl.config import task_options
+    from streamrl.tasks.registry import TaskOptionError, UnknownTaskError, get_task
+
+    a = cfg.algo
+    if a.epochs is not None:
+        try:
+            task = get_task(cfg.task.name, **task_options(cfg))
+        except (UnknownTaskError, TaskOptionError, ValueError, TypeError) as exc:
+            raise ConfigError(f"run config: task: {exc}") from None
+        size = getattr(task, "train_size", None)
+        if not callable(size):
+            raise ConfigError(f"run config: algo.epochs needs a task with a train split of fixed size (a dataset); "
+                              f"task {cfg.task.name!r} makes prompts without end: set algo.steps instead")
+        rows = int(size())
+        steps = max(1, math.ceil(a.epochs * rows / a.prompts_per_step))
+        log.info("algo.epochs=%s over %d rows at %d prompts per step: %d steps", a.epochs, rows,
+                 a.prompts_per_step, steps)
+        # epochs has served its purpose: the resolved config (config.yaml) says steps, and loads again as is
+        a = msgspec.structs.replace(a, steps=steps, epochs=None)
+        cfg = msgspec.structs.replace(cfg, algo=a)
+    if a.total_steps is not None and a.total_steps < a.steps:
+        raise ConfigError(f"run config: algo.total_steps={a.total_steps} is shorter than the run's {a.steps} steps: "
+                          "the lr schedule would end before the run (linear at lr 0, cosine rising again); raise "
+                          "it, or leave it out to use algo.steps")
+    if a.warmup_steps > a.steps:
+        raise ConfigError(f"run config: algo.warmup_steps={a.warmup_steps} is longer than the run's {a.steps} "
+                          "steps: the lr would never reach algo.lr; lower it")
+    return cfg
 
 
 def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: bool = True) -> None:
@@ -215,8 +273,9 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
             raise ConfigError(f"{at}: micro_batch must be >= 1, got {s.micro_batch}")
         if s.threads < 1:
             raise ConfigError(f"{at}: threads must be >= 1, got {s.threads}")
-        if s.is_source and s.workers != 1:
-            raise ConfigError(f"{at}: a source stage (no reads) runs exactly one worker")
+        if (s.is_source or s.is_side) and s.workers != 1:
+            kind = "a source stage (no reads)" if s.is_source else "a side stage (no reads, no writes)"
+            raise ConfigError(f"{at}: {kind} runs exactly one worker")
         for col in s.writes:
             if col in writer:
                 raise ConfigError(f"{at}: writes {col!r}, which stage {writer[col]!r} already writes "
@@ -237,7 +296,8 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
                           "process; it needs resources.launch: processes (not inprocess)")
     sources = [s.name for s in spec.stages if s.is_source]
     if len(sources) != 1:
-        raise ConfigError(f"{where}: exactly one stage must have no reads (the source); found {sources or 'none'}")
+        raise ConfigError(f"{where}: exactly one stage must have no reads and some writes (the source); found "
+                          f"{sources or 'none'}")
     for s in spec.stages:
         for col in s.reads:
             if col not in writer:
@@ -370,10 +430,10 @@ def _check_class(s: StageSpec, at: str, pipeline: PipelineSpec) -> None:
         raise ConfigError(f"{at}: {s.cls!r} works only with `placement: {placement}` at the top of the pipeline, "
                           f"which says {pipeline.placement!r}")
     _check_options(s, cls, at)
-    needed = ["setup", "close", "produce" if s.is_source else "process"]
+    needed = ["setup", "close", "produce" if s.is_source else "run" if s.is_side else "process"]
     missing = [m for m in needed if not callable(getattr(cls, m, None))]
     if missing:
-        kind = "source (no reads)" if s.is_source else "stage"
+        kind = "source (no reads)" if s.is_source else "side stage (no reads, no writes)" if s.is_side else "stage"
         raise ConfigError(f"{at}: {s.cls!r} lacks {missing}; a {kind} class needs {needed} "
                           "(see streamrl.runtime.stage)")
 
@@ -685,7 +745,7 @@ def _check_reshard_model(spec: PipelineSpec, cfg: RunConfig, model_config: dict[
 
 def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, positions_key: str) -> None:
     from streamrl.config import task_options
-    from streamrl.tasks.dataset import PromptDatasetError, check_prompts_jsonl
+    from streamrl.tasks.dataset import CHECK_ROWS, PromptDatasetError, check_prompts_jsonl
     from streamrl.tasks.registry import TaskOptionError, UnknownTaskError, check_task
 
     name, options = cfg.task.name, task_options(cfg)
@@ -738,6 +798,17 @@ def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, posit
                                   f"{tokens + new} > the model's {max_positions} positions ({positions_key}); shorten the "
                                   f"prompt, or {fix(tokens)}")
         return
+    if cfg.task.chat_template and cfg.model.path is None:
+        raise ConfigError("run config: task.chat_template: true needs a tokenizer with a chat template: set model.path "
+                          "to a checkpoint that has one (an instruct model), or set task.chat_template: false")
+    from streamrl.tasks.dataset import DatasetTask
+
+    if isinstance(task, DatasetTask):  # every row (bounded), as the source and eval stages will render them
+        limit = CHECK_ROWS
+        _check_prompt_lengths(cfg, tokenizer, list(zip(task.origins, task.prompts, strict=True))[:limit]
+                              + list(zip(task.eval_origins, task.eval, strict=True))[:limit], too_long, fix,
+                              max_positions, positions_key)
+        return
     longest = getattr(task, "max_prompt_text", None)
     texts = [longest()] if callable(longest) else [p.text for p in task.make_prompts(cfg.task.seed, 64)]
     tokens = max(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
@@ -745,6 +816,33 @@ def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, posit
         label = "the longest prompt" if callable(longest) else "a prompt"
         raise ConfigError(f"run config: algo.max_new_tokens={new} + {label} of task {name!r} ({tokens} tokens) = "
                           f"{tokens + new} > the model's {max_positions} positions ({positions_key}); {fix(tokens)}")
+
+
+def _check_prompt_lengths(cfg: RunConfig, tokenizer: Any, rows: list[tuple[str, Any]], too_long: Any, fix: Any,
+                          max_positions: int | None, positions_key: str) -> None:
+    """Each prompt renders (chat template) and fits the model with algo.max_new_tokens."""
+    from streamrl.tasks.chat import ChatTemplateError, render_prompt
+
+    t = cfg.task
+    texts = []
+    for at, prompt in rows:
+        try:
+            texts.append(render_prompt(prompt, tokenizer, chat_template=t.chat_template, system_prompt=t.system_prompt))
+        except ChatTemplateError as exc:
+            raise ConfigError(f"run config: {at}: {exc}") from None
+        except Exception as exc:  # the template's own Jinja error
+            raise ConfigError(f"run config: {at}: the tokenizer's chat template failed on this prompt "
+                              f"({type(exc).__name__}: {exc})") from None
+    if max_positions is None or not texts:
+        return
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    new = cfg.algo.max_new_tokens
+    for (at, _), tokens in zip(rows, lengths, strict=True):
+        if too_long(tokens):
+            raise ConfigError(f"run config: {at}: the prompt is {tokens} tokens"
+                              f"{' with the chat template' if t.chat_template else ''}; with algo.max_new_tokens={new} "
+                              f"that is {tokens + new} > the model's {max_positions} positions ({positions_key}); "
+                              f"{fix(tokens)}")
 
 
 def _char_vocabulary(cfg: RunConfig) -> set[str]:

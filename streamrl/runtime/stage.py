@@ -17,6 +17,9 @@ A *source* stage (no ``reads``) has ``async def produce(self) -> Output | None``
 call returns the columns of new samples (``Output.group_size`` consecutive samples form a group),
 None when it has no more.
 
+A *side* stage (no ``reads``, no ``writes``: e.g. evaluation) has ``async def run(self) -> None``
+instead: it works beside the dataflow until it returns or the run stops (Stop cancels it).
+
 Optional: a class attribute ``max_workers = N`` (the pipeline check refuses more workers),
 and ``def claim_size(self) -> ClaimSize`` to change how many samples the next claim asks
 for and the oldest policy version it accepts (the trainer uses it to fill exactly one step).
@@ -127,12 +130,26 @@ class StageContext:
         """Send one optimizer step's metrics to the launcher (metrics.jsonl, TensorBoard, progress)."""
         self.control.step(step, metrics)
 
+    def report_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Send the evaluation of policy version ``step``: a row of its own in metrics.jsonl, the
+        names prefixed ``eval/``."""
+        self.control.eval_report(step, metrics)
+
 
 @runtime_checkable
 class Stage(Protocol):
     async def setup(self, ctx: StageContext) -> None: ...
 
     async def process(self, batch: Batch) -> Output | dict[str, list[Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Side(Protocol):
+    async def setup(self, ctx: StageContext) -> None: ...
+
+    async def run(self) -> None: ...
 
     async def close(self) -> None: ...
 

@@ -151,6 +151,8 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                     try:
                         if sspec.is_source:
                             await _source_loop(stage, dock, meter)
+                        elif sspec.is_side:
+                            await stage.run()  # beside the dataflow: no claims, no puts
                         elif getattr(stage, "follows", False):
                             await stage.follow()  # computes what its leader claims: no claims of its own
                         else:

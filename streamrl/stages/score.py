@@ -172,16 +172,22 @@ class ScoreStage:
         ]
         results = await self.backend.score(samples)
         rewards = []
+        named: dict[str, list[float]] = {}
         for res in results:
             if res.score is None:
                 raise ValueError(f"sample {res.sample_id}: no score ({res.error})")
             rewards.append(reward_of(res.score, self.options, sample_id=res.sample_id, source=res.source))
-        self._report()
+            if isinstance(res.score, dict):
+                for name, value in res.score.items():
+                    named.setdefault(name, []).append(float(value))
+        self._report({f"{name}_mean": sum(v) / len(v) for name, v in named.items() if name != "reward"})
         return {"reward": rewards}
 
-    def _report(self) -> None:
+    def _report(self, named_means: dict[str, float]) -> None:
+        """The backend's figures, and this batch's mean of each named score (what a weighted
+        reward is made of: ``score/math_mean``, ``score/format_mean``)."""
         stats = msgspec.to_builtins(self.backend.statistics())
-        flat: dict[str, float] = {}
+        flat: dict[str, float] = dict(named_means)
         for key in ("retries", "timeouts", "late_replies", "bad_replies", "defaulted_samples"):
             if isinstance(stats.get(key), (int, float)):
                 flat[key] = stats[key]

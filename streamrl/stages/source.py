@@ -1,6 +1,7 @@
 """The source stage: prompts from a task, ``group_size`` samples per prompt, one step at a time.
 
-It writes ``prompt_ids`` (tokens), ``prompt`` and ``answer`` (text) and ``step``. Before the
+It writes ``prompt_ids`` (tokens: the prompt rendered through the chat template when
+``task.chat_template`` is set), ``prompt`` and ``answer`` (text) and ``step``. Before the
 prompts of step s it waits for policy version s - max_staleness: with 0 the whole pipeline is
 synchronous on-policy; with k >= 1 generation may run k versions ahead of training.
 """
@@ -16,6 +17,7 @@ import torch
 from streamrl.runtime.pipeline import SourceOptions
 from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
+from streamrl.tasks.chat import render_prompt
 
 
 class SourceStage:
@@ -36,10 +38,13 @@ class SourceStage:
             return None
         if self.gate:
             await self.ctx.policy.wait_version(self.step - a.max_staleness)
+        t = self.ctx.config.task
         prompts = self.task.make_prompts(self.rng, a.prompts_per_step)
         columns: dict[str, list[Any]] = {"prompt_ids": [], "prompt": [], "answer": [], "step": []}
         for p in prompts:
-            ids = torch.tensor(self.tokenizer.encode(p.text, add_special_tokens=False), dtype=torch.int64)
+            # the chat template (task.chat_template) carries its own special tokens: add none
+            text = render_prompt(p, self.tokenizer, chat_template=t.chat_template, system_prompt=t.system_prompt)
+            ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.int64)
             for _ in range(a.group_size):
                 columns["prompt_ids"].append(ids)
                 columns["prompt"].append(p.text)

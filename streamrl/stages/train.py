@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
 from streamrl.engines.samples import samples_from_columns
+from streamrl.engines.schedule import lr_scheduler
 from streamrl.reshard import DaemonCall
 from streamrl.runtime.pipeline import TrainOptions
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
@@ -101,6 +102,7 @@ class TrainStage:
                                    max_grad_norm=a.max_grad_norm, device=self.device, mesh=mesh, options=options)
 
         self.engine = await ctx.run_sync(build)
+        self.lr_schedule = lr_scheduler(self.engine.optimizer, a)  # stepped after each optimizer step
         if self.tp > 1:
             tp_mesh = self.engine.tp_mesh
             assert tp_mesh is not None
@@ -183,6 +185,7 @@ class TrainStage:
         for cols in self.pending:
             await self.ctx.run_sync(self._accumulate, cols)
         stats = await self.ctx.run_sync(self.engine.step)
+        self.lr_schedule.step()
         t_train = time.perf_counter()
         self.version += 1
         reason = self._stop_reason(r_sum / max(stats["sequences"], 1.0))
@@ -206,6 +209,7 @@ class TrainStage:
             "clip_fraction": stats["clip_fraction"],
             "entropy": stats["entropy"],
             "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],  # the step's learning rate (algo.lr_schedule)
             "samples_per_s": n / wall,
             "tokens_per_s": tokens / wall,
             "response_len_mean": tokens / n,

@@ -35,11 +35,16 @@ def int_option(task: str, name: str, value: object, minimum: int) -> int:
 
 
 class Prompt(msgspec.Struct, frozen=True):
-    """One prompt row: the text the policy sees, the reference answer, any extra fields."""
+    """One prompt row: the text the policy sees, the reference answer, any extra fields.
+
+    ``messages``: a chat prompt (``[{"role": ..., "content": ...}, ...]``), rendered through the
+    tokenizer's chat template (``task.chat_template``); ``text`` is then its last user message,
+    what rewards see as the prompt."""
 
     text: str
     answer: str
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
 
 
 class RewardFn(Protocol):

@@ -1,50 +1,82 @@
-"""Prompt datasets from JSONL files, and a task that serves them with a chosen reward.
+"""Prompt datasets, and a task that serves them with a chosen reward.
 
-One row per line: ``{"prompt": "...", "answer": "...", <metadata fields>...}``. ``prompt`` is a
-non-empty string, ``answer`` a string; every other field is metadata handed to the reward
-function as keyword arguments. Errors name the file, the line and the field.
+The ``dataset`` task reads JSONL, JSON and Parquet files, ``datasets`` directories and hub
+names (:mod:`streamrl.tasks.files`); ``jsonl`` is the original JSONL-only task. A row gives the
+prompt (``prompt_field``: text, or a list of chat messages), the reference answer
+(``answer_field``: a string) and metadata handed to the reward function as keyword arguments;
+or a ``row_fn`` maps it to those. Errors name the file, the row (or line) and the field.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from streamrl.tasks.base import RESERVED_FIELDS, BatchRewardMixin, Prompt, RewardFn, as_rng
+from streamrl.tasks.files import PromptDatasetError, read_rows
 
 
-class PromptDatasetError(ValueError):
-    """A prompt file or row is invalid; the message says where and what to fix."""
-
-
-def _row_to_prompt(row: object, where: str) -> Prompt:
+def _row_to_prompt(row: object, where: str, prompt_field: str = "prompt", answer_field: str = "answer",
+                   metadata_fields: list[str] | None = None) -> Prompt:
+    """A row as a Prompt: ``prompt_field`` (a non-empty string, or a list of chat messages),
+    ``answer_field`` (a string; a number becomes its text) and the metadata (``metadata_fields``,
+    or every other field whose value is a plain scalar)."""
     if not isinstance(row, dict):
         raise PromptDatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}; write "
-                                 '{"prompt": "...", "answer": "..."}')
-    if "prompt" not in row:
-        raise PromptDatasetError(f"{where}: field 'prompt' is missing (each row needs \"prompt\" and \"answer\")")
-    prompt = row["prompt"]
+                                 f'{{"{prompt_field}": "...", "{answer_field}": "..."}}')
+    if prompt_field not in row:
+        raise PromptDatasetError(f"{where}: field {prompt_field!r} is missing (each row needs {prompt_field!r} and "
+                                 f"{answer_field!r}; the fields are {sorted(row)[:12]}: set prompt_field)")
+    prompt, messages = row[prompt_field], None
+    if isinstance(prompt, list):
+        messages = _messages(prompt, f"{where}: field {prompt_field!r}")
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        prompt = users[-1] if users else messages[-1]["content"]
     if not isinstance(prompt, str) or not prompt:
-        raise PromptDatasetError(f"{where}: field 'prompt' must be a non-empty string, got "
-                                 f"{type(prompt).__name__} {prompt!r}; write the prompt text in quotes")
-    if "answer" not in row:
-        raise PromptDatasetError(f"{where}: field 'answer' is missing (use \"\" when the reward needs none)")
-    answer = row["answer"]
+        raise PromptDatasetError(f"{where}: field {prompt_field!r} must be a non-empty string (or a list of chat "
+                                 f"messages), got {type(prompt).__name__} {prompt!r}; write the prompt text in quotes")
+    if answer_field not in row:
+        raise PromptDatasetError(f"{where}: field {answer_field!r} is missing (use \"\" when the reward needs none; "
+                                 "or set answer_field)")
+    answer = row[answer_field]
+    # a number is refused rather than converted: its text is ambiguous ("01" read as 1, 0.1 + 0.2)
     if not isinstance(answer, str):
         raise PromptDatasetError(
-            f"{where}: field 'answer' must be a string, got {type(answer).__name__} {answer!r}; "
+            f"{where}: field {answer_field!r} must be a string, got {type(answer).__name__} {answer!r}; "
             f"write it quoted, e.g. \"{answer}\""
         )
-    metadata = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+    if metadata_fields is None:
+        metadata = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)
+                    and (v is None or isinstance(v, str | int | float | bool))}
+    else:
+        missing = [k for k in metadata_fields if k not in row]
+        if missing:
+            raise PromptDatasetError(f"{where}: metadata field(s) {missing} are missing (metadata_fields names them)")
+        metadata = {k: row[k] for k in metadata_fields}
     clash = sorted(RESERVED_FIELDS & metadata.keys())
     if clash:
         raise PromptDatasetError(
             f"{where}: field {clash[0]!r} is reserved for the reward function's own arguments; rename it"
         )
-    return Prompt(prompt, answer, metadata)
+    return Prompt(prompt, answer, metadata, messages)
+
+
+def _messages(value: list[Any], where: str) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise PromptDatasetError(f"{where}: message {i} must be {{\"role\": \"...\", \"content\": \"...\"}} "
+                                     f"with string values, got {m!r}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not out:
+        raise PromptDatasetError(f"{where}: the list of chat messages is empty")
+    return out
 
 
 # What validation reads of a prompt file before a run: all of it up to this size, else the first
@@ -103,19 +135,41 @@ def check_prompts_jsonl(path: str | Path, max_bytes: int = CHECK_BYTES,
 
 
 class DatasetTask(BatchRewardMixin):
-    """Prompts from a fixed list (e.g. a JSONL file), scored by a given reward function.
+    """Prompts from a fixed list (a dataset's train split), scored by a given reward function.
 
     ``make_prompts`` walks the rows in a shuffled order, reshuffling at each epoch; the order
-    depends only on the rng stream.
+    depends only on the rng stream (``shuffle=False``: file order, every epoch). ``eval`` is the
+    eval split, if any (the eval stage reads it).
     """
 
-    def __init__(self, name: str, prompts: Sequence[Prompt], reward_fn: RewardFn) -> None:
+    def __init__(self, name: str, prompts: Sequence[Prompt], reward_fn: RewardFn, *,
+                 eval_prompts: Sequence[Prompt] = (), shuffle: bool = True,
+                 origins: Sequence[str] = (), eval_origins: Sequence[str] = ()) -> None:
+        """``origins`` / ``eval_origins``: where each prompt was read (``file, row N``), for
+        messages about it (validation of lengths, for one)."""
         if not prompts:
             raise PromptDatasetError(f"task {name!r} has no prompts")
         self.name = name
         self.prompts = list(prompts)
+        self.eval = list(eval_prompts)
+        self.origins = list(origins) or [f"row {i}" for i in range(len(self.prompts))]
+        self.eval_origins = list(eval_origins) or [f"eval row {i}" for i in range(len(self.eval))]
         self.reward_fn = reward_fn
+        self.shuffle = shuffle
         self._order: list[int] = []
+
+    def train_size(self) -> int:
+        """Rows of the train split (``algo.epochs`` counts passes over them)."""
+        return len(self.prompts)
+
+    def has_eval_split(self) -> bool:
+        return bool(self.eval)
+
+    def eval_prompts(self, limit: int | None = None) -> list[Prompt]:
+        """The first ``limit`` rows of the eval split (all with None), in file order."""
+        if not self.eval:
+            raise PromptDatasetError(f"task {self.name!r} has no eval split; set task.options.eval_path or eval_split")
+        return self.eval[:limit]
 
     def make_prompts(self, rng: random.Random | int, n: int) -> list[Prompt]:
         rng = as_rng(rng)
@@ -123,11 +177,96 @@ class DatasetTask(BatchRewardMixin):
         for _ in range(n):
             if not self._order:
                 self._order = list(range(len(self.prompts)))
-                rng.shuffle(self._order)
+                if self.shuffle:
+                    rng.shuffle(self._order)
+                self._order.reverse()  # popped from the end: file order when not shuffled
             out.append(self.prompts[self._order.pop()])
         return out
 
     def reward(
         self, prompt: str, response: str, response_ids: Sequence[int], answer: str, **metadata: Any
-    ) -> float:
-        return float(self.reward_fn(prompt, response, response_ids, answer, **metadata))
+    ) -> float | dict[str, float]:
+        # a map of named scores stays a map: the score stage turns it into the one reward
+        result = self.reward_fn(prompt, response, response_ids, answer, **metadata)
+        return result if isinstance(result, dict) else float(result)
+
+
+def load_row_fn(spec: str) -> Callable[[dict[str, Any]], Any]:
+    """The ``row_fn`` option: a ``module:function`` mapping a row to a prompt."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise PromptDatasetError(f"task.options.row_fn {spec!r} must be 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PromptDatasetError(f"task.options.row_fn {spec!r}: cannot import module {module_name!r} ({exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise PromptDatasetError(f"task.options.row_fn {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+class DatasetOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How rows become prompts (``task.options`` of the ``dataset`` task, but ``reward``)."""
+
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    metadata_fields: list[str] | None = None  # None: every other field with a plain scalar value
+    row_fn: str | None = None  # "module:function": row dict -> prompt text, or {prompt, answer, ...}
+
+
+def read_prompts(source: str, split: str, options: DatasetOptions, *, where: str,
+                 limit: int | None = None) -> list[tuple[str, Prompt]]:
+    """``(where, Prompt)`` of the rows of ``source`` (the first ``limit`` when given)."""
+    row_fn = load_row_fn(options.row_fn) if options.row_fn else None
+    out = []
+    for at, row in read_rows(source, split, where=where)[:limit]:
+        if row_fn is not None:
+            try:
+                mapped = row_fn(dict(row) if isinstance(row, dict) else row)
+            except Exception as exc:
+                raise PromptDatasetError(f"{at}: row_fn {options.row_fn!r} failed: {type(exc).__name__}: {exc}") from None
+            if isinstance(mapped, str):  # just the prompt: the answer still comes from answer_field
+                row = {**row, options.prompt_field: mapped}
+            elif isinstance(mapped, dict):
+                out.append((at, _row_to_prompt(mapped, f"{at} (after row_fn)")))
+                continue
+            else:
+                raise PromptDatasetError(f"{at}: row_fn {options.row_fn!r} must return a prompt string or a dict "
+                                         f"{{'prompt': str | messages, 'answer': str, ...}}, got {type(mapped).__name__}")
+        out.append((at, _row_to_prompt(row, at, options.prompt_field, options.answer_field, options.metadata_fields)))
+    return out
+
+
+def dataset_task(
+    path: str,
+    reward: str | dict[str, float] | RewardFn,
+    *,
+    split: str = "train",
+    eval_path: str | None = None,
+    eval_split: str | None = None,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    metadata_fields: list[str] | None = None,
+    row_fn: str | None = None,
+    shuffle: bool = True,
+    name: str | None = None,
+) -> DatasetTask:
+    """The ``dataset`` task: prompts from ``path`` (a .jsonl / .json / .parquet file, a
+    ``save_to_disk`` directory or a hub name) and its ``split``; the eval split from ``eval_path``
+    (a file; or its ``eval_split`` split, default ``test``, of a DatasetDict or hub name), or the
+    ``eval_split`` split of ``path``."""
+    from streamrl.tasks.registry import load_reward_fn
+
+    options = msgspec.convert({"prompt_field": prompt_field, "answer_field": answer_field,
+                               "metadata_fields": metadata_fields, "row_fn": row_fn}, DatasetOptions)
+    reward_fn = reward if callable(reward) else load_reward_fn(reward)
+    train = read_prompts(path, split, options, where="task.options.path")
+    evals: list[tuple[str, Prompt]] = []
+    if eval_path is not None or eval_split is not None:
+        source = eval_path if eval_path is not None else path
+        where = "task.options.eval_path" if eval_path is not None else "task.options.eval_split"
+        evals = read_prompts(source, eval_split or "test", options, where=where)
+    return DatasetTask(name or f"dataset:{Path(path).name}", [p for _, p in train], reward_fn,
+                       eval_prompts=[p for _, p in evals], shuffle=shuffle,
+                       origins=[at for at, _ in train], eval_origins=[at for at, _ in evals])

@@ -1,7 +1,9 @@
 """Tasks by name: ``get_task("digits-max", n_digits=3)``.
 
-Built-ins: digits-max, digits-last, digits-sum, digits-reverse (``streamrl.tasks.digits``) and
-``jsonl`` (``path=`` a prompt file, ``reward=`` a built-in task name or "module:function").
+Built-ins: digits-max, digits-last, digits-sum, digits-reverse (``streamrl.tasks.digits``),
+``dataset`` (``path=`` a JSONL / JSON / Parquet file or a datasets directory, ``reward=`` a named
+reward, a weighted mapping of them, or "module:function"; :func:`streamrl.tasks.dataset.dataset_task`)
+and ``jsonl`` (the JSONL-only original).
 ``register_task`` adds a user's own factory.
 """
 
@@ -14,9 +16,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from streamrl.config import did_you_mean
+from streamrl.rewards.named import NAMED_REWARDS, RewardSpecError, WeightedReward, check_weights
 from streamrl.tasks import digits
 from streamrl.tasks.base import RewardFn, Task, TaskOptionError
-from streamrl.tasks.dataset import DatasetTask, load_prompts_jsonl
+from streamrl.tasks.dataset import DatasetTask, dataset_task, load_prompts_jsonl
 
 
 class UnknownTaskError(KeyError):
@@ -26,12 +30,42 @@ class UnknownTaskError(KeyError):
         return str(self.args[0])
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """A reward function from a built-in task name or a "module:function" import path."""
+def load_reward_fn(spec: str | Mapping[str, float]) -> RewardFn:
+    """A reward function from a named reward (``math``, ``format``: :mod:`streamrl.rewards.named`),
+    a built-in task name, a ``"module:function"`` import path, or a mapping of those to weights
+    (a :class:`~streamrl.rewards.named.WeightedReward`)."""
+    if isinstance(spec, Mapping):
+        try:
+            weights = check_weights(spec)
+            parts = {_component_name(name): (load_reward_fn(name), w) for name, w in weights.items()}
+            return WeightedReward(parts)
+        except RewardSpecError as exc:
+            raise TaskOptionError(f"reward {dict(spec)!r}: {exc}") from None
+    if not isinstance(spec, str) or not spec:
+        raise TaskOptionError(f"reward must be a reward name ({', '.join(reward_names())}), 'module:function', or "
+                              f"a mapping of them to weights, e.g. {{math: 1.0, format: 0.1}}; got {spec!r}")
+    if spec in NAMED_REWARDS:
+        return _import_function(NAMED_REWARDS[spec], spec)
     if ":" not in spec:
-        task = get_task(spec)
-        return task.reward
-    module_name, _, attr = spec.partition(":")
+        if spec not in _FACTORIES or spec in ("jsonl", "dataset"):
+            raise TaskOptionError(f"unknown reward {spec!r}{did_you_mean(spec, reward_names())}; or give "
+                                  "'module:function'")
+        return get_task(spec).reward
+    return _import_function(spec, spec)
+
+
+def reward_names() -> list[str]:
+    """The names a reward spec may use without an import path."""
+    return sorted({*NAMED_REWARDS, *(n for n in _FACTORIES if n not in ("jsonl", "dataset"))})
+
+
+def _component_name(spec: str) -> str:
+    """A weighted reward's key for a component: its name, or the function's name of an import path."""
+    return spec.rpartition(":")[2] if ":" in spec else spec
+
+
+def _import_function(path: str, spec: str) -> RewardFn:
+    module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -53,6 +87,7 @@ _FACTORIES: dict[str, Callable[..., Task]] = {
     "digits-sum": digits.digits_sum,
     "digits-reverse": digits.digits_reverse,
     "jsonl": _jsonl_task,
+    "dataset": dataset_task,
 }
 
 
@@ -91,6 +126,9 @@ def check_task(name: str, options: Mapping[str, Any], tokenizer: Any = None) -> 
         raise TaskOptionError(f"task {name!r}: option 'tokenizer' is set by streamrl from the model (model.path "
                               "or the built-in character tokenizer); remove it from task.options")
     _bind(name, factory, options)
+    if name == "dataset":
+        _check_reward_option(name, options.get("reward"))
+        return factory(**options)  # reads every row now, with the errors the source stage would give
     if name != "jsonl":
         extra = {"tokenizer": tokenizer} if name.startswith("digits") and tokenizer is not None else {}
         return factory(**options, **extra)
@@ -111,6 +149,14 @@ def check_task(name: str, options: Mapping[str, Any], tokenizer: Any = None) -> 
     if label is not None and not isinstance(label, str):
         raise TaskOptionError(f"task 'jsonl': option name must be a string, got {label!r}")
     return None
+
+
+def _check_reward_option(task: str, reward: object) -> None:
+    """``reward`` of a dataset task resolves (named, weighted, task name or import path)."""
+    if reward is None:
+        raise TaskOptionError(f"task {task!r}: option reward is required: a reward name ({', '.join(reward_names())}), "
+                              "'module:function', or weights, e.g. {math: 1.0, format: 0.1}")
+    load_reward_fn(reward)  # type: ignore[arg-type]  # its errors name what is wrong
 
 
 def get_task(name: str, **options: Any) -> Task:
