@@ -1,4 +1,5 @@
-"""``streamrl`` command line: run a config, validate one, host reward servers, make CURVE keys."""
+"""``streamrl`` command line: run a config, validate one, report on a run, host reward servers, make
+CURVE keys."""
 
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from streamrl.metrics.report import ReportError, write_report
+
+    try:
+        report = write_report(args.run_dir, args.out)
+    except ReportError as exc:
+        print(f"streamrl: report: {exc}", file=sys.stderr)
+        return 2
+    print(report.index)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="streamrl", description="RL training of language models as a streaming dataflow")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -63,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
     v.set_defaults(func=_cmd_validate)
+    r = sub.add_parser("report", help="plots and an index.html summary of a run: streamrl report runs/<run>")
+    r.add_argument("run_dir", help="a run directory (holds metrics.jsonl and config.yaml)")
+    r.add_argument("--out", default=None, help="where to write the report (default: RUN_DIR/report)")
+    r.set_defaults(func=_cmd_report)
     try:  # reward servers and keys live with the rewards package
         importlib.import_module("streamrl.rewards.cli").register_commands(sub)
     except (ImportError, AttributeError):

@@ -1,73 +1,63 @@
-"""Per-step metrics to ``metrics.jsonl``, TensorBoard event files and ``reward_curve.png``."""
+"""Per-step metrics to the run's sinks (``metrics.jsonl``, TensorBoard, W&B) and ``reward_curve.png``."""
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
+
+from streamrl.config import WandbConfig
+from streamrl.metrics.sinks import JsonlSink, MetricsSink, SinkUnavailable, TensorBoardSink, WandbSink, clean
 
 log = logging.getLogger("streamrl.metrics")
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+    """Fans each row out to the sinks. JSONL always; a sink that fails (W&B's service dying, a
+    full disk under TensorBoard) is dropped with one warning and the run goes on: metrics.jsonl
+    still holds everything."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, wandb: WandbConfig | None = None,
+                 run_config: dict[str, Any] | None = None) -> None:
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a", buffering=1)  # line-buffered: a crash loses no finished step
         self.rows: list[dict[str, Any]] = []
-        self._tb: Any = None
+        self.sinks: dict[str, MetricsSink] = {"jsonl": JsonlSink(self.path)}
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-            except ImportError as exc:  # tensorboard not installed: say so once, keep going
-                log.warning("TensorBoard logging off (%s); pip install tensorboard", exc)
+                self.sinks["tensorboard"] = TensorBoardSink(run_dir / "tensorboard")
+            except SinkUnavailable as exc:  # optional: say so once, keep going
+                log.warning("%s", exc)
+        if wandb is not None:
+            self.sinks["wandb"] = WandbSink(run_dir, wandb, run_config)  # asked for: its absence is an error
 
     def write(self, row: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        self.rows.append(clean)
-        self._file.write(json.dumps(clean) + "\n")
-        if self._tb is not None:
-            step = int(row.get("step", len(self.rows)))
-            for k, v in clean.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    self._tb.add_scalar(k, v, step)
+        self.rows.append(clean(row))
+        for name, sink in list(self.sinks.items()):
+            try:
+                sink.write(row)
+            except Exception as exc:
+                if name == "jsonl":
+                    raise  # the run's record of itself: failing to write it is the run's failure
+                log.warning("metrics sink %s failed (%s: %s); dropped, metrics.jsonl goes on", name,
+                            type(exc).__name__, exc)
+                self._close(name, self.sinks.pop(name))
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for name, sink in list(self.sinks.items()):
+            self._close(name, sink)
+        self.sinks.clear()
+
+    @staticmethod
+    def _close(name: str, sink: MetricsSink) -> None:
+        try:
+            sink.close()
+        except Exception as exc:
+            log.warning("closing metrics sink %s failed: %s", name, exc)
 
 
 def plot_reward_curve(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path | None:
     """Mean reward per step (with ±std band); None when matplotlib is missing or no steps ran."""
-    steps = [r["step"] for r in rows if r.get("reward_mean") is not None]
-    if not steps:
-        return None
-    try:
-        import matplotlib
+    from streamrl.metrics.report import plot_reward
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("reward_curve.png skipped: pip install matplotlib")
-        return None
-    mean = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
-    std = [r.get("reward_std") or 0.0 for r in rows if r.get("reward_mean") is not None]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(steps, mean, color="tab:blue", label="mean reward")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
-                    [m + s for m, s in zip(mean, std, strict=True)], color="tab:blue", alpha=0.15, label="± std")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("reward")
-    ax.set_title(title or "reward per step")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return plot_reward(rows, path, title=title)

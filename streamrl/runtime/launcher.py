@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from streamrl.config import RunConfig, dump_config, load_config
 from streamrl.dock.controller import ConsumerView
@@ -168,7 +169,8 @@ class _Launch:
         self.t_launch = t_launch
         self.workers = [_Worker(s.name, k) for s in pipeline.stages for k in range(s.workers)]
         self.progress = Progress(cfg.algo.steps, cfg.output.progress)
-        self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard)
+        self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
+                                     run_config=msgspec.to_builtins(cfg))
         self.busy: dict[tuple[str, int], float] = {}
         self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
         self.train_rows: list[dict[str, Any]] = []
