@@ -106,8 +106,8 @@ def batch_reward(
     response_ids: Sequence[Sequence[int]],
     answers: Sequence[str],
     metadata: Sequence[dict[str, Any]] | None = None,
-) -> list[float]:
-    """Apply a per-sample reward function to equal-length columns."""
+) -> list[float | dict[str, float]]:
+    """Apply a per-sample reward function to equal-length columns (a map of named scores stays one)."""
     n = len(prompts)
     lengths = {"responses": len(responses), "response_ids": len(response_ids), "answers": len(answers)}
     if metadata is not None:
@@ -116,6 +116,8 @@ def batch_reward(
         if size != n:
             raise ValueError(f"reward batch: {name} has {size} entries, prompts has {n}")
     meta = metadata if metadata is not None else [{}] * n
-    return [
-        float(fn(prompts[i], responses[i], list(response_ids[i]), answers[i], **meta[i])) for i in range(n)
-    ]
+    out: list[float | dict[str, float]] = []
+    for i in range(n):
+        value = fn(prompts[i], responses[i], list(response_ids[i]), answers[i], **meta[i])
+        out.append(value if isinstance(value, dict) else float(value))  # named scores stay a map
+    return out

@@ -1,0 +1,95 @@
+"""Day one, end to end in real processes: a Hugging Face checkpoint (Qwen2 architecture, a BPE
+tokenizer with a chat template) loaded through ``model.path``, a GSM8K-format Parquet dataset,
+the math-verify reward, a cosine schedule over ``algo.epochs``, held-out evaluation, and
+``streamrl report`` on the run. Nothing is downloaded: the checkpoint and the files are made here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+import streamrl
+from streamrl.cli import main as cli_main
+from streamrl.config import load_config
+from tests.e2e.hf_checkpoint import gsm8k_rows, save_qwen2_checkpoint, write_gsm8k_parquet
+from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_ROWS, EVAL_ROWS, PROMPTS_PER_STEP = 64, 16, 8
+LR, WARMUP, MIN_RATIO = 1e-3, 1, 0.1
+
+
+def recipe(tmp_path: Path) -> dict:
+    model = save_qwen2_checkpoint(tmp_path / "model")
+    train = write_gsm8k_parquet(tmp_path / "data" / "train.parquet", gsm8k_rows(TRAIN_ROWS, seed=1))
+    test = write_gsm8k_parquet(tmp_path / "data" / "test.parquet", gsm8k_rows(EVAL_ROWS, seed=2))
+    return {
+        "pipeline": str(REPO / "pipelines" / "grpo.yaml"),
+        "model": {"path": str(model)},
+        "task": {"name": "dataset", "chat_template": True,
+                 "system_prompt": "Please reason step by step, and put your final answer within \\boxed{}.",
+                 "options": {"path": str(train), "eval_path": str(test), "prompt_field": "question",
+                             "answer_field": "answer", "reward": {"math": 1.0, "format": 0.1}}},
+        "algo": {"epochs": 0.5, "prompts_per_step": PROMPTS_PER_STEP, "group_size": 4, "max_new_tokens": 12,
+                 "lr": LR, "lr_schedule": "cosine", "warmup_steps": WARMUP, "min_lr_ratio": MIN_RATIO},
+        "eval": {"every": 2, "max_prompts": 8},
+        "output": {"run_dir": str(tmp_path / "runs"), "name": "gsm8k", "progress": "none"},
+    }
+
+
+def cosine_lr(step_index: int, total: int) -> float:
+    """transformers' cosine_with_min_lr with linear warmup, at optimizer step ``step_index`` (0-based)."""
+    if step_index < WARMUP:
+        return LR * step_index / WARMUP
+    progress = (step_index - WARMUP) / (total - WARMUP)
+    return LR * (MIN_RATIO + (1 - MIN_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@pytest.mark.timeout(300)
+def test_hf_checkpoint_on_gsm8k_parquet_with_math_reward_eval_schedule_and_report(tmp_path: Path) -> None:
+    before = ipc_dirs()
+    result = streamrl.run(recipe(tmp_path))
+    steps = math.ceil(0.5 * TRAIN_ROWS / PROMPTS_PER_STEP)  # algo.epochs over the train split
+    assert result.steps == steps and result.stop_reason == f"completed {steps} steps"
+    run_dir = result.run_dir
+
+    # training rows: the weighted reward and its parts, and the lr the cosine schedule gives each step
+    for i, row in enumerate(result.metrics):
+        assert row["step"] == i + 1
+        assert 0.0 <= row["score/math_mean"] <= 1.0 and 0.0 <= row["score/format_mean"] <= 1.0
+        assert row["reward_mean"] == pytest.approx(row["score/math_mean"] + 0.1 * row["score/format_mean"], abs=1e-6)
+        assert row["lr"] == pytest.approx(cosine_lr(i, steps), rel=1e-6, abs=1e-12), (i, row["lr"])
+        assert row["response_len_mean"] > 0
+
+    # held-out evaluation of versions 2 and 4 (the last, at the end) on the test split
+    assert sorted(r["step"] for r in result.eval_metrics) == [2, 4]
+    for r in result.eval_metrics:
+        assert r["eval/prompts"] == 8 and 0.0 <= r["eval/pass@1"] <= 1.0
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == steps + 2
+
+    # the resolved config (algo.epochs became algo.steps) loads again as is
+    saved = load_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    assert saved.algo.steps == steps and saved.algo.epochs is None
+
+    # the final policy is a transformers checkpoint that holds the trained version
+    assert json.loads((run_dir / "checkpoint" / "streamrl_state.json").read_text()) == {"policy_version": steps}
+
+    # streamrl report: PNGs that are real pictures, and a summary page naming the run
+    assert cli_main(["report", str(run_dir)]) == 0
+    report = run_dir / "report"
+    index = (report / "index.html").read_text()
+    assert run_dir.name in index
+    pngs = {p.name for p in report.glob("*.png")}
+    assert {"reward.png", "eval.png", "response_length.png"} <= pngs, pngs
+    import matplotlib.image
+
+    for name in pngs:
+        pixels = matplotlib.image.imread(report / name)
+        assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and float(pixels.std()) > 0.01, name
+    assert_run_cleaned(run_dir, os.getpid(), before)
