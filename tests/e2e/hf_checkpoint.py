@@ -65,7 +65,7 @@ def save_qwen2_checkpoint(path: Path, *, hidden: int = 64, layers: int = 2, seed
     tokenizer = train_tokenizer(corpus)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=None)
     with torch.random.fork_rng(devices=[]):

@@ -93,3 +93,23 @@ def test_hf_checkpoint_on_gsm8k_parquet_with_math_reward_eval_schedule_and_repor
         pixels = matplotlib.image.imread(report / name)
         assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and float(pixels.std()) > 0.01, name
     assert_run_cleaned(run_dir, os.getpid(), before)
+
+
+def test_the_shipped_recipe_validates_with_the_files_in_place(tmp_path: Path) -> None:
+    """configs/grpo_qwen2.5_0.5b_gsm8k.yaml as a user runs it, with a stand-in checkpoint and the
+    GSM8K files where its README section says to put them (run from tmp_path)."""
+    save_qwen2_checkpoint(tmp_path / "models" / "Qwen2.5-0.5B-Instruct")
+    write_gsm8k_parquet(tmp_path / "data/gsm8k/main/train-00000-of-00001.parquet", gsm8k_rows(400, seed=1))
+    write_gsm8k_parquet(tmp_path / "data/gsm8k/main/test-00000-of-00001.parquet", gsm8k_rows(10, seed=2))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the recipe's paths resolve against the config's directory, then the cwd
+    try:
+        assert cli_main(["validate", str(REPO / "configs" / "grpo_qwen2.5_0.5b_gsm8k.yaml")]) == 0
+        cfg = load_config(REPO / "configs" / "grpo_qwen2.5_0.5b_gsm8k.yaml")
+        from streamrl.runtime.pipeline import load_pipeline, resolve_run_length
+
+        resolved = resolve_run_length(cfg)
+        assert resolved.algo.steps == math.ceil(400 / 32)  # one epoch of 400 rows at 32 prompts per step
+        assert [s.name for s in load_pipeline(resolved).stages][-1] == "eval"
+    finally:
+        os.chdir(cwd)
