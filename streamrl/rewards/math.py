@@ -10,8 +10,8 @@ answer, else 0.0 (never raises: malformed LaTeX, no answer at all, a parse error
   final answer ("the final answer is ..."), then the last number or expression of the text. So
   ``\\boxed{9} ... 10`` answers 9, and a response without a box answers its last number.
 - Equivalence is symbolic (sympy): ``\\frac{1}{2}`` = ``0.5``, ``\\sqrt{4}`` = ``2``, ``1,000`` =
-  ``1000``, ``3.0`` = ``3``, ``x = 5`` = ``5`` (an equation's right-hand side); a percentage is its
-  number (``50\\%`` is 50, not 0.5).
+  ``1000``, ``3.0`` = ``3``, ``x = 5`` = ``5`` (an equation's right-hand side), and a LaTeX gold
+  percentage is its fraction (``50\\%`` = ``0.5``).
 
 Time: math-verify bounds parsing and comparison with ``signal.alarm``, which works only in a
 process's main thread; the score stage calls rewards from worker threads, so there the alarm is
