@@ -563,10 +563,16 @@ def resolve_model_dir(cfg: RunConfig) -> Path:
 
 
 def task_options(cfg: RunConfig) -> dict[str, Any]:
-    """``task.options`` as the task factory gets them: a ``jsonl`` task's ``path`` resolved like the
-    pipeline (relative to the config file, the cwd or the checkout), so validation reads the same
-    file the source stage will."""
+    """``task.options`` as the task factory gets them: a ``jsonl`` task's ``path``, and a ``dataset``
+    task's ``path`` / ``eval_path`` where they name a file or directory, resolved like the pipeline
+    (relative to the config file, the cwd or the checkout), so validation reads the same file the
+    source stage will."""
     options = dict(cfg.task.options)
     if cfg.task.name == "jsonl" and isinstance(options.get("path"), str) and options["path"]:
         options["path"] = str(resolve_path(cfg, options["path"]))
+    if cfg.task.name == "dataset":
+        for key in ("path", "eval_path"):  # a file or directory: found like the pipeline; else a hub name
+            value = options.get(key)
+            if isinstance(value, str) and value and resolve_path(cfg, value).exists():
+                options[key] = str(resolve_path(cfg, value))
     return options

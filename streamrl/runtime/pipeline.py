@@ -745,7 +745,9 @@ def _check_reshard_model(spec: PipelineSpec, cfg: RunConfig, model_config: dict[
 
 def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, positions_key: str) -> None:
     from streamrl.config import task_options
-    from streamrl.tasks.dataset import CHECK_ROWS, PromptDatasetError, check_prompts_jsonl
+    from streamrl.tasks.base import Prompt
+    from streamrl.tasks.chat import render_prompt
+    from streamrl.tasks.dataset import CHECK_ROWS, DatasetTask, PromptDatasetError, check_prompts_jsonl
     from streamrl.tasks.registry import TaskOptionError, UnknownTaskError, check_task
 
     name, options = cfg.task.name, task_options(cfg)
@@ -754,8 +756,14 @@ def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, posit
     except UnknownTaskError as exc:
         raise ConfigError(f"run config: task.name: {exc}; or register your own with "
                           "streamrl.tasks.register_task") from None
+    except PromptDatasetError as exc:  # the dataset task's rows: the message starts with its option (task.options.path)
+        raise ConfigError(f"run config: {exc}") from None
     except (TaskOptionError, ValueError, TypeError) as exc:
         raise ConfigError(f"run config: task.options: {exc}") from None
+    if cfg.task.chat_template and cfg.model.path is None:  # the source stage renders every task's prompts
+        raise ConfigError("run config: task.chat_template: true needs a tokenizer with a chat template, and the "
+                          "built-in character tokenizer (model.path unset) has none: set model.path to a checkpoint "
+                          "whose tokenizer has one (an instruct model), or set task.chat_template: false")
     new = cfg.algo.max_new_tokens
 
     def too_long(tokens: int) -> bool:
@@ -773,54 +781,35 @@ def _check_task(cfg: RunConfig, tokenizer: Any, max_positions: int | None, posit
             rows, _ = check_prompts_jsonl(options["path"])
         except PromptDatasetError as exc:
             raise ConfigError(f"run config: task.options.path: {exc}") from None
-        known = _char_vocabulary(cfg) if cfg.model.path is None else None
-        if known is not None:  # one token per character
-            lengths = [len(prompt.text) for _, prompt in rows]
-        elif max_positions is not None:  # a model's own tokenizer: one batched call, not one per row
-            encoded = tokenizer([prompt.text for _, prompt in rows], add_special_tokens=False)["input_ids"]
-            lengths = [len(ids) for ids in encoded]
-        else:
-            lengths = [0] * len(rows)
-        for (lineno, prompt), tokens in zip(rows, lengths, strict=True):
-            at = f"run config: task.options.path: {options['path']}, line {lineno}"
-            if known is not None:
-                unknown = "".join(sorted(set(prompt.text) - known))
-                if "\n" in unknown or "\r" in unknown:
-                    raise ConfigError(f"{at}: the prompt has a line break, which the built-in character tokenizer "
-                                      "cannot encode (it would be dropped); remove it from the prompt, or use a "
-                                      "model.path with its own tokenizer")
-                if unknown:
-                    raise ConfigError(f"{at}: the prompt has characters the built-in character tokenizer does not "
-                                      f"know: {unknown!r} (each would read as <unk>); add them to "
-                                      f"model.extra_chars, e.g. model.extra_chars: {unknown!r}")
-            if too_long(tokens):
-                raise ConfigError(f"{at}: the prompt is {tokens} tokens; with algo.max_new_tokens={new} that is "
-                                  f"{tokens + new} > the model's {max_positions} positions ({positions_key}); shorten the "
-                                  f"prompt, or {fix(tokens)}")
+        _check_prompt_rows(cfg, tokenizer, [(f"task.options.path: {options['path']}, line {lineno}", prompt)
+                                            for lineno, prompt in rows], too_long, fix, max_positions, positions_key)
         return
-    if cfg.task.chat_template and cfg.model.path is None:
-        raise ConfigError("run config: task.chat_template: true needs a tokenizer with a chat template: set model.path "
-                          "to a checkpoint that has one (an instruct model), or set task.chat_template: false")
-    from streamrl.tasks.dataset import DatasetTask
-
-    if isinstance(task, DatasetTask):  # every row (bounded), as the source and eval stages will render them
-        limit = CHECK_ROWS
-        _check_prompt_lengths(cfg, tokenizer, list(zip(task.origins, task.prompts, strict=True))[:limit]
-                              + list(zip(task.eval_origins, task.eval, strict=True))[:limit], too_long, fix,
-                              max_positions, positions_key)
+    if isinstance(task, DatasetTask):  # its rows (bounded), as the source and eval stages will render them
+        train = list(zip(task.origins, task.prompts, strict=True))[:CHECK_ROWS]
+        evals = list(zip(task.eval_origins, task.eval, strict=True))[:CHECK_ROWS]
+        _check_prompt_rows(cfg, tokenizer, train + evals, too_long, fix, max_positions, positions_key)
         return
     longest = getattr(task, "max_prompt_text", None)
-    texts = [longest()] if callable(longest) else [p.text for p in task.make_prompts(cfg.task.seed, 64)]
-    tokens = max(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+    prompts = [Prompt(longest(), "")] if callable(longest) else task.make_prompts(cfg.task.seed, 64)
+    t = cfg.task
+    try:
+        texts = [render_prompt(p, tokenizer, chat_template=t.chat_template, system_prompt=t.system_prompt)
+                 for p in prompts]
+    except ValueError as exc:  # ChatTemplateError: no template in model.path's tokenizer
+        raise ConfigError(f"run config: task {name!r}: {exc}") from None
+    tokens = max(len(tokenizer.encode(text, add_special_tokens=False)) for text in texts)
     if too_long(tokens):
         label = "the longest prompt" if callable(longest) else "a prompt"
-        raise ConfigError(f"run config: algo.max_new_tokens={new} + {label} of task {name!r} ({tokens} tokens) = "
-                          f"{tokens + new} > the model's {max_positions} positions ({positions_key}); {fix(tokens)}")
+        raise ConfigError(f"run config: algo.max_new_tokens={new} + {label} of task {name!r} ({tokens} tokens"
+                          f"{' with the chat template' if t.chat_template else ''}) = {tokens + new} > the model's "
+                          f"{max_positions} positions ({positions_key}); {fix(tokens)}")
 
 
-def _check_prompt_lengths(cfg: RunConfig, tokenizer: Any, rows: list[tuple[str, Any]], too_long: Any, fix: Any,
-                          max_positions: int | None, positions_key: str) -> None:
-    """Each prompt renders (chat template) and fits the model with algo.max_new_tokens."""
+def _check_prompt_rows(cfg: RunConfig, tokenizer: Any, rows: list[tuple[str, Any]], too_long: Any, fix: Any,
+                       max_positions: int | None, positions_key: str) -> None:
+    """Each prompt renders (chat template), the built-in character tokenizer knows its characters,
+    and it fits the model with algo.max_new_tokens. ``rows``: ``(where, Prompt)``, ``where`` naming
+    the option, the file and the row."""
     from streamrl.tasks.chat import ChatTemplateError, render_prompt
 
     t = cfg.task
@@ -832,17 +821,32 @@ def _check_prompt_lengths(cfg: RunConfig, tokenizer: Any, rows: list[tuple[str, 
             raise ConfigError(f"run config: {at}: {exc}") from None
         except Exception as exc:  # the template's own Jinja error
             raise ConfigError(f"run config: {at}: the tokenizer's chat template failed on this prompt "
-                              f"({type(exc).__name__}: {exc})") from None
-    if max_positions is None or not texts:
-        return
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+                              f"({type(exc).__name__}: {exc}); fix the row or the template") from None
+    known = _char_vocabulary(cfg) if cfg.model.path is None else None
+    if known is not None:  # one token per character
+        lengths = [len(text) for text in texts]
+    elif max_positions is not None and texts:  # a model's own tokenizer: one batched call, not one per row
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    else:
+        lengths = [0] * len(texts)
     new = cfg.algo.max_new_tokens
-    for (at, _), tokens in zip(rows, lengths, strict=True):
+    for (at, _), text, tokens in zip(rows, texts, lengths, strict=True):
+        where = f"run config: {at}"
+        if known is not None:
+            unknown = "".join(sorted(set(text) - known))
+            if "\n" in unknown or "\r" in unknown:
+                raise ConfigError(f"{where}: the prompt has a line break, which the built-in character tokenizer "
+                                  "cannot encode (it would be dropped); remove it from the prompt, or use a "
+                                  "model.path with its own tokenizer")
+            if unknown:
+                raise ConfigError(f"{where}: the prompt has characters the built-in character tokenizer does not "
+                                  f"know: {unknown!r} (each would read as <unk>); add them to "
+                                  f"model.extra_chars, e.g. model.extra_chars: {unknown!r}")
         if too_long(tokens):
-            raise ConfigError(f"run config: {at}: the prompt is {tokens} tokens"
+            raise ConfigError(f"{where}: the prompt is {tokens} tokens"
                               f"{' with the chat template' if t.chat_template else ''}; with algo.max_new_tokens={new} "
                               f"that is {tokens + new} > the model's {max_positions} positions ({positions_key}); "
-                              f"{fix(tokens)}")
+                              f"shorten the prompt, or {fix(tokens)}")
 
 
 def _char_vocabulary(cfg: RunConfig) -> set[str]:

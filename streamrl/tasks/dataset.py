@@ -18,15 +18,15 @@ from typing import Any
 
 import msgspec
 
-from streamrl.tasks.base import RESERVED_FIELDS, BatchRewardMixin, Prompt, RewardFn, as_rng
+from streamrl.tasks.base import RESERVED_FIELDS, BatchRewardMixin, Prompt, RewardFn, TaskOptionError, as_rng
 from streamrl.tasks.files import PromptDatasetError, read_rows
 
 
 def _row_to_prompt(row: object, where: str, prompt_field: str = "prompt", answer_field: str = "answer",
-                   metadata_fields: list[str] | None = None) -> Prompt:
+                   metadata_fields: list[str] | None = None, *, numbers_as_text: bool = False) -> Prompt:
     """A row as a Prompt: ``prompt_field`` (a non-empty string, or a list of chat messages),
-    ``answer_field`` (a string; a number becomes its text) and the metadata (``metadata_fields``,
-    or every other field whose value is a plain scalar)."""
+    ``answer_field`` (a string; with ``numbers_as_text`` an int or float becomes its text) and the
+    metadata (``metadata_fields``, or every other field whose value is a plain scalar)."""
     if not isinstance(row, dict):
         raise PromptDatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}; write "
                                  f'{{"{prompt_field}": "...", "{answer_field}": "..."}}')
@@ -45,7 +45,11 @@ def _row_to_prompt(row: object, where: str, prompt_field: str = "prompt", answer
         raise PromptDatasetError(f"{where}: field {answer_field!r} is missing (use \"\" when the reward needs none; "
                                  "or set answer_field)")
     answer = row[answer_field]
-    # a number is refused rather than converted: its text is ambiguous ("01" read as 1, 0.1 + 0.2)
+    # the jsonl task refuses a number (its text is ambiguous: "01" read as 1); the dataset task takes
+    # Parquet/datasets columns typed int or float as they are. A whole float is written as an int:
+    # one float in a column makes pyarrow store every answer as a double (2 -> 2.0)
+    if numbers_as_text and isinstance(answer, int | float) and not isinstance(answer, bool):
+        answer = str(int(answer)) if isinstance(answer, float) and answer.is_integer() else str(answer)
     if not isinstance(answer, str):
         raise PromptDatasetError(
             f"{where}: field {answer_field!r} must be a string, got {type(answer).__name__} {answer!r}; "
@@ -215,26 +219,34 @@ class DatasetOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     row_fn: str | None = None  # "module:function": row dict -> prompt text, or {prompt, answer, ...}
 
 
-def read_prompts(source: str, split: str, options: DatasetOptions, *, where: str,
-                 limit: int | None = None) -> list[tuple[str, Prompt]]:
-    """``(where, Prompt)`` of the rows of ``source`` (the first ``limit`` when given)."""
+def read_prompts(source: str, split: str, options: DatasetOptions, *, where: str, config: str | None = None,
+                 limit: int | None = None, split_option: str | None = None) -> list[tuple[str, Prompt]]:
+    """``(origin, Prompt)`` of the rows of ``source`` (the first ``limit`` when given); an origin is
+    ``<where>: <file>, row N`` (``line N`` for JSONL), what messages about the row start with."""
     row_fn = load_row_fn(options.row_fn) if options.row_fn else None
     out = []
-    for at, row in read_rows(source, split, where=where)[:limit]:
+    for label, row in read_rows(source, split, where=where, config=config, limit=limit, split_option=split_option):
+        at = f"{where}: {label}"
         if row_fn is not None:
             try:
                 mapped = row_fn(dict(row) if isinstance(row, dict) else row)
-            except Exception as exc:
-                raise PromptDatasetError(f"{at}: row_fn {options.row_fn!r} failed: {type(exc).__name__}: {exc}") from None
+            except Exception as exc:  # the user's code: any error, reported with the row it failed on
+                raise PromptDatasetError(f"{at}: task.options.row_fn {options.row_fn!r} failed: "
+                                         f"{type(exc).__name__}: {exc}") from None
             if isinstance(mapped, str):  # just the prompt: the answer still comes from answer_field
+                if not isinstance(row, dict):
+                    raise PromptDatasetError(f"{at}: a row must be an object with the field {options.answer_field!r} "
+                                             f"when row_fn returns only the prompt, got {type(row).__name__}")
                 row = {**row, options.prompt_field: mapped}
             elif isinstance(mapped, dict):
-                out.append((at, _row_to_prompt(mapped, f"{at} (after row_fn)")))
+                out.append((at, _row_to_prompt(mapped, f"{at} (as row_fn returned it)", numbers_as_text=True)))
                 continue
             else:
-                raise PromptDatasetError(f"{at}: row_fn {options.row_fn!r} must return a prompt string or a dict "
-                                         f"{{'prompt': str | messages, 'answer': str, ...}}, got {type(mapped).__name__}")
-        out.append((at, _row_to_prompt(row, at, options.prompt_field, options.answer_field, options.metadata_fields)))
+                raise PromptDatasetError(f"{at}: task.options.row_fn {options.row_fn!r} must return a prompt string "
+                                         "or a dict {'prompt': str | [{'role': ..., 'content': ...}], 'answer': str, "
+                                         f"...}}, got {type(mapped).__name__}")
+        out.append((at, _row_to_prompt(row, at, options.prompt_field, options.answer_field, options.metadata_fields,
+                                       numbers_as_text=True)))
     return out
 
 
@@ -243,6 +255,7 @@ def dataset_task(
     reward: str | dict[str, float] | RewardFn,
     *,
     split: str = "train",
+    config: str | None = None,
     eval_path: str | None = None,
     eval_split: str | None = None,
     prompt_field: str = "prompt",
@@ -253,20 +266,49 @@ def dataset_task(
     name: str | None = None,
 ) -> DatasetTask:
     """The ``dataset`` task: prompts from ``path`` (a .jsonl / .json / .parquet file, a
-    ``save_to_disk`` directory or a hub name) and its ``split``; the eval split from ``eval_path``
-    (a file; or its ``eval_split`` split, default ``test``, of a DatasetDict or hub name), or the
-    ``eval_split`` split of ``path``."""
+    ``save_to_disk`` directory or a hub name, with its ``config``) and its ``split``; the eval rows
+    from ``eval_path`` (a file; of a DatasetDict or hub name its ``eval_split``, default ``test``),
+    or, with ``eval_split`` alone, that split of ``path``. ``reward`` goes to
+    :func:`streamrl.tasks.registry.load_reward_fn` as given (a name, weights, or "module:function")."""
+    return _dataset_task(path, reward, split=split, config=config, eval_path=eval_path, eval_split=eval_split,
+                         prompt_field=prompt_field, answer_field=answer_field, metadata_fields=metadata_fields,
+                         row_fn=row_fn, shuffle=shuffle, name=name)
+
+
+def check_dataset_task(**options: Any) -> DatasetTask:
+    """The ``dataset`` task as validation builds it before a run: every option checked, but only the
+    first CHECK_ROWS rows of each split read (the source stage reads the rest, with the same messages)."""
+    return _dataset_task(**options, limit=CHECK_ROWS)
+
+
+def _dataset_task(path: str, reward: str | dict[str, float] | RewardFn, *, split: str = "train",
+                  config: str | None = None, eval_path: str | None = None, eval_split: str | None = None,
+                  prompt_field: str = "prompt", answer_field: str = "answer",
+                  metadata_fields: list[str] | None = None, row_fn: str | None = None, shuffle: bool = True,
+                  name: str | None = None, limit: int | None = None) -> DatasetTask:
     from streamrl.tasks.registry import load_reward_fn
 
-    options = msgspec.convert({"prompt_field": prompt_field, "answer_field": answer_field,
-                               "metadata_fields": metadata_fields, "row_fn": row_fn}, DatasetOptions)
+    for option, value in (("path", path), ("split", split), ("config", config), ("eval_path", eval_path),
+                          ("eval_split", eval_split), ("name", name)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise TaskOptionError(f"task 'dataset': option {option} must be a non-empty string, got {value!r}")
+    if not isinstance(shuffle, bool):
+        raise TaskOptionError(f"task 'dataset': option shuffle must be true or false, got {shuffle!r}")
+    try:
+        options = msgspec.convert({"prompt_field": prompt_field, "answer_field": answer_field,
+                                   "metadata_fields": metadata_fields, "row_fn": row_fn}, DatasetOptions)
+    except msgspec.ValidationError as exc:  # e.g. "Expected `str`, got `int` - at `$.prompt_field`"
+        raise TaskOptionError(f"task 'dataset': {str(exc).replace('$.', 'task.options.')}") from None
     reward_fn = reward if callable(reward) else load_reward_fn(reward)
-    train = read_prompts(path, split, options, where="task.options.path")
+    # a split other than the default must exist to be picked: a file has none ("split: test" is a mistake)
+    train = read_prompts(path, split, options, where="task.options.path", config=config, limit=limit,
+                         split_option="split" if split != "train" else None)
     evals: list[tuple[str, Prompt]] = []
     if eval_path is not None or eval_split is not None:
         source = eval_path if eval_path is not None else path
         where = "task.options.eval_path" if eval_path is not None else "task.options.eval_split"
-        evals = read_prompts(source, eval_split or "test", options, where=where)
+        evals = read_prompts(source, eval_split or "test", options, where=where, config=config, limit=limit,
+                             split_option="eval_split" if eval_path is None else None)
     return DatasetTask(name or f"dataset:{Path(path).name}", [p for _, p in train], reward_fn,
                        eval_prompts=[p for _, p in evals], shuffle=shuffle,
                        origins=[at for at, _ in train], eval_origins=[at for at, _ in evals])

@@ -20,7 +20,7 @@ from streamrl.config import did_you_mean
 from streamrl.rewards.named import NAMED_REWARDS, RewardSpecError, WeightedReward, check_weights
 from streamrl.tasks import digits
 from streamrl.tasks.base import RewardFn, Task, TaskOptionError
-from streamrl.tasks.dataset import DatasetTask, dataset_task, load_prompts_jsonl
+from streamrl.tasks.dataset import DatasetTask, check_dataset_task, dataset_task, load_prompts_jsonl
 
 
 class UnknownTaskError(KeyError):
@@ -128,7 +128,9 @@ def check_task(name: str, options: Mapping[str, Any], tokenizer: Any = None) -> 
     _bind(name, factory, options)
     if name == "dataset":
         _check_reward_option(name, options.get("reward"))
-        return factory(**options)  # reads every row now, with the errors the source stage would give
+        if factory is dataset_task:  # reads the rows now (bounded), with the errors the source stage would give
+            return check_dataset_task(**options)
+        return factory(**options)
     if name != "jsonl":
         extra = {"tokenizer": tokenizer} if name.startswith("digits") and tokenizer is not None else {}
         return factory(**options, **extra)

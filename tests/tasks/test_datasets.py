@@ -108,7 +108,7 @@ def test_each_epoch_visits_every_row_once_in_a_seeded_order(tmp_path: Path) -> N
         ("bad.json", '[{"question": "1?", "answer": "1"}, {"question": "", "answer": "2"}]',
          "bad.json, row 1: field 'question' must be a non-empty string"),
         ("bad.json", '{"question": "1?"}', "a .json dataset must be a list of row objects"),
-        ("bad.jsonl", '{"question": "1?", "answer": 1}\n', "line 1: field 'answer' must be a string, got int 1"),
+        ("bad.jsonl", '{"question": "1?", "answer": true}\n', "line 1: field 'answer' must be a string, got bool True"),
         ("empty.jsonl", "\n", "has no rows"),
         ("rows.csv", "question,answer\n", "has the extension '.csv'"),
         ("bad.parquet", "not parquet", "not a readable Parquet file"),
