@@ -702,6 +702,12 @@ def _check_model(cfg: RunConfig) -> tuple[Any, dict[str, Any], str]:
         raise ConfigError(f"run config: model.path {cfg.model.path!r}: cannot load its tokenizer from "
                           f"{str(directory)!r} ({type(exc).__name__}: {exc}); save one there with "
                           "tokenizer.save_pretrained") from None
+    from streamrl.stages.common import TokenizerTokensError, with_pad_token
+
+    try:
+        tokenizer = with_pad_token(tokenizer)
+    except TokenizerTokensError as exc:
+        raise ConfigError(f"run config: model.path {cfg.model.path!r}: {exc}") from None
     vocab = config.get("vocab_size")
     if isinstance(vocab, int) and len(tokenizer) > vocab:
         raise ConfigError(f"run config: model.path {cfg.model.path!r}: its tokenizer has {len(tokenizer)} tokens but "

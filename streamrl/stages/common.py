@@ -22,8 +22,25 @@ def build_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
         from transformers import AutoTokenizer
 
         # the directory validation checked (a local one, or a hub id in the local cache): never a download
-        return AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg)), local_files_only=True)
+        return with_pad_token(AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg)), local_files_only=True))
     return build_char_tokenizer(cfg.model.extra_chars)
+
+
+class TokenizerTokensError(ValueError):
+    """A tokenizer lacks the end-of-sequence token generation stops at."""
+
+
+def with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """``tokenizer`` with a pad token: its own, else its EOS (many base models define none; padding
+    only fills rows and is masked, so which id it is does not matter). Generation stops at EOS, so a
+    tokenizer without one is refused."""
+    if tokenizer.eos_token_id is None:
+        raise TokenizerTokensError("the tokenizer of model.path defines no eos token, so generation could not stop; "
+                                   "set eos_token in its tokenizer_config.json (e.g. the chat template's end-of-turn "
+                                   "token)")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def build_policy(cfg: RunConfig, device: str, *, for_training: bool = False

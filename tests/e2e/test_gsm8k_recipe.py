@@ -113,3 +113,17 @@ def test_the_shipped_recipe_validates_with_the_files_in_place(tmp_path: Path) ->
         assert [s.name for s in load_pipeline(resolved).stages][-1] == "eval"
     finally:
         os.chdir(cwd)
+
+
+def test_a_tokenizer_without_pad_pads_with_eos_and_one_without_eos_is_refused() -> None:
+    """Many base models' tokenizers define no pad token; generation needs EOS to stop."""
+    from streamrl.stages.common import TokenizerTokensError, with_pad_token
+    from tests.e2e.hf_checkpoint import train_tokenizer
+
+    tok = train_tokenizer(["What is 1 + 1?"])
+    tok.pad_token = None
+    assert tok.pad_token_id is None
+    assert with_pad_token(tok).pad_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    tok.eos_token = None
+    with pytest.raises(TokenizerTokensError, match="defines no eos token"):
+        with_pad_token(tok)
