@@ -161,18 +161,20 @@ def _explain_stage_error(text: str, raw: Any) -> str:
     return f"stage {name!r} (stages[{k}]): field {field!r}: {text.split(' - at ')[0]}"
 
 
-def import_object(spec: str, what: str) -> Any:
+def import_object(spec: str, what: str, *, form: str = "package.module:Name", must_call: bool = False) -> Any:
+    """The object ``spec`` (``module:attr``) names, else ValueError naming ``what`` and the fix.
+    ``must_call``: it must be callable (a user's function)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {spec!r} must be 'package.module:Name'")
+        raise ValueError(f"{what} {spec!r} must be '{form}'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{what} {spec!r}: module {module_name!r} has no {attr!r}") from None
+    obj = getattr(module, attr, None)
+    if obj is None or (must_call and not callable(obj)):
+        raise ValueError(f"{what} {spec!r}: module {module_name!r} has no {'callable ' if must_call else ''}{attr!r}")
+    return obj
 
 
 def _apply_overrides(stage: StageSpec, over: StageOverride) -> StageSpec:

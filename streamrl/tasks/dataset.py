@@ -9,7 +9,6 @@ or a ``row_fn`` maps it to those. Errors name the file, the row (or line) and th
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -197,17 +196,12 @@ class DatasetTask(BatchRewardMixin):
 
 def load_row_fn(spec: str) -> Callable[[dict[str, Any]], Any]:
     """The ``row_fn`` option: a ``module:function`` mapping a row to a prompt."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise PromptDatasetError(f"task.options.row_fn {spec!r} must be 'module:function'")
+    from streamrl.runtime.pipeline import import_object
+
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PromptDatasetError(f"task.options.row_fn {spec!r}: cannot import module {module_name!r} ({exc})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise PromptDatasetError(f"task.options.row_fn {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return fn  # type: ignore[no-any-return]
+        return import_object(spec, "task.options.row_fn", form="module:function", must_call=True)  # type: ignore[no-any-return]
+    except ValueError as exc:
+        raise PromptDatasetError(str(exc)) from None
 
 
 class DatasetOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -10,7 +10,6 @@ and ``jsonl`` (the JSONL-only original).
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -65,14 +64,12 @@ def _component_name(spec: str) -> str:
 
 
 def _import_function(path: str, spec: str) -> RewardFn:
-    module_name, _, attr = path.partition(":")
+    from streamrl.runtime.pipeline import import_object
+
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TaskOptionError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise TaskOptionError(f"reward {spec!r}: module {module_name!r} has no callable {attr!r}")
+        fn = import_object(path, "reward", form="module:function", must_call=True)
+    except ValueError as exc:
+        raise TaskOptionError(str(exc).replace(f"reward {path!r}", f"reward {spec!r}", 1)) from None
     return fn  # type: ignore[no-any-return]
 
 
