@@ -15,7 +15,9 @@ leases and serve weights.
 
 A *source* stage (no ``reads``) has ``async def produce(self) -> Output | None`` instead: each
 call returns the columns of new samples (``Output.group_size`` consecutive samples form a group),
-None when it has no more.
+None when it has no more. Optional ``async def wait_ready(self)``: what it waits for before the next
+``produce`` (e.g. a policy version), awaited by the runtime apart, so waiting is not counted as
+the stage's busy time.
 
 A *side* stage (no ``reads``, no ``writes``: e.g. evaluation) has ``async def run(self) -> None``
 instead: it works beside the dataflow until it returns or the run stops (Stop cancels it).

@@ -69,24 +69,43 @@ def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
 
 
 class _Meter:
+    """A worker's busy time, counted while each batch runs (not when it ends): a batch that spans
+    several optimizer steps is shared among them, so ``busy/<stage>`` stays a fraction of each
+    step's wall time even when one batch takes minutes."""
+
     def __init__(self, control: ControlClient) -> None:
         self.control = control
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # finished batches
         self.batches = 0
         self.samples = 0
-        self._last_report = 0.0
+        self._started: float | None = None  # the batch in flight, if any
 
-    def add(self, seconds: float, samples: int) -> None:
-        self.busy_s += seconds
+    def begin(self) -> None:
+        self._started = time.perf_counter()
+
+    def end(self, samples: int) -> None:
+        if self._started is not None:
+            self.busy_s += time.perf_counter() - self._started
+            self._started = None
         self.batches += 1
         self.samples += samples
-        now = time.monotonic()
-        if now - self._last_report >= BUSY_REPORT_S:
-            self.flush()
-            self._last_report = now
+
+    def busy_now(self) -> float:
+        running = time.perf_counter() - self._started if self._started is not None else 0.0
+        return self.busy_s + running
 
     def flush(self) -> None:
-        self.control.busy(self.busy_s, self.batches, self.samples)
+        self.control.busy(self.busy_now(), self.batches, self.samples)
+
+    async def report_every(self, interval_s: float) -> None:
+        """Tell the launcher the busy time so far, in flight included, until cancelled."""
+        last = -1.0
+        while True:
+            await anyio.sleep(interval_s)
+            now = self.busy_now()
+            if now != last:
+                self.flush()
+                last = now
 
 
 async def run_worker(spec: WorkerSpec) -> int:
@@ -144,6 +163,7 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
 
             tg.start_soon(stop_watch)
             meter = _Meter(control)
+            tg.start_soon(meter.report_every, BUSY_REPORT_S)
             async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
                                   lease_ttl_s=cfg.resources.dock.lease_ttl_s,
                                   max_message_mib=cfg.resources.dock.max_message_mib) as dock:
@@ -261,9 +281,12 @@ async def _watch_parent(parent_pid: int, tg: anyio.abc.TaskGroup) -> None:
 
 async def _source_loop(stage: Any, dock: DockClient, meter: _Meter) -> None:
     while True:
-        t0 = time.perf_counter()
+        wait_ready = getattr(stage, "wait_ready", None)
+        if wait_ready is not None:  # waiting (e.g. for a policy version) is not work: outside the meter
+            await wait_ready()
+        meter.begin()
         out = await stage.produce()
-        meter.add(time.perf_counter() - t0, 0 if out is None else len(next(iter(out.columns.values()))))
+        meter.end(0 if out is None else len(next(iter(out.columns.values()))))
         if out is None:
             await dock.close_input()
             return
@@ -349,13 +372,14 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
                          columns: dict[str, list[Any]] | None, meter: _Meter) -> None:
     if columns is None:
         columns = await dock.fetch(lease.indices, spec.reads)
-    t0 = time.perf_counter()
+    meter.begin()
     try:
         result = await stage.process(Batch(lease.samples, columns))
     except StopRun:
         await dock.ack(lease)  # the stage consumed these before deciding to stop
         raise
-    meter.add(time.perf_counter() - t0, len(lease))
+    finally:
+        meter.end(len(lease))
     out = _as_output(result, spec, len(lease))
     if out.columns:
         await dock.put(lease.indices, out.columns, versions=out.versions, lengths=out.lengths)

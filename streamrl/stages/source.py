@@ -32,12 +32,18 @@ class SourceStage:
         self.step = 0
         self.gate = msgspec.convert(ctx.options, SourceOptions).gate_on_policy
 
+    async def wait_ready(self) -> None:
+        """Before the prompts of step s: policy version s - max_staleness (the runtime awaits this
+        before ``produce``, so the wait does not count as the source's busy time)."""
+        a = self.ctx.config.algo
+        if self.gate and self.step < a.steps:
+            await self.ctx.policy.wait_version(self.step - a.max_staleness)
+
     async def produce(self) -> Output | None:
         a = self.ctx.config.algo
         if self.step >= a.steps:
             return None
-        if self.gate:
-            await self.ctx.policy.wait_version(self.step - a.max_staleness)
+        await self.wait_ready()  # at once when the runtime already awaited it
         t = self.ctx.config.task
         prompts = self.task.make_prompts(self.rng, a.prompts_per_step)
         columns: dict[str, list[Any]] = {"prompt_ids": [], "prompt": [], "answer": [], "step": []}

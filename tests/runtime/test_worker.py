@@ -130,3 +130,14 @@ async def test_a_finished_worker_wrote_and_acked_every_sample(tmp_path: Path) ->
     busy = [e for e in events if isinstance(e, c.StageBusy)]
     assert busy and busy[-1].samples == N  # the last busy report counts every sample
     assert stats["consumers"]["double"]["done"] == N and stats["leases"] == 0
+
+
+async def test_busy_time_counts_while_a_batch_runs(tmp_path: Path) -> None:
+    """A long batch's time reaches the launcher as it runs (every BUSY_REPORT_S), not in one lump
+    when it ends: busy/<stage> then stays a fraction of each step's wall time."""
+    code, events, _, _, _ = await _run_one(tmp_path, {"sleep_s": 1.2}, lease_ttl_s=30.0)
+    assert code == 0
+    busy = [e for e in events if isinstance(e, c.StageBusy)]
+    in_flight = [e for e in busy if e.batches == 0]  # reported before the first batch ended
+    assert in_flight and 0.2 < max(e.busy_s for e in in_flight) <= 1.3, [(e.batches, e.busy_s) for e in busy]
+    assert busy[-1].samples == N and busy[-1].busy_s >= 1.2 * busy[-1].batches * 0.9

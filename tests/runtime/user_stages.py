@@ -116,16 +116,20 @@ class Recorder:
 class Doubler:
     """Writes ``y`` = 2 * ``x``; fails on samples whose ``x`` is in ``options.fail_on`` (a
     ValueError) and kills its own process on those in ``options.die_on`` (``options.how``:
-    "exit" = os._exit(3), "kill" = SIGKILL). Records each batch it got before acting."""
+    "exit" = os._exit(3), "kill" = SIGKILL); sleeps ``options.sleep_s`` per batch. Records each batch
+    it got before acting."""
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.fail_on = set(ctx.options.get("fail_on", []))
         self.die_on = set(ctx.options.get("die_on", []))
         self.how = str(ctx.options.get("how", "exit"))
+        self.sleep_s = float(ctx.options.get("sleep_s", 0.0))  # per batch: a slow stage
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         xs = [int(x) for x in batch.columns["x"]]
+        if self.sleep_s:
+            await self.ctx.run_sync(time.sleep, self.sleep_s)
         _record(self.ctx, f"{self.ctx.spec.name}-batches",
                 {"worker": self.ctx.worker, "pid": os.getpid(), "indices": batch.indices, "x": xs})
         if self.fail_on & set(xs):
