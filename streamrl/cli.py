@@ -17,8 +17,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from streamrl.runtime.launcher import RunFailed, run
     from streamrl.runtime.stage import StageError
 
+    config, overrides = args.config, list(args.overrides)
+    if args.resume is not None and config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]  # `--resume DIR key=value`: no config, overrides only
+    if config is None and args.resume is None:
+        print("streamrl: run needs a CONFIG file, or --resume RUN_DIR", file=sys.stderr)
+        return 2
     try:
-        result = run(args.config, args.overrides)
+        result = run(config, overrides, resume=args.resume)
     except ConfigError as exc:
         print(f"streamrl: config error: {exc}", file=sys.stderr)
         return 2
@@ -33,7 +39,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         print(json.dumps({"run_dir": str(result.run_dir), "steps": result.steps, "final_reward": result.final_reward,
                           "setup_s": result.setup_s, "train_s": result.train_s, "total_s": result.total_s,
-                          "time_to_target_s": result.time_to_target_s, "stop_reason": result.stop_reason}))
+                          "time_to_target_s": result.time_to_target_s, "stop_reason": result.stop_reason,
+                          "resumed_from": result.resumed_from, "restarts": result.restarts}))
     return 0
 
 
@@ -67,10 +74,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="streamrl", description="RL training of language models as a streaming dataflow")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run a config: streamrl run configs/grpo_digits.yaml [key=value ...]")
-    p.add_argument("config")
+    p = sub.add_parser("run", help="run a config: streamrl run configs/grpo_digits.yaml [key=value ...]; "
+                                   "continue one: streamrl run --resume runs/<run>")
+    p.add_argument("config", nargs="?", default=None,
+                   help="the run config (with --resume: optional, default RUN_DIR/config.yaml)")
     p.add_argument("overrides", nargs="*", help="field overrides, e.g. algo.lr=3e-4 resources.launch=inprocess")
     p.add_argument("--print-result", action="store_true", help="print a JSON summary line at the end")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue RUN_DIR from its newest checkpoint (output.checkpoint_every), in the same directory")
     p.set_defaults(func=_cmd_run)
     v = sub.add_parser("validate", help="check a config and its pipeline without running; print the resolved config")
     v.add_argument("config")

@@ -183,6 +183,16 @@ class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: str = "cpu"  # default device of model stages: cpu, cuda, cuda:N, npu, auto
     dock: DockConfig = msgspec.field(default_factory=DockConfig)
     start_timeout_s: float = 120.0  # worker start-up (imports, model build) must finish within this
+    # a worker of a restartable stage (generate, score, reference, advantage: no training state)
+    # whose process dies is started again, at most this many times per run; 0 = the run stops
+    max_restarts: int = 3
+    # no optimizer step for this long (seconds) after the last one = a stall: the run stops,
+    # reporting the stack of every worker busy in a batch (faulthandler); 0 = never. The first
+    # step may take longer (warm-up): it gets twice this.
+    stall_timeout_s: float = 1800.0
+    # a run whose trainer dies resumes from its newest checkpoint (output.checkpoint_every) up
+    # to this many times, in the same run directory; 0 = stop and say how to resume
+    auto_resume: int = 0
 
 
 class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -219,6 +229,10 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     wandb: WandbConfig | None = None  # None: no Weights & Biases run
     plot: bool = True  # reward_curve.png at the end
     checkpoint: bool = True  # final policy as a transformers save_pretrained directory
+    # a resumable checkpoint (policy, optimizer, schedule, RNG, data position) every N optimizer
+    # steps, and on SIGTERM; 0 = none (`streamrl run --resume` needs one)
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2  # the newest N are kept; older ones are deleted once a newer one is complete
     progress: Literal["auto", "tty", "lines", "none"] = "auto"  # none: silent
 
 
@@ -306,6 +320,16 @@ def _check(cfg: RunConfig, where: str) -> None:
          f"resources.dock.lease_ttl_s must be >= 0.05 seconds (the dock's lower bound), got {r.dock.lease_ttl_s}"),
         (r.start_timeout_s > 0 and math.isfinite(r.start_timeout_s),
          f"resources.start_timeout_s must be > 0 seconds, got {r.start_timeout_s}"),
+        (r.max_restarts >= 0, f"resources.max_restarts must be >= 0 (0 = no restarts), got {r.max_restarts}"),
+        (r.stall_timeout_s >= 0 and math.isfinite(r.stall_timeout_s),
+         f"resources.stall_timeout_s must be >= 0 seconds (0 = no stall detection), got {r.stall_timeout_s}"),
+        (r.auto_resume >= 0, f"resources.auto_resume must be >= 0 (0 = never), got {r.auto_resume}"),
+        (r.auto_resume == 0 or cfg.output.checkpoint_every > 0,
+         "resources.auto_resume needs checkpoints to resume from: set output.checkpoint_every, e.g. 50"),
+        (cfg.output.checkpoint_every >= 0,
+         f"output.checkpoint_every must be >= 0 steps (0 = no checkpoints), got {cfg.output.checkpoint_every}"),
+        (cfg.output.keep_checkpoints >= 1,
+         f"output.keep_checkpoints must be >= 1 (the newest is what --resume reads), got {cfg.output.keep_checkpoints}"),
         (bool(cfg.task.name.strip()), "task.name is empty; name a task, e.g. digits-max, or jsonl with task.options.path"),
         (bool(cfg.pipeline.strip()), "pipeline is empty; name a pipeline file, e.g. pipelines/grpo.yaml"),
         (cfg.model.path is None or bool(cfg.model.path.strip()),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -29,18 +30,22 @@ def _state(engine: FSDPTrainEngine) -> dict[str, object]:
     return {"model": model, "optimizer": optimizer, "engine": {"steps": torch.tensor(engine.steps)}}
 
 
-def save_checkpoint(engine: FSDPTrainEngine, path: str | Path) -> Path:
+def save_checkpoint(engine: FSDPTrainEngine, path: str | Path, process_group: dist.ProcessGroup | None = None
+                    ) -> Path:
     """Write model, optimizer and step to the DCP directory ``path`` (collective; every rank writes).
 
     Call it between steps: gradients accumulated since the last step are not part of it.
+    ``process_group``: the engine's ranks when the default group holds more (the disaggregated
+    placement's generate ranks); None = the default group.
     """
     engine.check_on_device()
     path = Path(path)
-    dcp.save(_state(engine), checkpoint_id=str(path))
+    dcp.save(_state(engine), checkpoint_id=str(path), process_group=process_group)
     return path
 
 
-def load_checkpoint(engine: FSDPTrainEngine, path: str | Path) -> int:
+def load_checkpoint(engine: FSDPTrainEngine, path: str | Path, process_group: dist.ProcessGroup | None = None
+                    ) -> int:
     """Load model, optimizer and step from ``path`` into ``engine`` (collective); returns the step.
 
     The engine must wrap the same architecture; its world size and tensor-parallel size may
@@ -58,7 +63,7 @@ def load_checkpoint(engine: FSDPTrainEngine, path: str | Path) -> int:
     engine.zero_grad()
     state = _state(engine)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), process_group=process_group)
     except Exception as exc:  # DCP raises CheckpointException and others; name the path once
         raise CheckpointError(
             f"could not load checkpoint {str(path)!r} into {type(engine.model).__name__}: {type(exc).__name__}: {exc}"

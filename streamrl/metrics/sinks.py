@@ -55,13 +55,13 @@ class JsonlSink:
 class TensorBoardSink:
     """TensorBoard event files under ``<run dir>/tensorboard`` (``tensorboard --logdir runs``)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise SinkUnavailable(f"TensorBoard logging needs tensorboard ({exc}): pip install tensorboard, or set "
                                   "output.tensorboard: false") from None
-        self._tb = SummaryWriter(log_dir=str(log_dir))
+        self._tb = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write(self, row: dict[str, Any]) -> None:
         step = int(row["step"])

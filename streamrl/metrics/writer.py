@@ -18,14 +18,16 @@ class MetricsWriter:
     still holds everything."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, wandb: WandbConfig | None = None,
-                 run_config: dict[str, Any] | None = None) -> None:
+                 run_config: dict[str, Any] | None = None, purge_step: int | None = None) -> None:
+        """``purge_step``: a resumed run's first new step; TensorBoard hides the interrupted run's
+        events from there on (they are written again)."""
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []
         self.sinks: dict[str, MetricsSink] = {"jsonl": JsonlSink(self.path)}
         if tensorboard:
             try:
-                self.sinks["tensorboard"] = TensorBoardSink(run_dir / "tensorboard")
+                self.sinks["tensorboard"] = TensorBoardSink(run_dir / "tensorboard", purge_step=purge_step)
             except SinkUnavailable as exc:  # optional: say so once, keep going
                 log.warning("%s", exc)
         if wandb is not None:

@@ -5,7 +5,8 @@ they connect (from then on a ``Stop`` reaches them, also during a long set-up), 
 after setup, wait for ``Go`` (so every stage starts together and start-up is timed apart from
 training), then stream ``StageBusy`` and ``StepReport`` events. A worker that fails sends
 ``Failed`` with the stage, worker and sample indices before it exits; one that wants the run
-to end (target reached) sends ``StopRequest``. The launcher answers with ``Stop``.
+to end (target reached) sends ``StopRequest``. The launcher answers with ``Stop``. On SIGTERM the
+launcher sends ``Save`` first: the train stage checkpoints after its current step and stops the run.
 
 Trust: a ``Failed`` or ``StopRequest`` ends the run, so the launcher takes events only from the
 workers it started. Each worker's spec carries the run's random ``token`` (spec files are written
@@ -69,6 +70,7 @@ class StageBusy(_FromWorker, tag="busy"):
     busy_s: float  # cumulative seconds inside process()/produce()
     batches: int
     samples: int
+    in_batch_s: float = 0.0  # seconds the batch now in process() has run; 0 between batches
 
 
 class StageMetrics(_FromWorker, tag="stage_metrics"):
@@ -107,9 +109,16 @@ class Stop(_Msg, tag="stop"):
     reason: str
 
 
+class Save(_Msg, tag="save"):
+    """Save a checkpoint after the current step, then stop (the launcher got SIGTERM). Only the
+    train stage acts on it; the run then ends as after a StopRequest."""
+
+    reason: str
+
+
 WorkerEvent = (Starting | Ready | StageBusy | StageMetrics | StepReport | EvalReport | Failed | StopRequest
                | Finished)
-LauncherCommand = Go | Stop
+LauncherCommand = Go | Stop | Save
 
 encoder = msgspec.msgpack.Encoder()
 event_decoder = msgspec.msgpack.Decoder(WorkerEvent)
@@ -129,6 +138,7 @@ class ControlClient:
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)  # commands are tiny; the limit keeps it so
         self.sock.connect(endpoint)
         self.stop_reason: str | None = None
+        self.save_reason: str | None = None  # a Save arrived: checkpoint after this step, then stop
         self._send(Starting(stage, worker, os.getpid(), token))
 
     def _send(self, msg: _Msg) -> None:
@@ -154,16 +164,20 @@ class ControlClient:
                     case Stop(reason=reason):
                         self.stop_reason = reason
                         return False
+                    case Save(reason=reason):
+                        self.save_reason = reason
 
     async def wait_stop(self) -> str:
         while True:
             cmd = await self._command()
+            if isinstance(cmd, Save):
+                self.save_reason = cmd.reason
             if isinstance(cmd, Stop):
                 self.stop_reason = cmd.reason
                 return cmd.reason
 
-    def busy(self, busy_s: float, batches: int, samples: int) -> None:
-        self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples))
+    def busy(self, busy_s: float, batches: int, samples: int, in_batch_s: float = 0.0) -> None:
+        self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples, in_batch_s))
 
     def stage_metrics(self, metrics: dict[str, float]) -> None:
         self._send(StageMetrics(self.stage, self.worker, {k: float(v) for k, v in metrics.items()}))
@@ -252,6 +266,15 @@ class ControlServer:
                 await self.sock.send_multipart([identity, data], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # a worker that is gone does not need the message
+
+    async def send_to(self, who: tuple[str, int], msg: Any) -> None:
+        """One command to one worker (e.g. Go to a worker restarted after the run went)."""
+        identity = self.identities.get(who)
+        if identity is not None:
+            try:
+                await self.sock.send_multipart([identity, encoder.encode(msg)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # gone again: its death is noticed by the launcher
 
     def close(self) -> None:
         self.sock.close(linger=0)

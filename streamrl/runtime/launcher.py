@@ -10,6 +10,7 @@ dock servers threads, for stepping through with a debugger.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,13 +28,21 @@ from typing import Any
 import anyio
 import msgspec
 
-from streamrl.config import RunConfig, dump_config, load_config
+from streamrl.config import ConfigError, RunConfig, dump_config, load_config
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
 from streamrl.metrics.writer import MetricsWriter, plot_reward_curve
 from streamrl.runtime import control as c
+from streamrl.runtime.checkpoints import (
+    CheckpointMissing,
+    ResumeFrom,
+    ResumeMismatch,
+    complete_checkpoints,
+    latest_checkpoint,
+    resume_from,
+)
 from streamrl.runtime.pipeline import PipelineSpec, load_pipeline, resolve_run_length
 from streamrl.runtime.stage import StageError
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
@@ -80,7 +90,8 @@ def _main_module_hidden() -> Iterator[None]:
 def _worker_process(spec_path: str, log_path: str) -> None:
     """Entry of a worker process (forked from the forkserver)."""
     os.setsid()  # own session: a Ctrl-C at the terminal reaches only the launcher
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # appended: a restarted worker, or a resumed run, keeps what the one before it wrote
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -97,8 +108,25 @@ def _worker_process(spec_path: str, log_path: str) -> None:
 STOP_GRACE_S = 15.0  # after a stop request, how long workers get to close (checkpoint) before SIGTERM
 
 
+SILENT_WORKER_S = 5.0  # a worker that sent no heartbeat for this long has a blocked event loop
+STACK_DUMP_WAIT_S = 1.0  # after SIGUSR1, how long a worker gets to write its stacks to its log
+
+
 class RunFailed(RuntimeError):
-    """The run stopped because a stage failed or a worker died; the message says which and where."""
+    """The run stopped because a stage failed or a worker died; the message says which and where.
+
+    ``resumable``: the failure was the run's machinery (a trainer or dock process died, a stall),
+    not a stage's error, so resuming from the last checkpoint may get past it
+    (``resources.auto_resume`` does that)."""
+
+    def __init__(self, message: str, *, resumable: bool = False) -> None:
+        super().__init__(message)
+        self.resumable = resumable
+
+
+class ResumeError(ConfigError):
+    """``--resume`` cannot continue this run directory (no complete checkpoint, another batch shape),
+    or a fresh run was pointed at a directory that holds one."""
 
 
 @dataclass
@@ -114,6 +142,9 @@ class RunResult:
     checkpoint: Path | None
     worker_logs: dict[str, Path] = field(default_factory=dict)
     eval_metrics: list[dict[str, Any]] = field(default_factory=list)  # eval rows (eval/... keys), in arrival order
+    resumed_from: int | None = None  # the checkpoint's version this run continued from (--resume)
+    restarts: dict[str, int] = field(default_factory=dict)  # "<stage>-<worker>" -> times it was restarted
+    dock_statistics: dict[str, Any] = field(default_factory=dict)  # the controller's, at the end of training
 
     @property
     def final_reward(self) -> float | None:
@@ -126,6 +157,9 @@ class _Worker:
     index: int
     log_path: Path | None = None
     proc: multiprocessing.process.BaseProcess | None = None
+    restartable: bool = False
+    heartbeat: float = 0.0  # monotonic time of its last StageBusy
+    in_batch_s: float = 0.0  # what that StageBusy said: seconds in the current batch (0 = between batches)
 
 
 def _new_run_dir(cfg: RunConfig) -> Path:
@@ -142,53 +176,151 @@ def _new_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
-def run(config: str | Path | dict[str, Any] | RunConfig, overrides: list[str] | None = None,
+def run(config: str | Path | dict[str, Any] | RunConfig | None = None, overrides: list[str] | None = None,
         **kwargs: Any) -> RunResult:
     """Run a config to completion (blocking). See :func:`arun`."""
     return anyio.run(lambda: arun(config, overrides, **kwargs))
 
 
-async def arun(config: str | Path | dict[str, Any] | RunConfig, overrides: list[str] | None = None, *,
-               run_dir: str | Path | None = None) -> RunResult:
-    """Validate the config and pipeline, launch everything, stream metrics, stop cleanly."""
+async def arun(config: str | Path | dict[str, Any] | RunConfig | None = None, overrides: list[str] | None = None,
+               *, run_dir: str | Path | None = None, resume: str | Path | None = None) -> RunResult:
+    """Validate the config and pipeline, launch everything, stream metrics, stop cleanly.
+
+    ``resume=RUN_DIR`` continues that run from its newest complete checkpoint, in the same
+    directory (``config`` defaults to the run's own config.yaml; ``overrides`` still apply).
+    """
     t_launch = time.monotonic()
+    if resume is not None:
+        resume = Path(resume)
+        if run_dir is not None and Path(run_dir).resolve() != resume.resolve():
+            raise ResumeError(f"resume={str(resume)!r} continues in its own directory; run_dir={str(run_dir)!r} "
+                              "differs: pass one of them")
+        if config is None:
+            config = resume / "config.yaml"
+            if not config.is_file():
+                raise ResumeError(f"{resume} is not a run directory (no config.yaml); pass the directory a run "
+                                  "printed as its run dir")
+        run_dir = resume
+    if config is None:
+        raise ConfigError("no config: pass a config file (or resume=RUN_DIR to continue a run)")
     cfg = resolve_run_length(load_config(config, overrides))
     pipeline = load_pipeline(cfg)
     rdir = Path(run_dir) if run_dir is not None else _new_run_dir(cfg)
+    if resume is None and complete_checkpoints(rdir):
+        raise ResumeError(
+            f"{rdir} already holds checkpoint {latest_checkpoint(rdir).name} of an earlier run: continue it "  # type: ignore[union-attr]
+            f"with `streamrl run --resume {rdir}` (streamrl.run(resume=...)), or start fresh in another directory "
+            f"(or delete {rdir / 'checkpoints'})")
     rdir.mkdir(parents=True, exist_ok=True)
     (rdir / "config.yaml").write_text(dump_config(cfg))
     (rdir / "pipeline.yaml").write_text(Path(pipeline.path).read_text())
-    return await _Launch(cfg, pipeline, rdir, t_launch).run()
+    resuming, automatic = resume is not None, 0
+    while True:
+        start = _checkpoint_to_resume(rdir, cfg) if resuming else None
+        try:
+            return await _Launch(cfg, pipeline, rdir, t_launch, start).run()
+        except RunFailed as exc:
+            if not exc.resumable or automatic >= cfg.resources.auto_resume or latest_checkpoint(rdir) is None:
+                raise
+            automatic += 1
+            log.warning("run failed (%s); resuming from %s (automatic resume %d of %d)", exc,
+                        latest_checkpoint(rdir), automatic, cfg.resources.auto_resume)
+            resuming, t_launch = True, time.monotonic()
+
+
+def truncate_metrics(path: Path, version: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Keep the rows of ``metrics.jsonl`` up to policy version ``version`` (rewritten atomically);
+    returns the kept (train rows, eval rows). Rows past it belong to the interrupted run, whose
+    steps after its checkpoint are trained again."""
+    if not path.is_file():
+        return [], []
+    kept_lines, train, evals = [], [], []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the crash
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or row["step"] > version:
+            continue
+        kept_lines.append(line)
+        (evals if any(k.startswith("eval/") for k in row) else train).append(row)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept_lines))
+    tmp.replace(path)
+    return train, evals
+
+
+def _remove_stale_ipc(run_dir: Path) -> None:
+    """The ipc directories an earlier launcher of this run directory recorded in logs/pids.json,
+    when that launcher is gone (killed: it could not clean up after itself)."""
+    from streamrl.runtime.worker import process_alive
+
+    try:
+        pids = json.loads((run_dir / "logs" / "pids.json").read_text())
+    except (OSError, ValueError):
+        return
+    launcher = pids.get("launcher")
+    if not isinstance(launcher, int) or launcher == os.getpid() or process_alive(launcher):
+        return
+    for d in pids.get("ipc", []):
+        if isinstance(d, str) and Path(d).parent == Path("/tmp") and Path(d).name.startswith("srl"):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _checkpoint_to_resume(run_dir: Path, cfg: RunConfig) -> ResumeFrom:
+    try:
+        return resume_from(run_dir, cfg.batch_size, cfg.algo.group_size)
+    except (CheckpointMissing, ResumeMismatch) as exc:
+        raise ResumeError(str(exc)) from None
 
 
 class _Launch:
-    def __init__(self, cfg: RunConfig, pipeline: PipelineSpec, run_dir: Path, t_launch: float) -> None:
+    def __init__(self, cfg: RunConfig, pipeline: PipelineSpec, run_dir: Path, t_launch: float,
+                 resume: ResumeFrom | None = None) -> None:
         self.cfg = cfg
         self.pipeline = pipeline
         self.run_dir = run_dir
         self.t_launch = t_launch
-        self.workers = [_Worker(s.name, k) for s in pipeline.stages for k in range(s.workers)]
+        self.resume = resume
+        self.workers = [_Worker(s.name, k, restartable=s.restartable) for s in pipeline.stages
+                        for k in range(s.workers)]
         self.progress = Progress(cfg.algo.steps, cfg.output.progress)
-        self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
-                                     run_config=msgspec.to_builtins(cfg))
-        self.busy: dict[tuple[str, int], float] = {}
-        self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
         self.train_rows: list[dict[str, Any]] = []
         self.eval_rows: list[dict[str, Any]] = []
+        resumed_at = resume.state.version if resume is not None else None
+        if resumed_at is not None:
+            # the rows up to the checkpoint stay; later ones were the dead run's and come again
+            self.train_rows, self.eval_rows = truncate_metrics(run_dir / "metrics.jsonl", resumed_at)
+            self.progress.message(f"streamrl: resuming {run_dir} from {Path(resume.path).name} "  # type: ignore[union-attr]
+                                  f"(version {resumed_at})")
+        self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
+                                     run_config=msgspec.to_builtins(cfg),
+                                     purge_step=resumed_at + 1 if resumed_at is not None else None)
+        self.busy: dict[tuple[str, int], float] = {}
+        self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
+        self.specs: dict[str, tuple[list[_Worker], WorkerSpec]] = {}  # process name -> its workers and spec
+        self.restarts: dict[str, int] = {}
+        self.term_requested = False
+        self.dock_statistics: dict[str, Any] = {}
+        self.t_progress = 0.0  # the last optimizer step (or Go)
+        self.finished: set[tuple[str, int]] = set()
+        self.tmp = ""  # this launcher's ipc directory
         self.busy_at_last_step: dict[str, float] = {}
         self.t_last_step = 0.0
         self.t_go = 0.0
         self.time_to_target: float | None = None
         self.failure: c.Failed | None = None
         self.death: str | None = None
+        self.resumable = False
         self.stop_reason = ""
         self.t_end: float | None = None
         self.dock: LocalDock | ThreadDock | None = None
 
     async def run(self) -> RunResult:
         cfg = self.cfg
+        _remove_stale_ipc(self.run_dir)  # a killed run of this directory could not remove its own
         # ipc endpoints live in a short private dir (socket paths are limited to ~100 bytes)
-        tmp = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
+        tmp = self.tmp = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
         dock: LocalDock | ThreadDock
         dc = cfg.resources.dock
         limits = DockLimits(dc.max_message_mib, dc.max_header_mib, dc.max_clients, dc.max_parked)
@@ -216,7 +348,7 @@ class _Launch:
                     spec = WorkerSpec(config=cfg, stage=host, worker=k, colocated=[s for s, _ in rest],
                                       dock_endpoint=dock.controller_endpoint, control_endpoint=server.endpoint,
                                       weights_endpoint=weights, run_dir=str(self.run_dir), pipeline=self.pipeline,
-                                      token=token,
+                                      token=token, resume=self.resume,
                                       parent_pid=os.getpid() if cfg.resources.launch == "processes" else 0)
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     if cfg.resources.launch == "processes":
@@ -228,8 +360,11 @@ class _Launch:
                 # then wait forever); a memory stream's receive loses nothing when cancelled.
                 events_in, events = anyio.create_memory_object_stream[c.WorkerEvent | None](10_000)
                 tg.start_soon(self._pump_events, server, events_in)
+                tg.start_soon(self._watch_sigterm)
+                self._write_pids()
                 await self._supervise(server, events)
                 self.t_end = time.monotonic()  # training ends here; shutdown is not training time
+                self.dock_statistics = await self._dock_statistics(dock.controller_endpoint)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -256,6 +391,7 @@ class _Launch:
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         name = "+".join(f"{w.stage}-{w.index}" for w in members)
+        self.specs[name] = (members, spec)
         spec_path = logs / f"{name}.spec.json"
         write_spec(spec, spec_path)
         log_path = logs / f"{name}.log"
@@ -266,14 +402,64 @@ class _Launch:
         with _main_module_hidden():
             proc.start()
 
-    def _check_processes(self) -> None:
+    def _write_pids(self) -> None:
+        """``logs/pids.json``: every process of the run (for operators: ``kill -USR1`` dumps a
+        worker's stacks into its log; and for fault-injection tests)."""
+        pids: dict[str, Any] = {"launcher": os.getpid(), "ipc": [self.tmp]}
+        if isinstance(self.dock, LocalDock):
+            pids["dock"] = list(self.dock.pids)
+            if self.dock._ipc_dir is not None:
+                pids["ipc"].append(self.dock._ipc_dir)
+        for name, (members, _) in self.specs.items():
+            proc = members[0].proc
+            if proc is not None and proc.pid is not None:
+                pids[name] = proc.pid
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        tmp = logs / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids, indent=1))
+        tmp.replace(logs / "pids.json")
+
+    def _resume_hint(self) -> str:
+        if not self.cfg.output.checkpoint_every:
+            return "this run saved no checkpoint (output.checkpoint_every: 0), so it cannot be resumed"
+        found = latest_checkpoint(self.run_dir)
+        where = f"its newest checkpoint is {found.name}" if found else "it has no complete checkpoint yet"
+        return f"resume it with: streamrl run --resume {self.run_dir} ({where})"
+
+    def _check_processes(self, stopping: bool) -> None:
         if isinstance(self.dock, LocalDock) and not self.dock.alive() and self.death is None:
-            self.death = "a dock server process died (controller or warehouse); the run cannot continue"
-        for w in self.workers:
-            if w.proc is not None and w.proc.exitcode not in (None, 0) and self.death is None:
-                code = w.proc.exitcode
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                self.death = f"stage {w.stage!r} worker {w.index} {how}; its log: {w.log_path}"
+            self.death = ("a dock server process died (controller or warehouse); the run cannot continue; "
+                          + self._resume_hint())
+            self.resumable = True
+        for name, (members, spec) in list(self.specs.items()):
+            proc = members[0].proc
+            if proc is None or proc.exitcode in (None, 0) or self.death is not None:
+                continue
+            code = proc.exitcode
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            # code 1: the stage raised and reported it (Failed): an error, not a crash to retry
+            if code != 1 and not stopping and all(w.restartable for w in members) \
+                    and self.restarts.get(name, 0) < self.cfg.resources.max_restarts:
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                ttl = self.cfg.resources.dock.lease_ttl_s
+                self.progress.message(
+                    f"streamrl: {name} {how}; restarting it ({self.restarts[name]} of resources.max_restarts="
+                    f"{self.cfg.resources.max_restarts}); its leased samples go back to the dock within "
+                    f"resources.dock.lease_ttl_s={ttl:g} s")
+                log.warning("%s %s; restarting it", name, how)
+                proc.close()
+                self._spawn(members, spec)
+                self._write_pids()
+                continue
+            w = members[0]
+            # a process that died (not a stage that raised: that arrives as Failed) is the run's
+            # machinery failing: resuming from the last checkpoint may get past it
+            self.resumable = True
+            extra = ""
+            if code != 1 and w.restartable and not stopping:
+                extra = f" (restarted {self.restarts.get(name, 0)} times already: resources.max_restarts)"
+            self.death = f"stage {w.stage!r} worker {w.index} {how}{extra}; its log: {w.log_path}; {self._resume_hint()}"
 
     @staticmethod
     async def _stop_late_workers(server: c.ControlServer, stop: c.Stop) -> None:
@@ -294,21 +480,27 @@ class _Launch:
     async def _supervise(self, server: c.ControlServer,
                          events: anyio.abc.ObjectReceiveStream[c.WorkerEvent | None]) -> None:
         expected = {(w.stage, w.index) for w in self.workers}
+        by_key = {(w.stage, w.index): w for w in self.workers}
         ready: set[tuple[str, int]] = set()
-        finished: set[tuple[str, int]] = set()
+        finished = self.finished
         deadline = time.monotonic() + self.cfg.resources.start_timeout_s
         stop_deadline: float | None = None
+        term_deadline: float | None = None
         went = False
         while True:
             event = None
             with anyio.move_on_after(0.2):
                 event = await events.receive()
-            self._check_processes()
+            self._check_processes(stopping=stop_deadline is not None or term_deadline is not None)
             match event:
                 case c.Ready(stage=s, worker=k):
                     ready.add((s, k))
-                case c.StageBusy(stage=s, worker=k, busy_s=b):
+                    if went:  # a restarted worker: the run is under way
+                        await server.send_to((s, k), c.Go())
+                case c.StageBusy(stage=s, worker=k, busy_s=b, in_batch_s=in_batch):
                     self.busy[(s, k)] = b
+                    w = by_key[(s, k)]
+                    w.heartbeat, w.in_batch_s = time.monotonic(), in_batch
                 case c.StageMetrics(stage=s, worker=k, metrics=m):
                     self.stage_metrics[(s, k)] = m
                 case c.StepReport(step=step, metrics=m):
@@ -327,12 +519,25 @@ class _Launch:
                 await self._drain_for_failure(events)
             if self.failure is not None or self.death is not None:
                 return
+            if self.term_requested and term_deadline is None and stop_deadline is None:
+                term_deadline = time.monotonic() + self._term_grace_s()
+                self.progress.message("streamrl: SIGTERM: saving a checkpoint after the current step, then stopping "
+                                      "(SIGTERM again, or Ctrl-C, stops at once)")
+                await server.broadcast(c.Save("SIGTERM"))
+            if term_deadline is not None and stop_deadline is None and time.monotonic() > term_deadline:
+                self.stop_reason = "SIGTERM (no step ended in time to save a checkpoint)"
+                self.progress.message(f"streamrl: no step ended within {self._term_grace_s():.0f} s of SIGTERM; "
+                                      f"stopping without a new checkpoint ({self._resume_hint()})")
+                return
             if not went and ready == expected:
                 went = True
-                self.t_go = self.t_last_step = time.monotonic()
+                self.t_go = self.t_last_step = self.t_progress = time.monotonic()
                 self.progress.message(f"streamrl: {len(expected)} workers ready in "
                                       f"{self.t_go - self.t_launch:.1f} s; training")
                 await server.broadcast(c.Go())
+            if went and stop_deadline is None and self._stalled():
+                await self._report_stall()
+                return
             if not went and time.monotonic() > deadline:
                 missing = sorted(expected - ready)
                 raise RunFailed(f"workers {missing} did not finish setup within resources.start_timeout_s="
@@ -349,6 +554,100 @@ class _Launch:
                 self.progress.message(f"streamrl: workers {late} did not finish within {STOP_GRACE_S:.0f} s of "
                                       "Stop; stopping them (see their logs)")
                 return  # stragglers are reaped below
+
+    def _term_grace_s(self) -> float:
+        """After SIGTERM, how long the current step (and its save) may take: a step is checked
+        against the stall timeout anyway."""
+        return self.cfg.resources.stall_timeout_s or 600.0
+
+    async def _watch_sigterm(self) -> None:
+        """SIGTERM with checkpoints on: save after the current step, then stop (a second one, or
+        none of that configured: stop at once, as Ctrl-C does). Only the main thread gets signals."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                if self.term_requested or not self.cfg.output.checkpoint_every or not self.t_go:
+                    signal.raise_signal(signal.SIGINT)  # the event loop turns it into a clean cancellation
+                    return
+                self.term_requested = True
+
+    def _stalled(self) -> bool:
+        limit = self.cfg.resources.stall_timeout_s
+        if not limit:
+            return False
+        first = not self.train_rows or (self.resume is not None and len(self.train_rows) <= self.resume.state.version)
+        return time.monotonic() - self.t_progress > (2 * limit if first else limit)
+
+    async def _report_stall(self) -> None:
+        """No step for stall_timeout_s: name the workers that look stuck, with their Python stacks."""
+        now = time.monotonic()
+        idle_s = now - self.t_progress
+        running = [w for w in self.workers if (w.stage, w.index) not in self.finished
+                   and (w.proc is None or w.proc.exitcode is None)]
+        silent = [w for w in running if now - w.heartbeat > SILENT_WORKER_S]
+        busy = [w for w in running if w.in_batch_s > 0 and w.in_batch_s + (now - w.heartbeat) > idle_s / 2
+                and w not in silent]
+        suspects = silent + busy or running
+        stacks = await anyio.to_thread.run_sync(self._dump_stacks, suspects)
+        lines = []
+        for w in suspects:
+            if w in silent:
+                why = f"sent nothing for {now - w.heartbeat:.0f} s (its event loop is blocked)"
+            elif w in busy:
+                why = f"has been in one batch for {w.in_batch_s + now - w.heartbeat:.0f} s"
+            else:
+                why = "is waiting"
+            lines.append(f"stage {w.stage!r} worker {w.index} {why}; log: {w.log_path}\n{stacks.get(id(w), '')}")
+        self.death = (f"no optimizer step for {idle_s:.0f} s (resources.stall_timeout_s="
+                      f"{self.cfg.resources.stall_timeout_s:g}); stopping the run. " + "\n".join(lines)
+                      + f"\n{self._resume_hint()}")
+        self.resumable = True
+        log.error("%s", self.death)
+
+    def _dump_stacks(self, workers: list[_Worker]) -> dict[int, str]:
+        """SIGUSR1 to each worker's process (faulthandler writes its threads' stacks to its log),
+        then the new text of each log."""
+        sizes = {}
+        for w in workers:
+            if w.proc is not None and w.proc.pid is not None and w.log_path is not None and w.proc.is_alive():
+                sizes[id(w)] = w.log_path.stat().st_size if w.log_path.exists() else 0
+                try:
+                    os.kill(w.proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        if not sizes:  # inprocess: the workers are this process's tasks
+            import faulthandler
+            import io
+
+            buf = io.StringIO()
+            with tempfile.TemporaryFile("w+") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+                f.seek(0)
+                buf.write(f.read())
+            return {id(w): buf.getvalue()[-6000:] for w in workers}
+        time.sleep(STACK_DUMP_WAIT_S)
+        out = {}
+        for w in workers:
+            if id(w) in sizes and w.log_path is not None:
+                with w.log_path.open("rb") as f:
+                    f.seek(sizes[id(w)])
+                    out[id(w)] = f.read().decode(errors="replace")[-6000:]
+        return out
+
+    async def _dock_statistics(self, endpoint: str) -> dict[str, Any]:
+        """The controller's counters once training ended (what reached each stage), for the result."""
+        from streamrl.dock.client import DockClient
+
+        try:
+            with anyio.fail_after(3):
+                async with DockClient(endpoint, client_id="launcher-stats", connect_timeout_s=2,
+                                      request_timeout_s=2) as dock:
+                    stats = await dock.server_statistics()
+            return dict(stats["controller"])
+        except Exception as exc:  # the dock died (that is reported on its own): no figures
+            log.info("no dock statistics at the end: %s", exc)
+            return {}
 
     def _stop_grace_s(self) -> float:
         """How long workers get to finish after a stop request: the final evaluation (eval.at_end)
@@ -368,6 +667,7 @@ class _Launch:
 
     def _on_step(self, step: int, metrics: dict[str, float]) -> None:
         now = time.monotonic()
+        self.t_progress = now
         row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(now - self.t_go, 4)}
         wall = max(now - self.t_last_step, 1e-9)
         for s in self.pipeline.stages:
@@ -378,6 +678,8 @@ class _Launch:
             for name, v in values.items():
                 key = f"{stage}/{name}" if self.pipeline.stage(stage).workers == 1 else f"{stage}/{k}/{name}"
                 row[key] = v
+        for name, n in sorted(self.restarts.items()):
+            row[f"restarts/{name}"] = n
         self.t_last_step = now
         target = self.cfg.algo.stop_reward
         if target is not None and self.time_to_target is None and metrics.get("reward_mean", -1e9) >= target:
@@ -423,7 +725,7 @@ class _Launch:
             tail = "\n".join(f.traceback.strip().splitlines()[-12:])
             raise StageError(f.stage, f.worker, f.indices, f"{f.message.split(': ', 1)[-1]}\n{tail}")
         if self.death is not None:
-            raise RunFailed(self.death)
+            raise RunFailed(self.death, resumable=self.resumable)
         rows = self.train_rows
         if self.cfg.output.plot and rows:
             plot_reward_curve(rows, self.run_dir / "reward_curve.png", title=self.cfg.output.name)
@@ -439,4 +741,6 @@ class _Launch:
             train_s=now - (self.t_go or now), total_s=time.monotonic() - self.t_launch,
             time_to_target_s=self.time_to_target,
             checkpoint=ckpt if ckpt.is_dir() else None, worker_logs=logs, eval_metrics=self.eval_rows,
+            resumed_from=self.resume.state.version if self.resume is not None else None,
+            restarts=dict(self.restarts), dock_statistics=self.dock_statistics,
         )

@@ -78,6 +78,9 @@ class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename
     # placement disaggregated: the train stage whose group sends this stage's workers each policy
     # version (they join its torch.distributed world after its ranks)
     weights_from: str | None = None
+    # a worker that dies may be started again (resources.max_restarts): the stage keeps no state
+    # between micro-batches. Set from the class's ``restartable = True`` too.
+    restartable: bool = False
 
     @property
     def is_source(self) -> bool:
@@ -309,6 +312,12 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
     if cfg.algo.loss.kl_coef > 0 and "ref_logprobs" not in writer:
         raise ConfigError(f"{where}: algo.loss.kl_coef > 0 needs a stage that writes 'ref_logprobs' "
                           "(use pipelines/grpo_kl.yaml, which has the reference stage)")
+    trainers = [s for s in spec.stages if s.cls == "streamrl.stages.train:TrainStage"]
+    if cfg.output.checkpoint_every and cfg.algo.max_staleness > 0 and any("sample_key" not in t.reads for t in trainers):
+        # without keys a checkpoint cannot say which samples in flight it has trained on
+        raise ConfigError(f"{where}: output.checkpoint_every with algo.max_staleness > 0 needs the train stage to read "
+                          "'sample_key' (and the source to write it), so that a resume neither repeats nor loses a "
+                          "sample: add sample_key to both, as pipelines/grpo.yaml does")
     if import_classes:
         for s in spec.stages:
             _check_class(s, f"{where}: stage {s.name!r} class", spec)
@@ -432,6 +441,8 @@ def _check_class(s: StageSpec, at: str, pipeline: PipelineSpec) -> None:
         raise ConfigError(f"{at}: {s.cls!r} works only with `placement: {placement}` at the top of the pipeline, "
                           f"which says {pipeline.placement!r}")
     _check_options(s, cls, at)
+    if getattr(cls, "restartable", False) is True:
+        s.restartable = True
     needed = ["setup", "close", "produce" if s.is_source else "run" if s.is_side else "process"]
     missing = [m for m in needed if not callable(getattr(cls, m, None))]
     if missing:

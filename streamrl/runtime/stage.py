@@ -48,6 +48,7 @@ from streamrl.dock.protocol import SampleInfo
 
 if TYPE_CHECKING:
     from streamrl.config import RunConfig
+    from streamrl.runtime.checkpoints import ResumeFrom
     from streamrl.runtime.control import ControlClient
     from streamrl.runtime.pipeline import PipelineSpec, StageSpec
     from streamrl.runtime.policy import PolicySubscriber
@@ -114,6 +115,8 @@ class StageContext:
     shared: dict[str, Any] = field(default_factory=dict)
     # the pipeline this worker runs in (e.g. a disaggregated generate stage reads its train stage's workers)
     pipeline: PipelineSpec | None = None
+    # a resumed run: the checkpoint it continues from (streamrl.runtime.checkpoints); None = a fresh run
+    resume: ResumeFrom | None = None
 
     @property
     def options(self) -> dict[str, Any]:

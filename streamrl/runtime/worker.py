@@ -14,8 +14,10 @@ process exits non-zero.
 from __future__ import annotations
 
 import builtins
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -30,7 +32,8 @@ import zmq.asyncio
 
 from streamrl.config import RunConfig
 from streamrl.dock.client import DockClient, Lease
-from streamrl.dock.errors import DockError, EndOfStream
+from streamrl.dock.errors import DockError, EndOfStream, RemoteError
+from streamrl.runtime.checkpoints import ResumeFrom
 from streamrl.runtime.control import ControlClient
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
@@ -53,6 +56,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     colocated: list[StageSpec] = msgspec.field(default_factory=list)  # more stages' worker k in this process
     pipeline: PipelineSpec | None = None  # the whole graph, for stages that pair with another stage
     token: str = ""  # the run's control-channel token (runtime/control.py); the spec file is 0600
+    resume: ResumeFrom | None = None  # a resumed run: the checkpoint it continues from
 
 
 def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
@@ -95,17 +99,15 @@ class _Meter:
         return self.busy_s + running
 
     def flush(self) -> None:
-        self.control.busy(self.busy_now(), self.batches, self.samples)
+        in_batch = time.perf_counter() - self._started if self._started is not None else 0.0
+        self.control.busy(self.busy_now(), self.batches, self.samples, in_batch)
 
     async def report_every(self, interval_s: float) -> None:
-        """Tell the launcher the busy time so far, in flight included, until cancelled."""
-        last = -1.0
+        """Tell the launcher the busy time so far, in flight included, until cancelled. Sent even
+        when idle: it is also the heartbeat by which the launcher tells a blocked worker."""
         while True:
             await anyio.sleep(interval_s)
-            now = self.busy_now()
-            if now != last:
-                self.flush()
-                last = now
+            self.flush()
 
 
 async def run_worker(spec: WorkerSpec) -> int:
@@ -139,7 +141,7 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
         async with anyio.create_task_group() as tg:
             ctx = StageContext(cfg, sspec, spec.worker, Path(spec.run_dir), device, policy, control,
                                spec.weights_endpoint, logging.getLogger(f"streamrl.stage.{sspec.name}"),
-                               shared=shared, pipeline=spec.pipeline)
+                               shared=shared, pipeline=spec.pipeline, resume=spec.resume)
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
                 tg.start_soon(_watch_parent, spec.parent_pid, tg)
@@ -382,7 +384,16 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
         meter.end(len(lease))
     out = _as_output(result, spec, len(lease))
     if out.columns:
-        await dock.put(lease.indices, out.columns, versions=out.versions, lengths=out.lengths)
+        try:
+            await dock.put(lease.indices, out.columns, versions=out.versions, lengths=out.lengths)
+        except RemoteError as exc:
+            if "already written" not in exc.message:
+                raise
+            # A worker of this stage died after its put and before its ack; its lease expired and
+            # the samples came here. Their columns are written (write-once): this batch's result is
+            # dropped and the samples acked, so each reaches the next stage once.
+            log.warning("%s: samples %s were already written by a worker that died before acking; acking them",
+                        spec.name, lease.indices[:8])
     await dock.ack(lease)
 
 
@@ -395,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "INFO"),  # the worker's own log file
                         format=f"%(asctime)s {spec.stage.name}[{spec.worker}] %(name)s: %(message)s")
     torch.set_num_threads(max(s.threads for s in [spec.stage, *spec.colocated]))
+    # `kill -USR1 <pid>` (the launcher does it for a stalled run) writes every thread's Python
+    # stack to this worker's log: works while a thread blocks in C or the event loop is stuck
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     code = anyio.run(run_worker, spec)
     # The process ends with os._exit (multiprocessing), which kills zmq's I/O thread at once: the
     # last Finished/Failed could still sit in its queue and never reach the launcher, which then

@@ -12,6 +12,7 @@ from streamrl.runtime.stage import Batch, StageContext
 
 
 class AdvantageStage:
+    restartable = True  # stateless between micro-batches: the launcher may restart a dead worker
     Options = NoOptions  # it takes no options; checked when the pipeline loads
 
     async def setup(self, ctx: StageContext) -> None:

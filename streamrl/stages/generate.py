@@ -3,6 +3,11 @@
 Before each micro-batch it makes sure it holds a policy version new enough for the samples'
 step (step - max_staleness), fetching the newest published weights when there are newer ones.
 Writes ``response_ids`` and ``rollout_logprobs`` and tags each sample with the version used.
+
+Sampling is reproducible per micro-batch when the stage reads ``sample_key``: each micro-batch's
+generator is seeded from the run's seed and its first sample's key, so a sample drawn again after
+a restart or a resume (same weights, same batch) gets the same tokens, on whichever worker.
+Without ``sample_key`` one generator per worker runs through the whole run.
 """
 
 from __future__ import annotations
@@ -15,8 +20,14 @@ from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy
 
 
+def batch_seed(seed: int, first_key: int) -> int:
+    """A micro-batch's sampling seed: distinct per (run seed, first sample key), < 2**63."""
+    return (seed * 0x9E3779B97F4A7C15 + first_key * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
 class GenerateStage:
     Options = NoOptions  # it takes no options; checked when the pipeline loads
+    restartable = True  # no state beyond the weights it fetches again: the launcher may restart a dead worker
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -35,6 +46,8 @@ class GenerateStage:
         if state is not None:
             await self.ctx.run_sync(self.engine.load_state_dict, state)
             self.version = version
+        if "sample_key" in batch.columns:
+            self.generator.manual_seed(batch_seed(self.ctx.config.seed, int(batch.columns["sample_key"][0])))
         gens = await self.ctx.run_sync(
             self.engine.generate, batch.columns["prompt_ids"], max_new_tokens=a.max_new_tokens,
             temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, generator=self.generator,

@@ -3,7 +3,7 @@
 The train stage (:mod:`streamrl.stages.train`) is the same in every placement; it asks its
 :class:`HandOver` for the world it joins and calls it at three points of a step:
 
-- ``start(trainer)``: version 0 (the initial policy) is available to generation;
+- ``start(trainer)``: the initial policy (version 0, or a resumed checkpoint's) is available to generation;
 - ``before_train()``: every rank has its share of the step; the step's compute comes next;
 - ``publish(version)``: the optimizer stepped; make ``version`` available.
 
@@ -148,6 +148,8 @@ class PublishHandOver(HandOver):
 
     async def start(self, trainer: TrainStage) -> None:
         self.trainer = trainer  # version 0 is built by every stage itself: nothing to send
+        if trainer.version > 0:  # resumed from a checkpoint: generation needs its weights
+            await self.publish(trainer.version)
 
     async def publish(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -198,7 +200,9 @@ class ColocatedHandOver(HandOver):
         # T > 1: the slices stay through the training phase (see streamrl/stages/tp_generation.py)
         self.policy = ColocatedPolicy(trainer.engine, resharder, swap_training_state=self.options.swap,
                                       release_weights_in_training=self.T == 1)
-        await self.policy.to_inference(0)
+        await self.policy.to_inference(trainer.version)  # 0, or a resumed checkpoint's
+        if trainer.version > 0:
+            await self.channel.announce(trainer.version)
         shared = colocated_rank(self.ctx)
         shared.policy, shared.groups = self.policy, trainer.groups
         shared.ready.set()
@@ -266,10 +270,12 @@ class DisaggregatedHandOver(HandOver):
         # In the background: the generation workers may take version 0 only after the start barrier
         # (TP followers serve their leader's commands from then on), and set-up must not wait for them.
         self.initial_sent = anyio.Event()
-        self.ctx.tasks.start_soon(self._send_initial)  # type: ignore[attr-defined]
+        self.ctx.tasks.start_soon(self._send_initial, trainer.version)  # type: ignore[attr-defined]
 
-    async def _send_initial(self) -> None:
-        await self._send(0)
+    async def _send_initial(self, version: int) -> None:
+        await self._send(version)  # 0, or a resumed checkpoint's
+        if version > 0:
+            await self.channel.announce(version)
         self.initial_sent.set()
 
     async def _send(self, version: int) -> ReshardReport:

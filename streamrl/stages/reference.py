@@ -11,6 +11,7 @@ from streamrl.stages.common import build_policy
 
 
 class ReferenceStage:
+    restartable = True  # stateless between micro-batches: the launcher may restart a dead worker
     Options = NoOptions  # it takes no options; checked when the pipeline loads
 
     async def setup(self, ctx: StageContext) -> None:

@@ -86,6 +86,8 @@ _KNOWN = frozenset(ScoreOptions.__struct_fields__)
 
 
 class ScoreStage:
+    restartable = True  # stateless between micro-batches: the launcher may restart a dead worker
+
     @staticmethod
     def check_options(options: dict[str, Any]) -> ScoreOptions:
         """The typed options, or :class:`ScoreOptionsError` naming the bad one. Pure: opens

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -33,10 +34,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from streamrl.engines.checkpoint import load_checkpoint, save_checkpoint
 from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
 from streamrl.engines.samples import samples_from_columns
 from streamrl.engines.schedule import lr_scheduler
 from streamrl.reshard import DaemonCall
+from streamrl.runtime.checkpoints import (
+    ResumeFrom,
+    RunState,
+    TrainedKeys,
+    commit,
+    partial_dir,
+    rng_state,
+    set_rng_state,
+    start_partial,
+    write_json,
+)
 from streamrl.runtime.pipeline import TrainOptions
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
@@ -91,12 +104,17 @@ class TrainStage:
                               activation_checkpointing=self.options.activation_checkpointing,
                               cpu_offload=self.options.cpu_offload)
 
+        # the train ranks' group (checkpoints are collective among them): the world, except when
+        # the disaggregated placement's generate workers are in it too
+        self.train_group: dist.ProcessGroup | None = None
+
         def build() -> FSDPTrainEngine:  # collective (the mesh, the sharding): in a thread
             mesh = None  # separate, colocated: the world is the train group, the engine meshes all of it
             if world_size > self.R:
                 # disaggregated: the generate workers follow in the world; mesh the train ranks only
                 # (local synchronisation: the generate ranks take no part in creating the group)
                 group = dist.new_group(list(range(self.R)), use_local_synchronization=True)
+                self.train_group = group
                 mesh = DeviceMesh.from_group(group, torch.device(self.device).type, mesh_dim_names=("dp",))
             return FSDPTrainEngine(model, lr=a.lr, betas=(a.betas[0], a.betas[1]), weight_decay=a.weight_decay,
                                    max_grad_norm=a.max_grad_norm, device=self.device, mesh=mesh, options=options)
@@ -109,15 +127,76 @@ class TrainStage:
             self.channel = ReplicaChannel(tp_mesh.get_group(), self.rank - self.rank % self.tp)
         self.loss_config = msgspec.structs.replace(a.loss, temperature=a.temperature)
         self.version = 0
-        await self.hand_over.start(self)  # version 0 = the initial policy
+        self.with_keys = "sample_key" in ctx.spec.reads  # which samples a checkpoint has trained on
+        self.trained = TrainedKeys()
+        self.repeated_samples = 0  # samples trained on more than once (sample_key): must stay 0
+        if ctx.resume is not None:
+            await ctx.run_sync(self._load, ctx.resume)
+        await self.hand_over.start(self)  # the initial policy: version 0, or the checkpoint's
         self._reset()
         self.t_step = time.monotonic()
 
     def _world_size(self) -> int:
         return self.hand_over.world_size()
 
+    def _load(self, resume: ResumeFrom) -> None:
+        """Continue from a checkpoint (collective): weights, AdamW, LR schedule, RNG, version."""
+        path, st = Path(resume.path), resume.state
+        load_checkpoint(self.engine, path / "train", self.train_group)
+        self.lr_schedule.load_state_dict(st.lr_schedule)
+        rng = path / "rng" / f"train-{self.rank}.json"
+        if rng.is_file():  # a resume at another world size: the new ranks keep their seeds
+            set_rng_state(msgspec.json.decode(rng.read_bytes()))
+        self.version = st.version
+        self.trained = TrainedKeys(st.trained_below, st.trained_extra)
+        log.info("train[%d]: resumed from %s at version %d", self.rank, path, self.version)
+
+    def _train_barrier(self) -> None:
+        if self.R > 1:
+            dist.barrier(group=self.train_group)
+
+    def _save(self, reason: str) -> Path | None:
+        """A resumable checkpoint of this version (collective among the train ranks; between steps)."""
+        cfg = self.ctx.config
+        run_dir = self.ctx.run_dir
+        if self.rank == 0:
+            start_partial(run_dir, self.version)
+        self._train_barrier()  # the directory exists before anyone writes into it
+        partial = partial_dir(run_dir, self.version)
+        write_json(partial / "rng" / f"train-{self.rank}.json", rng_state())
+        save_checkpoint(self.engine, partial / "train", self.train_group)
+        self._train_barrier()  # every rank's shards are written
+        if self.rank != 0:
+            return None
+        state = RunState(version=self.version, batch_size=cfg.batch_size, group_size=cfg.algo.group_size,
+                         trained_below=self.trained.below, trained_extra=self.trained.sorted_extra(),
+                         lr_schedule=self.lr_schedule.state_dict(), train_ranks=self.R, saved_at=time.time(),
+                         reason=reason)
+        return commit(run_dir, self.version, state, cfg.output.keep_checkpoints)
+
+    def _record_trained(self, keys: list[int]) -> None:
+        """The samples of the step just taken (every rank's share; collective over the dp ranks)."""
+        B = self.ctx.config.batch_size
+        if not self.with_keys:  # synchronous (checked): step v trained exactly source step v - 1
+            self.trained.add_range((self.version - 1) * B, self.version * B)
+            return
+        t = torch.tensor(keys, dtype=torch.int64)
+        if self.engine.dp_size > 1:  # every dp rank holds per_rank keys: equal sizes
+            parts = [torch.empty_like(t) for _ in range(self.engine.dp_size)]
+            dist.all_gather(parts, t, group=self.engine.dp_mesh.get_group())
+            t = torch.cat(parts)
+        got = t.tolist()
+        # a sample trained twice (it should never happen: the dock leases each once, a resume skips
+        # what the checkpoint trained) is counted where everyone sees it: the metrics
+        repeated = sum(1 for k in got if k in self.trained) + len(got) - len(set(got))
+        if repeated:
+            log.error("train: %d samples of step %d were trained on before", repeated, self.version)
+        self.repeated_samples += repeated
+        self.trained.add(got)
+
     def _reset(self) -> None:
         self.tally = StepTally()
+        self.step_keys: list[int] = []  # sample_key of every sample of this rank's share
         self.pending: list[dict[str, Any]] = []  # colocated: this rank's share, trained once all shares are in
 
     def claim_size(self) -> ClaimSize:
@@ -148,6 +227,8 @@ class TrainStage:
             await self._take(*received)
 
     async def _take(self, cols: dict[str, Any], versions: list[int]) -> None:
+        if self.with_keys:
+            self.step_keys.extend(int(k) for k in cols["sample_key"])
         if self.hand_over.trains_on_arrival:
             await self.ctx.run_sync(self._accumulate, cols)
         else:
@@ -177,8 +258,10 @@ class TrainStage:
         (r_sum, r_sq, g_seq_tok, st_sum) = await self.ctx.run_sync(
             self._all_reduce, [sum(r), sum(x * x for x in r), float(tally.sequence_tokens),
                                float(sum(tally.staleness))])
-        (st_max,) = await self.ctx.run_sync(self._all_reduce, [float(max(tally.staleness, default=0))],
-                                            dist.ReduceOp.MAX)
+        # a save asked for (SIGTERM) reaches the ranks at different moments: agree on it here
+        asked = 1.0 if self.ctx.control.save_reason is not None else 0.0
+        (st_max, save_asked) = await self.ctx.run_sync(
+            self._all_reduce, [float(max(tally.staleness, default=0)), asked], dist.ReduceOp.MAX)
         t_barrier = time.perf_counter()
         before = await self.hand_over.before_train()
         t_ready = time.perf_counter()
@@ -188,10 +271,19 @@ class TrainStage:
         self.lr_schedule.step()
         t_train = time.perf_counter()
         self.version += 1
+        await self.ctx.run_sync(self._record_trained, self.step_keys)
         reason = self._stop_reason(r_sum / max(stats["sequences"], 1.0))
-        if reason is not None and self.ctx.config.output.checkpoint:
+        out = self.ctx.config.output
+        if save_asked:
+            reason = (f"stopped on request after saving step {self.version} "
+                      f"(resume: streamrl run --resume {self.ctx.run_dir})")
+        if reason is not None and out.checkpoint:
             # every rank is here together, with the training state on its device: export (collective)
             await self.ctx.run_sync(self.engine.export_pretrained, self.ctx.run_dir / "checkpoint", self.tokenizer)
+        t_save = time.perf_counter()
+        if save_asked or (out.checkpoint_every and self.version % out.checkpoint_every == 0):
+            await self.ctx.run_sync(self._save, "sigterm" if save_asked else "periodic")
+        save_s = time.perf_counter() - t_save
         weight_metrics = await self.hand_over.publish(self.version)
         t_end = time.perf_counter()
         now = time.monotonic()
@@ -221,12 +313,15 @@ class TrainStage:
             "step_time_s": wall,
             "wait_other_ranks_ms": (t_barrier - t0) * 1e3,
             "train_ms": (t_train - t_ready) * 1e3,
-            "hand_over_ms": (t_end - t_train) * 1e3,
+            "hand_over_ms": (t_end - t_train - save_s) * 1e3,
+            "checkpoint_s": save_s,
             **before,
             **weight_metrics,
         }
         if "is_weight" in stats:
             metrics["is_weight"] = stats["is_weight"]
+        if self.with_keys:
+            metrics["repeated_samples"] = self.repeated_samples
         if self.rank == 0:
             self.ctx.report_step(self.version, metrics)
         self._reset()
