@@ -67,16 +67,16 @@ def test_commit_is_atomic_and_prunes_to_the_newest(tmp_path: Path) -> None:
 
 
 def test_resume_errors_say_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointMissing, match="no complete checkpoint.*checkpoint_every"):
+    with pytest.raises(CheckpointMissing, match=r"no complete checkpoint.*checkpoint_every"):
         resume_from(tmp_path, 16, 4)
     start_partial(tmp_path, 2)
     commit(tmp_path, 2, _state(2), keep=1)
-    with pytest.raises(ResumeMismatch, match="16 samples per step in groups of 4.*prompts_per_step"):
+    with pytest.raises(ResumeMismatch, match=r"16 samples per step in groups of 4.*prompts_per_step"):
         resume_from(tmp_path, 32, 4)
     bad = tmp_path / "checkpoints" / "step-00000003"
     bad.mkdir()
     (bad / "state.json").write_text('{"version": "x"}')
-    with pytest.raises(CheckpointMissing, match="delete .*step-00000003"):
+    with pytest.raises(CheckpointMissing, match=r"delete .*step-00000003"):
         resume_from(tmp_path, 16, 4)
 
 
