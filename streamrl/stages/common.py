@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.config import RunConfig, resolve_model_dir, task_options
 from streamrl.models.build import build_model, load_model
 from streamrl.models.tokenizer import build_char_tokenizer
-from streamrl.runtime.stage import ClaimSize
+from streamrl.runtime.stage import Batch, ClaimSize
 from streamrl.tasks.base import Task
 from streamrl.tasks.registry import get_task
 
@@ -66,6 +66,19 @@ def build_task(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None)
     if cfg.task.name.startswith("digits") and tokenizer is not None:
         options.setdefault("tokenizer", tokenizer)
     return get_task(cfg.task.name, **options)
+
+
+def batch_seed(seed: int, first_key: int) -> int:
+    """A micro-batch's sampling seed: distinct per (run seed, first sample key), < 2**63."""
+    return (seed * 0x9E3779B97F4A7C15 + first_key * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+def seed_for_batch(generator: torch.Generator, seed: int, batch: Batch) -> None:
+    """Seed a generate stage's sampler for ``batch`` from its first ``sample_key`` (when the stage
+    reads it): a batch generated again after a restart or a resume draws the same tokens."""
+    keys = batch.columns.get("sample_key")
+    if keys:
+        generator.manual_seed(batch_seed(seed, int(keys[0])))
 
 
 def step_claim(micro_batch: int, remaining: int, version: int, max_staleness: int) -> ClaimSize:

@@ -94,6 +94,8 @@ class EvalStage:
         wanted = list(range(every, steps + 1, every))
         if self.eval.at_end and steps not in wanted:
             wanted.append(steps)
+        if self.ctx.resume is not None:  # evaluated by the run before the resume (its rows are kept)
+            wanted = [v for v in wanted if v > self.ctx.resume.state.version]
         return wanted
 
     async def run(self) -> None:

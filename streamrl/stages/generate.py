@@ -17,12 +17,7 @@ import torch
 from streamrl.engines.rollout import TorchRolloutEngine
 from streamrl.runtime.pipeline import NoOptions
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.common import build_policy
-
-
-def batch_seed(seed: int, first_key: int) -> int:
-    """A micro-batch's sampling seed: distinct per (run seed, first sample key), < 2**63."""
-    return (seed * 0x9E3779B97F4A7C15 + first_key * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+from streamrl.stages.common import build_policy, seed_for_batch
 
 
 class GenerateStage:
@@ -46,8 +41,7 @@ class GenerateStage:
         if state is not None:
             await self.ctx.run_sync(self.engine.load_state_dict, state)
             self.version = version
-        if "sample_key" in batch.columns:
-            self.generator.manual_seed(batch_seed(self.ctx.config.seed, int(batch.columns["sample_key"][0])))
+        seed_for_batch(self.generator, self.ctx.config.seed, batch)
         gens = await self.ctx.run_sync(
             self.engine.generate, batch.columns["prompt_ids"], max_new_tokens=a.max_new_tokens,
             temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, generator=self.generator,

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from streamrl.engines.rollout import Generation, TorchRolloutEngine
 from streamrl.reshard import InferencePlan, InferenceWeights, local_hf_views
 from streamrl.runtime.stage import Batch, Output, StageContext
+from streamrl.stages.common import seed_for_batch
 
 
 class ViewRollout:
@@ -57,6 +58,7 @@ class ViewRollout:
         a version new enough for them (waits for it)."""
         need = version_needed(batch, self.ctx.config.algo.max_staleness)
         prompts = batch.columns["prompt_ids"]
+        seed_for_batch(self.generator, self.ctx.config.seed, batch)
         async with weights.use(need) as tensors:
             version = weights.version
             assert version is not None

@@ -41,6 +41,12 @@ def test_each_sample_reaches_each_consumer_exactly_once(
                                           "--ack-delay", str(ack_delay), "--seed", str(seed + k)))
 
             async def produce() -> None:
+                # bounded: a consumer that died (e.g. could not import streamrl) would leave the
+                # producer waiting for capacity forever
+                with anyio.fail_after(120):
+                    await produce_all()
+
+            async def produce_all() -> None:
                 async with DockClient(dock.controller_endpoint) as c:
                     for start in range(0, n_samples, 7):  # capacity 32 < n_samples: backpressure too
                         k = min(7, n_samples - start)

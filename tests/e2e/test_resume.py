@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,3 +185,21 @@ def test_sigterm_saves_then_stops_and_a_fresh_run_refuses_the_directory(tmp_path
     assert "resume" in (tmp_path / "cli.log").read_text()
     with pytest.raises(ResumeError, match="--resume"):
         run(config, run_dir=run_dir)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_resume_in_the_reshard_placements_is_exact_too(tmp_path: Path, placement: str) -> None:
+    """The trainer there loads the checkpoint and hands its version to generation through the
+    reshard (colocated: into its own inference weights; disaggregated: to the generate workers)."""
+    config = REPO / "configs" / f"grpo_digits_{placement}.yaml"
+    overrides = ["algo.steps=6", "algo.stop_reward=null", "output.checkpoint_every=2", "output.progress=none",
+                 "output.tensorboard=false", "output.plot=false", "output.checkpoint=false"]
+    run_dir = tmp_path / "run"
+    first = run(config, overrides, run_dir=run_dir)
+    assert first.steps == 6
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000006")  # as if it died after step 5's rows
+    again = run(config, overrides, resume=run_dir)
+    assert again.resumed_from == 4 and [r["step"] for r in again.metrics] == list(range(1, 7))
+    for got, want in zip(again.metrics, first.metrics, strict=True):
+        assert {k: got[k] for k in EXACT} == {k: want[k] for k in EXACT}, f"step {got['step']}"

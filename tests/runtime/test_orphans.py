@@ -17,22 +17,17 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from streamrl.runtime.worker import ORPHAN_EXIT_S
 from tests.runtime.hygiene import descendants, wait_gone
+from tests.runtime.user_stages import grpo_with_stage
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(180)
 def test_a_worker_blocked_in_a_thread_exits_once_the_launcher_is_killed(tmp_path: Path) -> None:
-    pipeline = yaml.safe_load((REPO / "pipelines" / "grpo.yaml").read_text())
-    for stage in pipeline["stages"]:
-        if stage["name"] == "score":
-            stage["class"] = "tests.runtime.user_stages:BlocksInAThread"
-    pipe = tmp_path / "stuck.yaml"
-    pipe.write_text(yaml.safe_dump(pipeline))
+    pipe = grpo_with_stage(tmp_path, "score", "tests.runtime.user_stages:BlocksInAThread")
     runs = tmp_path / "runs"
     started: dict[int, str] = {}
     with (tmp_path / "out.txt").open("w") as sink:

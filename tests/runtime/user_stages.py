@@ -11,9 +11,11 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from streamrl.runtime.stage import Batch, Output, StageContext
 
@@ -158,3 +160,14 @@ class BlocksInAThread:
 
     async def close(self) -> None:
         pass
+
+
+def grpo_with_stage(directory: Path, stage: str, cls: str) -> Path:
+    """pipelines/grpo.yaml with stage ``stage``'s class replaced by ``cls``, written to ``directory``."""
+    pipeline = yaml.safe_load((Path(__file__).resolve().parents[2] / "pipelines" / "grpo.yaml").read_text())
+    for spec in pipeline["stages"]:
+        if spec["name"] == stage:
+            spec["class"] = cls
+    path = directory / f"grpo_with_{stage}.yaml"
+    path.write_text(yaml.safe_dump(pipeline))
+    return path
