@@ -127,6 +127,18 @@ def test_run_with_a_pipeline_error_exits_2(tmp_path: Path, capsys: pytest.Captur
     assert not (tmp_path / "runs").exists()
 
 
+def test_resume_errors_exit_2_saying_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run"]) == 2
+    assert "CONFIG file, or --resume RUN_DIR" in capsys.readouterr().err
+    assert main(["run", "--resume", str(tmp_path)]) == 2
+    assert "not a run directory (no config.yaml)" in capsys.readouterr().err
+    # a run directory without a checkpoint (the run saved none): say how to start afresh
+    (tmp_path / "config.yaml").write_text(DIGITS.read_text().replace("pipeline: ../", f"pipeline: {DIGITS.parent.parent}/"))
+    assert main(["run", "--resume", str(tmp_path), "output.progress=none"]) == 2
+    err = capsys.readouterr().err
+    assert "no complete checkpoint" in err and "checkpoint_every" in err
+
+
 def test_usage_errors() -> None:
     with pytest.raises(SystemExit) as info:
         main(["frobnicate"])
