@@ -33,17 +33,22 @@ indices, which start again at 0 in every incarnation of the run.
 
 from __future__ import annotations
 
+import base64
 import os
+import random
 import re
 import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 
 FORMAT = 1
 _NAME = re.compile(r"^step-(\d{8})$")
+_PARTIAL = re.compile(r"^step-(\d{8})\.partial$")
 STATE_FILE = "state.json"
 
 
@@ -168,15 +173,12 @@ def fsync_tree(root: Path) -> None:
     """Flush every file under ``root`` and the directories themselves to disk."""
     for dirpath, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+            _fsync(Path(dirpath, name))
+        _fsync(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush one file or directory (a directory's fsync makes its entries, e.g. a rename, durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -200,7 +202,7 @@ def commit(run_dir: Path, version: int, state: RunState, keep: int) -> Path:
     if final.exists():  # a resumed run saving the step it resumed from again: replace it
         shutil.rmtree(final)
     partial.rename(final)
-    _fsync_dir(final.parent)
+    _fsync(final.parent)
     prune(run_dir, keep)
     return final
 
@@ -212,8 +214,6 @@ def _pause_for_fault_test(version: int) -> None:
     if spec:
         at, _, seconds = spec.partition(":")
         if int(at) == version:
-            import time
-
             time.sleep(float(seconds))
 
 
@@ -225,7 +225,7 @@ def prune(run_dir: Path, keep: int) -> None:
     root = checkpoints_dir(run_dir)
     newest = int(_NAME.match(done[-1].name).group(1)) if done else -1  # type: ignore[union-attr]
     for p in root.iterdir() if root.is_dir() else []:
-        m = re.match(r"^step-(\d{8})\.partial$", p.name)
+        m = _PARTIAL.match(p.name)
         if m and int(m.group(1)) <= newest:
             shutil.rmtree(p, ignore_errors=True)
 
@@ -241,11 +241,6 @@ def start_partial(run_dir: Path, version: int) -> Path:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as JSON-able values: torch (CPU and, when present, CUDA), Python."""
-    import base64
-    import random
-
-    import torch
-
     state: dict[str, Any] = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["torch_cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
@@ -256,11 +251,6 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` returned."""
-    import base64
-    import random
-
-    import torch
-
     def tensor(b64: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(base64.b64decode(b64)), dtype=torch.uint8)
 

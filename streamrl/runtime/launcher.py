@@ -576,7 +576,7 @@ class _Launch:
         limit = self.cfg.resources.stall_timeout_s
         if not limit:
             return False
-        first = not self.train_rows or (self.resume is not None and len(self.train_rows) <= self.resume.state.version)
+        first = self.t_progress == self.t_go  # no step yet in this launch (fresh or resumed)
         return time.monotonic() - self.t_progress > (2 * limit if first else limit)
 
     async def _report_stall(self) -> None:
@@ -618,14 +618,12 @@ class _Launch:
                     pass
         if not sizes:  # inprocess: the workers are this process's tasks
             import faulthandler
-            import io
 
-            buf = io.StringIO()
-            with tempfile.TemporaryFile("w+") as f:
+            with tempfile.TemporaryFile("w+") as f:  # faulthandler writes to a file descriptor
                 faulthandler.dump_traceback(file=f, all_threads=True)
                 f.seek(0)
-                buf.write(f.read())
-            return {id(w): buf.getvalue()[-6000:] for w in workers}
+                text = f.read()[-6000:]
+            return {id(w): text for w in workers}
         time.sleep(STACK_DUMP_WAIT_S)
         out = {}
         for w in workers:

@@ -98,6 +98,7 @@ class StepTally:
     staleness: list[int] = field(default_factory=list)  # trainer version - sample version
     response_tokens: int = 0
     sequence_tokens: int = 0  # prompt + response tokens trained on (for FLOP accounting)
+    sample_keys: list[int] = field(default_factory=list)  # when the stage reads sample_key (checkpoints)
 
     def add(self, cols: Mapping[str, Sequence[Any]], versions: Sequence[int], version: int) -> None:
         """A micro-batch's columns and its samples' policy versions, at trainer version ``version``."""
@@ -105,6 +106,7 @@ class StepTally:
         self.consumed += len(versions)
         self.rewards.extend(float(r) for r in cols.get("reward", []))
         self.staleness.extend(version - v for v in versions)
+        self.sample_keys.extend(int(k) for k in cols.get("sample_key", []))
         self.response_tokens += sum(int(t.numel()) for t in responses)
         self.sequence_tokens += sum(int(p.numel()) + int(r.numel())
                                     for p, r in zip(cols["prompt_ids"], responses, strict=True))

@@ -196,7 +196,6 @@ class TrainStage:
 
     def _reset(self) -> None:
         self.tally = StepTally()
-        self.step_keys: list[int] = []  # sample_key of every sample of this rank's share
         self.pending: list[dict[str, Any]] = []  # colocated: this rank's share, trained once all shares are in
 
     def claim_size(self) -> ClaimSize:
@@ -227,8 +226,6 @@ class TrainStage:
             await self._take(*received)
 
     async def _take(self, cols: dict[str, Any], versions: list[int]) -> None:
-        if self.with_keys:
-            self.step_keys.extend(int(k) for k in cols["sample_key"])
         if self.hand_over.trains_on_arrival:
             await self.ctx.run_sync(self._accumulate, cols)
         else:
@@ -271,7 +268,7 @@ class TrainStage:
         self.lr_schedule.step()
         t_train = time.perf_counter()
         self.version += 1
-        await self.ctx.run_sync(self._record_trained, self.step_keys)
+        await self.ctx.run_sync(self._record_trained, tally.sample_keys)
         reason = self._stop_reason(r_sum / max(stats["sequences"], 1.0))
         out = self.ctx.config.output
         if save_asked:
