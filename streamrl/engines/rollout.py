@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -327,7 +327,8 @@ class BatchedRolloutEngine(ABC):
 
 
 class TorchRolloutEngine(BatchedRolloutEngine):
-    """Sample completions from a Hugging Face causal LM held in this process.
+    """Sample completions from a Hugging Face causal LM held in this process (the ``builtin`` engine
+    of :class:`~streamrl.engines.rollout_engine.RolloutEngine`).
 
     ``model`` is used in place (moved to ``device``): weights updated elsewhere in the process
     (a train engine sharing the module, ``load_state_dict``) are used by the next ``generate``.
@@ -379,9 +380,23 @@ class TorchRolloutEngine(BatchedRolloutEngine):
                     "shorten the prompts"
                 )
 
+    name = "builtin"
+    startup_s = 0.0  # the model is built by the caller; nothing else starts
+
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Take new policy weights (e.g. a published version from the trainer)."""
         self.model.load_state_dict(state, strict=True)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """The rollout-engine interface's install: every parameter, by Hugging Face name."""
+        self.load_state_dict(dict(weights))
+
+    def close(self) -> None:
+        self.release_cache()
+
+    @property
+    def generator_device(self) -> torch.device:
+        return self.device  # sampling runs on the model's device
 
     def _decoder(self) -> _Decoder:
         if not self.use_functional:

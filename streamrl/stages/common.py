@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.config import RunConfig, resolve_model_dir, task_options
-from streamrl.models.build import build_model, load_model
+from streamrl.engines.options import EngineName, VllmOptions
+from streamrl.engines.rollout import TorchRolloutEngine
+from streamrl.engines.rollout_engine import RolloutEngine
+from streamrl.models.build import build_model, load_model, save_pretrained_dir
 from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.runtime.stage import Batch, ClaimSize
 from streamrl.tasks.base import Task
@@ -66,6 +72,37 @@ def build_task(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None)
     if cfg.task.name.startswith("digits") and tokenizer is not None:
         options.setdefault("tokenizer", tokenizer)
     return get_task(cfg.task.name, **options)
+
+
+def open_rollout_engine(cfg: RunConfig, engine: EngineName, vllm: VllmOptions, model: PreTrainedModel,
+                        tokenizer: PreTrainedTokenizerBase, device: str) -> RolloutEngine:
+    """The generate stage's engine over the initial policy ``model`` (version 0).
+
+    ``builtin`` computes on ``model`` itself. ``vllm`` starts a vLLM engine on the same weights:
+    ``model.path`` as it is on disk, a tiny model saved into a scratch directory the engine removes
+    on close; ``model`` is not used after this.
+    """
+    if engine == "builtin":
+        model.eval()
+        return TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, device)
+    from streamrl.engines.vllm_engine import VllmRolloutEngine  # vLLM is imported only when asked for
+
+    # short and in the temp dir: vLLM's ipc socket paths go here (a unix socket path has ~107 characters)
+    scratch = Path(tempfile.mkdtemp(prefix="srl-vllm-"))
+    try:
+        if cfg.model.path is not None:
+            model_dir = resolve_model_dir(cfg)
+        else:
+            model_dir = save_pretrained_dir(model, tokenizer, scratch / "model")
+        positions = int(getattr(model.config, "max_position_embeddings", 0) or cfg.algo.max_new_tokens + 2048)
+        return VllmRolloutEngine(
+            model_dir, eos_token_id=tokenizer.eos_token_id, dtype=cfg.model.dtype,
+            max_model_len=vllm.max_model_len or positions, seed=cfg.seed, options=vllm, scratch_dir=scratch,
+            device="cpu" if device.startswith("cpu") else device,
+        )
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
 
 
 def batch_seed(seed: int, first_key: int) -> int:

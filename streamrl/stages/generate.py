@@ -1,8 +1,14 @@
-"""The generate stage: sample completions with the built-in torch rollout engine.
+"""The generate stage (placement ``separate``): sample completions with the stage's rollout engine.
+
+``options.engine``: ``builtin`` (the torch engine, default) or ``vllm`` (``options.vllm`` holds its
+settings; :mod:`streamrl.engines.vllm_engine`). Both sit behind
+:class:`~streamrl.engines.rollout_engine.RolloutEngine`; this stage does not know which it drives.
 
 Before each micro-batch it makes sure it holds a policy version new enough for the samples'
-step (step - max_staleness), fetching the newest published weights when there are newer ones.
-Writes ``response_ids`` and ``rollout_logprobs`` and tags each sample with the version used.
+step (step - max_staleness), fetching the newest published weights when there are newer ones and
+installing them in the engine in place. Writes ``response_ids`` and ``rollout_logprobs`` and tags
+each sample with the version used. Reports ``engine_startup_s`` once and ``weight_install_s`` (the
+last install) as stage metrics.
 
 Sampling is reproducible per micro-batch when the stage reads ``sample_key``: each micro-batch's
 generator is seeded from the run's seed and its first sample's key, so a sample drawn again after
@@ -12,35 +18,48 @@ Without ``sample_key`` one generator per worker runs through the whole run.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+import msgspec
 import torch
 
-from streamrl.engines.rollout import TorchRolloutEngine
-from streamrl.runtime.pipeline import NoOptions
+from streamrl.engines.options import GenerateOptions, check_engine_available
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.common import build_policy, seed_for_batch
+from streamrl.stages.common import build_policy, open_rollout_engine, seed_for_batch
 
 
 class GenerateStage:
-    Options = NoOptions  # it takes no options; checked when the pipeline loads
+    Options = GenerateOptions  # checked when the pipeline loads
     restartable = True  # no state beyond the weights it fetches again: the launcher may restart a dead worker
+
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> None:
+        """A missing engine package is refused before any worker starts."""
+        check_engine_available(msgspec.convert(options, GenerateOptions).engine)
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
+        opts = msgspec.convert(ctx.options, GenerateOptions)
         model, tok = build_policy(ctx.config, ctx.device)
-        model.eval()
-        self.engine = TorchRolloutEngine(model, tok.eos_token_id, tok.pad_token_id, ctx.device)
+        self.engine = await ctx.run_sync(open_rollout_engine, ctx.config, opts.engine, opts.vllm, model, tok, ctx.device)
+        del model  # the vLLM engine holds its own copy; the built-in one keeps a reference
+        ctx.log.info("%s[%d]: %s rollout engine ready in %.1f s", ctx.spec.name, ctx.worker, self.engine.name,
+                     self.engine.startup_s)
+        ctx.report_metrics({"engine_startup_s": self.engine.startup_s})
         self.version = 0
         seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1
-        self.generator = torch.Generator(device=self.engine.device).manual_seed(seed)
-        self.weight_s = 0.0
+        self.generator = torch.Generator(device=self.engine.generator_device).manual_seed(seed)
 
     async def process(self, batch: Batch) -> Output:
         a = self.ctx.config.algo
         need = max(int(s) for s in batch.columns["step"]) - a.max_staleness if "step" in batch.columns else 0
         version, state = await self.ctx.policy.fetch(self.version, need)
         if state is not None:
-            await self.ctx.run_sync(self.engine.load_state_dict, state)
+            started = time.perf_counter()
+            await self.ctx.run_sync(self.engine.load_weights, state.items())
             self.version = version
+            self.ctx.report_metrics({"weight_install_s": time.perf_counter() - started})
         seed_for_batch(self.generator, self.ctx.config.seed, batch)
         gens = await self.ctx.run_sync(
             self.engine.generate, batch.columns["prompt_ids"], max_new_tokens=a.max_new_tokens,
@@ -54,4 +73,6 @@ class GenerateStage:
         )
 
     async def close(self) -> None:
-        pass
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await self.ctx.run_sync(engine.close)
