@@ -1,5 +1,5 @@
-"""Rollout-engine choice and settings, as a generate stage's options carry them (no torch import:
-the pipeline check reads these before any worker starts)."""
+"""Rollout-engine choice and settings, as a generate stage's options carry them: the pipeline check
+reads these before any worker starts, without importing vLLM."""
 
 from __future__ import annotations
 

@@ -34,12 +34,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from streamrl.engines.options import VLLM_INSTALL_HINT, EngineUnavailableError, VllmOptions
@@ -47,6 +50,7 @@ from streamrl.engines.rollout import FinishReason, GenerateArgumentError, Genera
 
 log = logging.getLogger("streamrl.engine.vllm")
 
+TRANSFER_FILE_BYTES = 64 * 2**20  # separate-process weight files: the extra shared memory of an install
 SEED_RANGE = 2**62  # per-request seeds are drawn below this (vLLM seeds a torch.Generator with them)
 
 
@@ -54,13 +58,17 @@ class VllmEngineDeadError(RuntimeError):
     """vLLM's engine stopped working (its process or worker died); the message says what vLLM said."""
 
 
-def configure_vllm_environment(options: VllmOptions, scratch_dir: Path, device: str) -> None:
+def configure_vllm_environment(options: VllmOptions, scratch_dir: Path, device: str, separate_process: bool) -> None:
     """vLLM reads these when it is imported and when its engine starts: set before both.
 
-    A variable the user set already is kept (their override wins).
+    A variable the user set already is kept (their override wins), except the engine-process
+    choice, which this engine's weight path depends on.
     """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
+    if separate_process:
+        # spawn, not fork: a forked engine would inherit this process's torch.distributed state
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine core (module docstring)
         # vLLM's ZeroMQ ipc socket files: in the run's scratch dir, removed with it, not /tmp
         "VLLM_RPC_BASE_PATH": str(scratch_dir),
         "VLLM_NO_USAGE_STATS": "1",  # no network here, and none wanted from a trainer
@@ -81,13 +89,24 @@ class VllmRolloutEngine:
 
     def __init__(
         self, model_dir: str | Path, *, eos_token_id: int, dtype: str, max_model_len: int, seed: int,
-        options: VllmOptions, scratch_dir: str | Path, device: str = "cpu",
+        options: VllmOptions, scratch_dir: str | Path, device: str = "cpu", separate_process: bool = False,
     ) -> None:
         """``scratch_dir``: a directory this engine owns (vLLM's ipc files; a caller may have saved
-        the model there) and removes on ``close``."""
+        the model there) and removes on ``close``.
+
+        ``separate_process``: vLLM's engine core in a process of its own, for a process that holds
+        a torch.distributed world already (the disaggregated placement's generate workers): vLLM's
+        worker initialises torch.distributed's default group, and a process has only one. Weights
+        then cross over as safetensors files in shared memory, a bucket at a time.
+        """
         scratch = self.scratch_dir = Path(scratch_dir)
         scratch.mkdir(parents=True, exist_ok=True)
-        configure_vllm_environment(options, scratch, device)
+        self.separate_process = separate_process
+        self.transfer_dir: Path | None = None
+        if separate_process:
+            shm = Path("/dev/shm")
+            self.transfer_dir = Path(tempfile.mkdtemp(prefix="srl-vllm-w-", dir=shm if shm.is_dir() else None))
+        configure_vllm_environment(options, scratch, device, separate_process)
         started = time.perf_counter()
         try:
             import vllm
@@ -103,7 +122,8 @@ class VllmRolloutEngine:
         self.llm = vllm.LLM(
             model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
             enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
-            logprobs_mode="processed_logprobs", **kwargs,
+            logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WeightLoadingExtension",
+            **kwargs,
         )
         self.startup_s = time.perf_counter() - started
         self.versions_loaded = 0
@@ -153,10 +173,42 @@ class VllmRolloutEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Install a new version in place; ``weights`` is consumed once, lazily (module docstring)."""
-        self.llm.collective_rpc(_reload_weights, args=(weights,))
+        if self.transfer_dir is None:
+            self.llm.collective_rpc(_reload_weights, args=(weights,))
+        else:
+            self._load_across_processes(weights)
         # cached prompt KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
         self.versions_loaded += 1
+
+    def _load_across_processes(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """The separate-process path: the tensors go into safetensors files in shared memory of at
+        most ``TRANSFER_FILE_BYTES`` each, which the engine's worker loads (mmap) into vLLM's
+        layer-by-layer reload, then each file is deleted. Extra memory: one file."""
+        assert self.transfer_dir is not None
+        self.llm.collective_rpc("streamrl_begin_reload")
+        try:
+            batch: dict[str, Tensor] = {}
+            size = 0
+            for name, tensor in weights:
+                batch[name] = tensor.detach().to("cpu").contiguous()
+                size += tensor.numel() * tensor.element_size()
+                if size >= TRANSFER_FILE_BYTES:
+                    self._send_file(batch)
+                    batch, size = {}, 0
+            if batch:
+                self._send_file(batch)
+        finally:
+            self.llm.collective_rpc("streamrl_finish_reload")
+
+    def _send_file(self, tensors: dict[str, Tensor]) -> None:
+        assert self.transfer_dir is not None
+        path = self.transfer_dir / f"weights-{self.versions_loaded}.safetensors"
+        save_file(tensors, str(path))
+        try:
+            self.llm.collective_rpc("streamrl_load_file", args=(str(path),))
+        finally:
+            path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Shut vLLM's engine core down (its worker, its sockets) explicitly; idempotent."""
@@ -169,9 +221,42 @@ class VllmRolloutEngine:
                 core.shutdown()
         finally:
             shutil.rmtree(self.scratch_dir, ignore_errors=True)
+            if self.transfer_dir is not None:
+                shutil.rmtree(self.transfer_dir, ignore_errors=True)
+
+
+# The functions below run on vLLM's worker (collective_rpc): in this process when the engine core
+# is in-process, else in vLLM's worker process (sent by reference: streamrl is importable there).
 
 
 def _reload_weights(worker: Any, weights: Iterable[tuple[str, Tensor]]) -> int:
-    """Runs on vLLM's worker (this process: the engine core is in-process)."""
     worker.model_runner.reload_weights(weights_iterator=iter(weights))
     return 0
+
+
+class WeightLoadingExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``): called by name through
+    ``collective_rpc``, which a separate engine process accepts without pickling code."""
+
+    model_runner: Any
+
+    def streamrl_begin_reload(self) -> int:
+        """``reload_weights`` split in three so its weights can arrive over several calls: layers are
+        processed (repacked) as soon as all their tensors are in, whichever call brings them."""
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model_runner.get_model())
+        return 0
+
+    def streamrl_load_file(self, path: str) -> int:
+        with safe_open(path, "pt") as f:
+            names = list(f.keys())
+            self.model_runner.get_model().load_weights((name, f.get_tensor(name)) for name in names)
+        return len(names)
+
+    def streamrl_finish_reload(self) -> int:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner
+        finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+        return 0

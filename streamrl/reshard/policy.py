@@ -25,7 +25,7 @@ loop, and the only thing that waits for a version is whoever awaits it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal, Protocol
 
 import anyio
@@ -182,15 +182,31 @@ class WeightSender:
                 await DaemonCall(lambda: self.resharder.send_header(HEADER_CLOSE, -1), "streamrl-weight-close").wait()
 
 
-class WeightReceiver:
-    """Disaggregated generation worker: receives versions into its :class:`InferenceWeights`."""
+class WeightLoader(Protocol):
+    """An engine that keeps its own copy of the weights (a rollout engine such as vLLM)."""
 
-    def __init__(self, resharder: Resharder) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class WeightReceiver:
+    """Disaggregated generation worker: receives versions into its :class:`InferenceWeights`.
+
+    With ``engine`` (T = 1): each version's buckets stream straight into ``engine.load_weights``
+    as they arrive (:meth:`Resharder.receive_stream`), and ``weights`` holds no tensors: it only
+    numbers the versions and keeps installs and generation apart (readers ``use`` it around a
+    generate call; an install takes its exclusive side).
+    """
+
+    def __init__(self, resharder: Resharder, engine: WeightLoader | None = None) -> None:
         groups = resharder.groups
         if resharder.topology.placement != "disaggregated" or groups.weight_source is None:
             raise LayoutError("WeightReceiver runs on the generation workers of a disaggregated topology")
         self.resharder = resharder
-        self.weights = _weights_for(resharder, None)
+        self.engine = engine
+        if engine is None:
+            self.weights = _weights_for(resharder, None)
+        else:  # no shapes: update() allocates nothing, the engine holds the weights
+            self.weights = InferenceWeights({}, dtype=resharder.inference_dtype, device=resharder.device)
         self.closed = False
         self.installed = 0  # versions received and published so far
         self.last_report: ReshardReport | None = None
@@ -229,10 +245,20 @@ class WeightReceiver:
             async with self.weights.update() as tensors:
                 if announce is not None:
                     await announce(HEADER_WEIGHTS, version)
-                report = await anyio.to_thread.run_sync(lambda: self.resharder.receive(tensors, version=version))
+                report = await anyio.to_thread.run_sync(lambda: self._install(tensors, version))
                 self.weights.publish(version)
         self.installed += 1
         self.last_report = report
+        return report
+
+    def _install(self, tensors: dict[str, torch.Tensor], version: int) -> ReshardReport:
+        if self.engine is None:
+            return self.resharder.receive(tensors, version=version)
+        report = ReshardReport(version, "receiver", self.resharder.config.bucket_bytes)
+        stream = self.resharder.receive_stream(report)
+        self.engine.load_weights(stream)
+        for _ in stream:  # an engine that stopped early must not leave this version's buckets on the wire
+            pass
         return report
 
     async def wait_closed(self, timeout_s: float, announce: Announce | None = None) -> bool:

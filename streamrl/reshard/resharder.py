@@ -434,6 +434,48 @@ class Resharder:
             tracker.release(staging_bytes)
         return report
 
+    def receive_stream(self, report: ReshardReport) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receive the version announced by :meth:`receive_header` as Hugging Face-named tensors,
+        yielding a bucket's parameters as soon as that bucket is in (T = 1 only).
+
+        For an engine that loads Hugging Face weights itself (vLLM's ``reload_weights``): it copies
+        each yielded tensor into its own storage, so no inference copy is kept here. Buffer
+        lifetimes: one staging chunk for the whole call, plus the current bucket's parameter
+        tensors, which are fresh per bucket (the consumer may still hold the previous bucket's
+        until it has copied them; they are never overwritten). Peak extra memory: one bucket and
+        one chunk. The stream must be consumed to the end: the sender's sends for this version
+        are matched by these receives only.
+        """
+        if self.topology.inference.tensor_parallel != 1:
+            raise LayoutError("receive_stream yields whole Hugging Face parameters: it needs T = 1")
+        source, t = self._source(), self.groups.inference_rank
+        assert t is not None
+        started = time.perf_counter()
+        staging = torch.empty(self.staging_numel([t]), dtype=self.inference_dtype, device=self.device)
+        for bucket in self.buckets:
+            if not self.bucket_slice_numel(t, bucket.index):
+                continue
+            stats = BucketStats(bucket.index, len(bucket.params))
+            report.buckets.append(stats)
+            t0 = time.perf_counter()
+            params = {p.name: torch.empty(p.shape, dtype=self.inference_dtype, device=self.device)
+                      for p in bucket.params}
+            for size, segments in self.chunks(t, bucket.index):
+                chunk = staging[:size]
+                t1 = time.perf_counter()
+                dist.recv(chunk, src=source, group=self.groups.weight_group)
+                stats.transfer_s += time.perf_counter() - t1
+                # source coordinates: with T = 1 a piece is its whole Hugging Face parameter (a tied
+                # lm_head's piece rewrites the embedding with the same values)
+                for piece, sub, view in chunk_views(chunk, segments, _source_rect):
+                    rect_in(params[piece.source], sub, (0,) * view.dim()).copy_(view)
+                synchronize(self.device)  # the next recv overwrites the chunk
+                stats.received_bytes += size * self._out_itemsize
+            stats.sliced_bytes = stats.received_bytes
+            stats.slice_s = time.perf_counter() - t0 - stats.transfer_s
+            yield from params.items()
+        report.total_s = time.perf_counter() - started
+
     # -- helpers --------------------------------------------------------------------------------
     def _source(self) -> int:
         source = self.groups.weight_source

@@ -56,6 +56,7 @@ from streamrl.config import (
     read_yaml_mapping,
     resolve_path,
 )
+from streamrl.engines.options import EngineName, VllmOptions
 
 log = logging.getLogger("streamrl.pipeline")
 
@@ -488,7 +489,11 @@ class TrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ReshardGenerateOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    tensor_parallel: int = 1  # T: workers per inference replica
+    tensor_parallel: int = 1  # T: workers per inference replica (the built-in engine's own TP)
+    # disaggregated only: builtin, or vllm fed by the reshard's bucket stream (T = 1; vLLM's own
+    # tensor parallelism is vllm.tensor_parallel_size). Colocated generation runs the built-in engine.
+    engine: EngineName = "builtin"
+    vllm: VllmOptions = VllmOptions()
 
 
 _BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}

@@ -32,8 +32,10 @@ placement weights never travel through it) and reports step metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
+import msgspec
 
 from streamrl.reshard import ColocatedPolicy, RankGroups
 from streamrl.runtime.pipeline import ReshardGenerateOptions
@@ -81,6 +83,13 @@ class ColocatedGenerateStage:
 
     placement = "colocated"
     Options = ReshardGenerateOptions
+
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> None:
+        if msgspec.convert(options, ReshardGenerateOptions).engine != "builtin":
+            raise ValueError("engine: vllm is not available in the colocated placement (the generate stage computes "
+                             "on the train rank's resharded weights in place); use the separate or the disaggregated "
+                             "placement for vLLM, or engine: builtin here")
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx

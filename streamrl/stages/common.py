@@ -75,12 +75,14 @@ def build_task(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None)
 
 
 def open_rollout_engine(cfg: RunConfig, engine: EngineName, vllm: VllmOptions, model: PreTrainedModel,
-                        tokenizer: PreTrainedTokenizerBase, device: str) -> RolloutEngine:
+                        tokenizer: PreTrainedTokenizerBase, device: str, *, separate_process: bool = False
+                        ) -> RolloutEngine:
     """The generate stage's engine over the initial policy ``model`` (version 0).
 
     ``builtin`` computes on ``model`` itself. ``vllm`` starts a vLLM engine on the same weights:
     ``model.path`` as it is on disk, a tiny model saved into a scratch directory the engine removes
-    on close; ``model`` is not used after this.
+    on close; ``model`` is not used after this. ``separate_process``: see
+    :class:`~streamrl.engines.vllm_engine.VllmRolloutEngine`.
     """
     if engine == "builtin":
         model.eval()
@@ -98,7 +100,7 @@ def open_rollout_engine(cfg: RunConfig, engine: EngineName, vllm: VllmOptions, m
         return VllmRolloutEngine(
             model_dir, eos_token_id=tokenizer.eos_token_id, dtype=cfg.model.dtype,
             max_model_len=vllm.max_model_len or positions, seed=cfg.seed, options=vllm, scratch_dir=scratch,
-            device="cpu" if device.startswith("cpu") else device,
+            device="cpu" if device.startswith("cpu") else device, separate_process=separate_process,
         )
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)

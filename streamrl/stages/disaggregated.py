@@ -36,18 +36,21 @@ destroy and exits (the header wait runs in a daemon thread).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 
+from streamrl.engines.options import check_engine_available
+from streamrl.engines.rollout_engine import RolloutEngine
 from streamrl.reshard import ModelShardingSpec, ReshardConfig, Resharder, WeightReceiver
 from streamrl.runtime.pipeline import ReshardGenerateOptions, TrainOptions
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.common import build_policy
+from streamrl.stages.common import build_policy, open_rollout_engine
 from streamrl.stages.handover import disaggregated_topology
 from streamrl.stages.tp_generation import TensorParallelGeneration
-from streamrl.stages.view_rollout import ViewRollout
+from streamrl.stages.view_rollout import EngineRollout, ViewRollout
 from streamrl.stages.world import default_backend, join_world, rank_device
 
 log = logging.getLogger("streamrl.stage.disaggregated")
@@ -65,6 +68,15 @@ class DisaggregatedGenerateStage:
 
     placement = "disaggregated"
     Options = ReshardGenerateOptions
+
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> None:
+        opts = msgspec.convert(options, ReshardGenerateOptions)
+        if opts.engine == "vllm" and opts.tensor_parallel != 1:
+            raise ValueError(f"engine: vllm takes whole weights (tensor_parallel: 1); tensor_parallel: "
+                             f"{opts.tensor_parallel} is the built-in engine's own TP. vLLM's tensor parallelism is "
+                             "vllm.tensor_parallel_size (accelerators)")
+        check_engine_available(opts.engine)
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -88,6 +100,17 @@ class DisaggregatedGenerateStage:
         device = rank_device(ctx.device, R + ctx.worker, R + G, backend)  # generate worker j = world rank R + j
         model, tokenizer = build_policy(ctx.config, device)
         spec = ModelShardingSpec.from_model(model)
+        opts = msgspec.convert(ctx.options, ReshardGenerateOptions)
+        self.engine: RolloutEngine | None = None
+        if opts.engine == "vllm":
+            # vLLM keeps its own weights: the reshard's buckets stream into it, no inference copy here.
+            # Its engine core runs in a process of its own: this process's default torch.distributed
+            # group is the reshard world, and vLLM's worker would make its own.
+            self.engine = await ctx.run_sync(open_rollout_engine, ctx.config, "vllm", opts.vllm, model, tokenizer,
+                                             device, separate_process=True)
+            ctx.log.info("%s[%d]: vllm rollout engine ready in %.1f s", ctx.spec.name, ctx.worker,
+                         self.engine.startup_s)
+            ctx.report_metrics({"engine_startup_s": self.engine.startup_s})
         groups = await join_world(ctx, train.name, R + ctx.worker, R + G, topology, backend=backend,
                                   timeout_s=timeout_s, device=device)
         # the sender's bucket plan is over its float32 master shards; the wire and these weights carry
@@ -95,6 +118,11 @@ class DisaggregatedGenerateStage:
         resharder = Resharder(spec, groups, config=ReshardConfig(bucket_bytes=bucket_bytes),
                               shard_dtype=torch.float32, inference_dtype=next(model.parameters()).dtype,
                               device=device)
+        if self.engine is not None:
+            self.receiver = WeightReceiver(resharder, engine=self.engine)
+            self.rollout: ViewRollout | EngineRollout = EngineRollout(ctx, self.engine)
+            ctx.tasks.start_soon(self.receiver.run)  # type: ignore[attr-defined]
+            return
         self.receiver = WeightReceiver(resharder)
         if topology.inference.tensor_parallel == 1:
             self.rollout = ViewRollout(ctx, model, tokenizer, resharder.plan, 0)
@@ -117,6 +145,13 @@ class DisaggregatedGenerateStage:
         await self.tp.follow(self.receiver.receive)
 
     async def close(self) -> None:
+        try:
+            await self._close_channel()
+        finally:
+            if getattr(self, "engine", None) is not None:
+                await self.ctx.run_sync(self.engine.close)  # type: ignore[union-attr]
+
+    async def _close_channel(self) -> None:
         if not dist.is_initialized():
             return
         name, worker = self.ctx.spec.name, self.ctx.worker

@@ -13,6 +13,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.engines.rollout import Generation, TorchRolloutEngine
+from streamrl.engines.rollout_engine import RolloutEngine
 from streamrl.reshard import InferencePlan, InferenceWeights, local_hf_views
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import seed_for_batch
@@ -63,6 +64,29 @@ class ViewRollout:
             version = weights.version
             assert version is not None
             gens = await self.ctx.run_sync(self.generate, tensors, prompts)
+        return generation_output(prompts, gens, version)
+
+
+class EngineRollout:
+    """Generation on a rollout engine that holds its own weights (vLLM), installed by a
+    :class:`~streamrl.reshard.WeightReceiver` as the reshard streams them; ``weights`` (no tensors)
+    numbers the versions and keeps a generate call and an install apart."""
+
+    def __init__(self, ctx: StageContext, engine: RolloutEngine) -> None:
+        self.ctx, self.engine = ctx, engine
+        seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1
+        self.generator = torch.Generator(device=engine.generator_device).manual_seed(seed)
+
+    async def process(self, weights: InferenceWeights, batch: Batch) -> Output:
+        a = self.ctx.config.algo
+        prompts = batch.columns["prompt_ids"]
+        seed_for_batch(self.generator, self.ctx.config.seed, batch)
+        async with weights.use(version_needed(batch, a.max_staleness)):
+            version = weights.version
+            assert version is not None
+            gens = await self.ctx.run_sync(self.engine.generate, prompts, max_new_tokens=a.max_new_tokens,
+                                           temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                           generator=self.generator)
         return generation_output(prompts, gens, version)
 
 

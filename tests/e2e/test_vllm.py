@@ -1,0 +1,82 @@
+"""End to end with vLLM generate workers: GRPO learns digits-max (separate and disaggregated
+placements), and a killed engine stops the run naming the stage, leaving no process.
+
+Runs where vLLM is installed (ops/vllm_env.sh builds that environment; .ci/run runs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this environment (ops/vllm_env.sh)")
+
+import streamrl  # noqa: E402
+from streamrl.runtime.launcher import RunFailed  # noqa: E402
+from tests.runtime.hygiene import live_processes  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM = "stages.generate.options.engine=vllm"
+
+
+def _learns(rewards: list[float]) -> None:
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.2, rewards
+    assert last >= 0.35 and last >= first + 0.2, rewards
+
+
+@pytest.mark.timeout(400)
+def test_grpo_with_vllm_learns_in_the_separate_placement(tmp_path: Path) -> None:
+    result = streamrl.run(str(REPO / "configs" / "grpo_digits.yaml"),
+                          ["algo.steps=60", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
+                           "output.progress=none", VLLM])
+    assert result.steps == 60
+    _learns([m["reward_mean"] for m in result.metrics])
+    assert result.metrics[-1]["generate/engine_startup_s"] > 0
+    assert not live_processes(str(result.run_dir))
+
+
+@pytest.mark.timeout(500)
+def test_grpo_with_vllm_learns_in_the_disaggregated_placement(tmp_path: Path) -> None:
+    """2 train ranks stream each version's buckets into 2 vLLM generate workers' engines."""
+    result = streamrl.run(str(REPO / "configs" / "grpo_digits_disaggregated.yaml"),
+                          ["algo.steps=60", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
+                           "output.progress=none", VLLM])
+    assert result.steps == 60
+    _learns([m["reward_mean"] for m in result.metrics])
+    assert not live_processes("EngineCore") and not live_processes(str(result.run_dir))
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_engine_stops_the_run_naming_the_stage_and_leaves_no_process(tmp_path: Path) -> None:
+    """The separate placement's engine runs inside the generate worker: SIGKILL it mid-run."""
+    run_dirs: list[Path] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            done = [p for p in tmp_path.glob("*/metrics.jsonl") if p.read_text().count("reward_mean") >= 3]
+            if done:
+                run_dir = done[0].parent
+                run_dirs.append(run_dir)
+                pid = int(json.loads((run_dir / "logs" / "pids.json").read_text())["generate-0"])
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with pytest.raises(RunFailed, match=r"stage 'generate' worker 0 was killed by signal 9"):
+        streamrl.run(str(REPO / "configs" / "grpo_digits.yaml"),
+                     ["algo.steps=300", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none",
+                      "resources.max_restarts=0", VLLM])
+    thread.join(5)
+    assert run_dirs, "the run never reached step 3"
+    time.sleep(1)
+    assert not live_processes(str(run_dirs[0])) and not live_processes("EngineCore")
