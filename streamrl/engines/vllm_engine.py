@@ -88,7 +88,7 @@ class VllmRolloutEngine:
     name = "vllm"
 
     def __init__(
-        self, model_dir: str | Path, *, eos_token_id: int, dtype: str, max_model_len: int, seed: int,
+        self, model_dir: str | Path, *, eos_token_id: int | None, dtype: str, max_model_len: int, seed: int,
         options: VllmOptions, scratch_dir: str | Path, device: str = "cpu", separate_process: bool = False,
     ) -> None:
         """``scratch_dir``: a directory this engine owns (vLLM's ipc files; a caller may have saved
@@ -114,7 +114,7 @@ class VllmRolloutEngine:
             raise EngineUnavailableError(f"engine: vllm, but `import vllm` failed ({exc}); {VLLM_INSTALL_HINT}"
                                          ) from exc
         self._vllm = vllm
-        self.eos_token_id = int(eos_token_id)
+        self.eos_token_id = eos_token_id  # None: no stop token (fixed-length generation, benchmarks)
         self.max_model_len = max_model_len
         kwargs: dict[str, Any] = {}
         if device != "cpu":
@@ -154,7 +154,7 @@ class VllmRolloutEngine:
         params = [
             vllm.SamplingParams(
                 n=1, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-                logprobs=0, stop_token_ids=[self.eos_token_id], seed=(base + i) % SEED_RANGE, detokenize=False,
+                logprobs=0, stop_token_ids=[] if self.eos_token_id is None else [self.eos_token_id], seed=(base + i) % SEED_RANGE, detokenize=False,
             )
             for i in range(len(prompts))
         ]
@@ -168,7 +168,7 @@ class VllmRolloutEngine:
     def _generation(self, completion: Any) -> Generation:
         ids = list(completion.token_ids)
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, ids, strict=True)]
-        finish: FinishReason = "eos" if ids and ids[-1] == self.eos_token_id else "length"
+        finish: FinishReason = "eos" if ids and self.eos_token_id is not None and ids[-1] == self.eos_token_id else "length"
         return Generation(torch.tensor(ids, dtype=torch.int64), torch.tensor(logprobs, dtype=torch.float32), finish)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
