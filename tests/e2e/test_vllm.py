@@ -17,9 +17,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (ops/vllm_env.sh)")
 
-import streamrl  # noqa: E402
-from streamrl.runtime.launcher import RunFailed  # noqa: E402
-from tests.runtime.hygiene import live_processes  # noqa: E402
+import streamrl
+from streamrl.runtime.launcher import RunFailed
+from tests.runtime.hygiene import live_processes
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM = "stages.generate.options.engine=vllm"

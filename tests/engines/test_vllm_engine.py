@@ -17,12 +17,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (docs/vllm.md: the vLLM test env)")
 
-from streamrl.engines.logprob import LogprobEngine  # noqa: E402
-from streamrl.engines.options import VllmOptions  # noqa: E402
-from streamrl.engines.rollout import TorchRolloutEngine  # noqa: E402
-from streamrl.engines.vllm_engine import VllmRolloutEngine  # noqa: E402
-from streamrl.models.build import TinyModelSpec, build_model, save_pretrained_dir  # noqa: E402
-from tests.engines.conftest import constant_model, encode  # noqa: E402
+from streamrl.engines.logprob import LogprobEngine
+from streamrl.engines.options import VllmOptions
+from streamrl.engines.rollout import TorchRolloutEngine
+from streamrl.engines.vllm_engine import VllmRolloutEngine
+from streamrl.models.build import TinyModelSpec, build_model, save_pretrained_dir
+from tests.engines.conftest import constant_model, encode
 
 # vLLM's CPU attention has kernels for head_dim 32 and up (8, the other engine tests' size, is refused)
 TINY = TinyModelSpec(hidden=64, layers=2, heads=2, intermediate=128, seed=3)
