@@ -11,7 +11,7 @@ import msgspec
 EngineName = Literal["builtin", "vllm"]
 
 
-class EngineUnavailableError(RuntimeError):
+class EngineUnavailableError(ValueError):
     """The selected rollout engine's package is not installed; the message says what to install."""
 
 

@@ -502,7 +502,9 @@ class _Launch:
                     w = by_key[(s, k)]
                     w.heartbeat, w.in_batch_s = time.monotonic(), in_batch
                 case c.StageMetrics(stage=s, worker=k, metrics=m):
-                    self.stage_metrics[(s, k)] = m
+                    # merged: a stage reports different figures at different times (engine start-up once,
+                    # each weight install later), and each stays in the rows until it reports it again
+                    self.stage_metrics.setdefault((s, k), {}).update(m)
                 case c.StepReport(step=step, metrics=m):
                     self._on_step(step, m)
                 case c.EvalReport(step=step, metrics=m):

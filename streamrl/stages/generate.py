@@ -35,8 +35,13 @@ class GenerateStage:
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
-        """A missing engine package is refused before any worker starts."""
-        check_engine_available(msgspec.convert(options, GenerateOptions).engine)
+        """A missing engine package is refused before any worker starts (malformed options are left
+        to the schema check, whose message names the field)."""
+        try:
+            engine = msgspec.convert(options, GenerateOptions).engine
+        except msgspec.ValidationError:
+            return
+        check_engine_available(engine)
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
