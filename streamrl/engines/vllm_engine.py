@@ -101,7 +101,6 @@ class VllmRolloutEngine:
         """
         scratch = self.scratch_dir = Path(scratch_dir)
         scratch.mkdir(parents=True, exist_ok=True)
-        self.separate_process = separate_process
         self.transfer_dir: Path | None = None
         if separate_process:
             shm = Path("/dev/shm")
@@ -174,7 +173,7 @@ class VllmRolloutEngine:
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Install a new version in place; ``weights`` is consumed once, lazily (module docstring)."""
         if self.transfer_dir is None:
-            self.llm.collective_rpc(_reload_weights, args=(weights,))
+            self.llm.collective_rpc("streamrl_reload", args=(weights,))
         else:
             self._load_across_processes(weights)
         # cached prompt KV blocks were computed with the old weights
@@ -225,20 +224,17 @@ class VllmRolloutEngine:
                 shutil.rmtree(self.transfer_dir, ignore_errors=True)
 
 
-# The functions below run on vLLM's worker (collective_rpc): in this process when the engine core
-# is in-process, else in vLLM's worker process (sent by reference: streamrl is importable there).
-
-
-def _reload_weights(worker: Any, weights: Iterable[tuple[str, Tensor]]) -> int:
-    worker.model_runner.reload_weights(weights_iterator=iter(weights))
-    return 0
-
-
 class WeightLoadingExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``): called by name through
-    ``collective_rpc``, which a separate engine process accepts without pickling code."""
+    ``collective_rpc``, which a separate engine process accepts without pickling code. In-process,
+    arguments arrive as they are (a lazy iterable of tensors); across processes, as file paths."""
 
     model_runner: Any
+
+    def streamrl_reload(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        """In-process engine core: the whole version through vLLM's ``reload_weights``."""
+        self.model_runner.reload_weights(weights_iterator=iter(weights))
+        return 0
 
     def streamrl_begin_reload(self) -> int:
         """``reload_weights`` split in three so its weights can arrive over several calls: layers are

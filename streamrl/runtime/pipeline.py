@@ -506,12 +506,6 @@ def _class_key(cls: type) -> str:
 def _check_options(s: StageSpec, cls: type, at: str) -> None:
     """The stage's ``options`` against what its class takes, before a worker imports anything."""
     at = f"{at.rsplit(' class', 1)[0]} options"
-    check = getattr(cls, "check_options", None)
-    if callable(check):
-        try:
-            check(dict(s.options))
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{at}: {exc}") from None
     schema = getattr(cls, "Options", None)
     if isinstance(schema, type) and issubclass(schema, msgspec.Struct):
         try:
@@ -530,6 +524,13 @@ def _check_options(s: StageSpec, cls: type, at: str) -> None:
             value = s.options.get(name.split(".")[0].split("[")[0])
             raise ConfigError(f"{at}.{name}: {problem[0].lower()}{problem[1:]}, got {value!r}") from None
         _check_option_values(opts, at)
+    # after the schema: a stage's own check (engine availability, placement rules) sees well-formed options
+    check = getattr(cls, "check_options", None)
+    if callable(check):
+        try:
+            check(dict(s.options))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{at}: {exc}") from None
     if _class_key(cls) == "streamrl.stages.score:ScoreStage":
         _check_endpoints(s.options.get("endpoints"), at)
         reward = s.options.get("reward")

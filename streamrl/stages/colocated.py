@@ -86,11 +86,7 @@ class ColocatedGenerateStage:
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
-        try:
-            engine = msgspec.convert(options, ReshardGenerateOptions).engine
-        except msgspec.ValidationError:
-            return  # the schema check names the field
-        if engine != "builtin":
+        if msgspec.convert(options, ReshardGenerateOptions).engine != "builtin":
             raise ValueError("engine: vllm is not available in the colocated placement (the generate stage computes "
                              "on the train rank's resharded weights in place); use the separate or the disaggregated "
                              "placement for vLLM, or engine: builtin here")

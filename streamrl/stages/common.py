@@ -18,7 +18,7 @@ from streamrl.engines.rollout import TorchRolloutEngine
 from streamrl.engines.rollout_engine import RolloutEngine
 from streamrl.models.build import build_model, load_model, save_pretrained_dir
 from streamrl.models.tokenizer import build_char_tokenizer
-from streamrl.runtime.stage import Batch, ClaimSize
+from streamrl.runtime.stage import Batch, ClaimSize, StageContext
 from streamrl.tasks.base import Task
 from streamrl.tasks.registry import get_task
 
@@ -105,6 +105,11 @@ def open_rollout_engine(cfg: RunConfig, engine: EngineName, vllm: VllmOptions, m
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
+
+
+def worker_generator(ctx: StageContext, device: torch.device | str) -> torch.Generator:
+    """A generate worker's sampling generator on ``device``, distinct per (run seed, worker)."""
+    return torch.Generator(device=device).manual_seed(ctx.config.seed * 1000 + 17 * ctx.worker + 1)
 
 
 def batch_seed(seed: int, first_key: int) -> int:

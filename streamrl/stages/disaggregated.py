@@ -71,10 +71,7 @@ class DisaggregatedGenerateStage:
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
-        try:
-            opts = msgspec.convert(options, ReshardGenerateOptions)
-        except msgspec.ValidationError:
-            return  # the schema check names the field
+        opts = msgspec.convert(options, ReshardGenerateOptions)
         if opts.engine == "vllm" and opts.tensor_parallel != 1:
             raise ValueError(f"engine: vllm takes whole weights (tensor_parallel: 1); tensor_parallel: "
                              f"{opts.tensor_parallel} is the built-in engine's own TP. vLLM's tensor parallelism is "

@@ -22,11 +22,11 @@ import time
 from typing import Any
 
 import msgspec
-import torch
 
 from streamrl.engines.options import GenerateOptions, check_engine_available
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.common import build_policy, open_rollout_engine, seed_for_batch
+from streamrl.stages.common import build_policy, open_rollout_engine, seed_for_batch, worker_generator
+from streamrl.stages.view_rollout import generation_output, version_needed
 
 
 class GenerateStage:
@@ -35,13 +35,8 @@ class GenerateStage:
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
-        """A missing engine package is refused before any worker starts (malformed options are left
-        to the schema check, whose message names the field)."""
-        try:
-            engine = msgspec.convert(options, GenerateOptions).engine
-        except msgspec.ValidationError:
-            return
-        check_engine_available(engine)
+        """A missing engine package is refused before any worker starts."""
+        check_engine_available(msgspec.convert(options, GenerateOptions).engine)
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -53,29 +48,23 @@ class GenerateStage:
                      self.engine.startup_s)
         ctx.report_metrics({"engine_startup_s": self.engine.startup_s})
         self.version = 0
-        seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1
-        self.generator = torch.Generator(device=self.engine.generator_device).manual_seed(seed)
+        self.generator = worker_generator(ctx, self.engine.generator_device)
 
     async def process(self, batch: Batch) -> Output:
         a = self.ctx.config.algo
-        need = max(int(s) for s in batch.columns["step"]) - a.max_staleness if "step" in batch.columns else 0
-        version, state = await self.ctx.policy.fetch(self.version, need)
+        version, state = await self.ctx.policy.fetch(self.version, version_needed(batch, a.max_staleness))
         if state is not None:
             started = time.perf_counter()
             await self.ctx.run_sync(self.engine.load_weights, state.items())
             self.version = version
             self.ctx.report_metrics({"weight_install_s": time.perf_counter() - started})
         seed_for_batch(self.generator, self.ctx.config.seed, batch)
+        prompts = batch.columns["prompt_ids"]
         gens = await self.ctx.run_sync(
-            self.engine.generate, batch.columns["prompt_ids"], max_new_tokens=a.max_new_tokens,
+            self.engine.generate, prompts, max_new_tokens=a.max_new_tokens,
             temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, generator=self.generator,
         )
-        lengths = [int(p.numel()) + int(g.response_ids.numel()) for p, g in zip(batch.columns["prompt_ids"], gens,
-                                                                                 strict=True)]
-        return Output(
-            {"response_ids": [g.response_ids for g in gens], "rollout_logprobs": [g.logprobs for g in gens]},
-            versions=[self.version] * len(gens), lengths=lengths,
-        )
+        return generation_output(prompts, gens, self.version)
 
     async def close(self) -> None:
         engine = getattr(self, "engine", None)

@@ -59,6 +59,7 @@ from streamrl.engines.tp_rollout import TensorParallelRolloutEngine
 from streamrl.reshard import DaemonCall, InferenceWeights, RankGroups
 from streamrl.reshard.resharder import HEADER_CLOSE
 from streamrl.runtime.stage import Batch, Output, StageContext
+from streamrl.stages.common import worker_generator
 from streamrl.stages.view_rollout import generation_output, version_needed
 
 log = logging.getLogger("streamrl.stage.tp_generation")
@@ -93,8 +94,7 @@ class TensorParallelGeneration:
         T = dist.get_world_size(group)
         self.engine = TensorParallelRolloutEngine(model.config, tokenizer.eos_token_id, tokenizer.pad_token_id,
                                                   group=group, tensor_parallel=T, device=weights.device)
-        seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1  # only the leader's stream is used
-        self.generator = torch.Generator(device=self.engine.device).manual_seed(seed)
+        self.generator = worker_generator(ctx, self.engine.device)  # only the leader's stream is used
         self._commands = anyio.Lock()
         self._pending: DaemonCall[tuple[int, int, list[Tensor]]] | None = None  # follower: command wait
         self.stopped = False

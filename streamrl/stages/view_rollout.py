@@ -16,7 +16,7 @@ from streamrl.engines.rollout import Generation, TorchRolloutEngine
 from streamrl.engines.rollout_engine import RolloutEngine
 from streamrl.reshard import InferencePlan, InferenceWeights, local_hf_views
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.common import seed_for_batch
+from streamrl.stages.common import seed_for_batch, worker_generator
 
 
 class ViewRollout:
@@ -39,8 +39,7 @@ class ViewRollout:
         if missing:
             raise ValueError(f"the inference layout lacks parameters {sorted(missing)[:3]} of the rollout model")
         self.engine = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, device)
-        seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1
-        self.generator = torch.Generator(device=self.engine.device).manual_seed(seed)
+        self.generator = worker_generator(ctx, self.engine.device)
 
     def generate(self, tensors: Mapping[str, Tensor], prompts: list[Tensor]) -> list[Generation]:
         views = local_hf_views(tensors, self.plan, self.inference_rank)
@@ -74,8 +73,7 @@ class EngineRollout:
 
     def __init__(self, ctx: StageContext, engine: RolloutEngine) -> None:
         self.ctx, self.engine = ctx, engine
-        seed = ctx.config.seed * 1000 + 17 * ctx.worker + 1
-        self.generator = torch.Generator(device=engine.generator_device).manual_seed(seed)
+        self.generator = worker_generator(ctx, engine.generator_device)
 
     async def process(self, weights: InferenceWeights, batch: Batch) -> Output:
         a = self.ctx.config.algo

@@ -31,25 +31,20 @@ def _learns(rewards: list[float]) -> None:
     assert last >= 0.35 and last >= first + 0.2, rewards
 
 
-@pytest.mark.timeout(400)
-def test_grpo_with_vllm_learns_in_the_separate_placement(tmp_path: Path) -> None:
-    result = streamrl.run(str(REPO / "configs" / "grpo_digits.yaml"),
-                          ["algo.steps=60", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
-                           "output.progress=none", VLLM])
-    assert result.steps == 60
-    _learns([m["reward_mean"] for m in result.metrics])
-    assert result.metrics[-1]["generate/engine_startup_s"] > 0
-    assert not live_processes(str(result.run_dir))
-
-
 @pytest.mark.timeout(500)
-def test_grpo_with_vllm_learns_in_the_disaggregated_placement(tmp_path: Path) -> None:
-    """2 train ranks stream each version's buckets into 2 vLLM generate workers' engines."""
-    result = streamrl.run(str(REPO / "configs" / "grpo_digits_disaggregated.yaml"),
+@pytest.mark.parametrize("config", ["grpo_digits.yaml", "grpo_digits_disaggregated.yaml"],
+                         ids=["separate", "disaggregated"])
+def test_grpo_with_vllm_learns(tmp_path: Path, config: str) -> None:
+    """Separate: the trainer's published snapshots go into one in-process engine. Disaggregated: 2 train
+    ranks stream each version's buckets into 2 generate workers' engines (each in its own process)."""
+    result = streamrl.run(str(REPO / "configs" / config),
                           ["algo.steps=60", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
                            "output.progress=none", VLLM])
     assert result.steps == 60
     _learns([m["reward_mean"] for m in result.metrics])
+    # generate/engine_startup_s with one worker, generate/<k>/engine_startup_s with several
+    startup = [v for k, v in result.metrics[-1].items() if k.startswith("generate/") and k.endswith("/engine_startup_s")]
+    assert startup and all(v > 0 for v in startup)
     assert not live_processes("EngineCore") and not live_processes(str(result.run_dir))
 
 
