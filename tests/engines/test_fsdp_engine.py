@@ -46,6 +46,12 @@ STEPS = 20
 LOSS_ATOL = 1e-6
 FSDP_PARAM_ATOL = 1e-5
 TP_PARAM_ATOL = 2e-5
+# GPT-2's fused c_attn bias and c_proj weight hold components whose gradient is near zero; Adam
+# divides them by their own tiny sqrt(v), so the last bits of the summation order show up in the
+# parameters. After 8 steps the worst difference was 3.2e-6 on one machine and 1.47e-5 on the CI
+# machine (a different CPU, same code), against the ~7e-3 that training moved every tensor: 5e-5
+# is 0.7% of that movement. The losses and gradient norms are held to 1e-6 / 1e-5 relative.
+GPT2_PARAM_ATOL = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -217,15 +223,18 @@ def test_an_architecture_outside_the_llama_family_trains(out_dir: Path) -> None:
     steps = 8
     fsdp = run_world(gpt2_world, 2, steps, str(out_dir), timeout_s=120.0)[0]
     engine = PlainReference(build_gpt2(), lr=LR, max_grad_norm=1.0)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(steps):
         samples, config = step_samples(step)
         for mb in micro_batches(samples, 0, 1, step):
             engine.accumulate(mb, config)
-        losses.append(engine.step()["loss"])
+        stats = engine.step()
+        losses.append(stats["loss"])
+        grad_norms.append(stats["grad_norm"])
     _assert_losses_close(fsdp["losses"], losses, LOSS_ATOL, "GPT-2 R=2 vs the plain reference")
+    torch.testing.assert_close(fsdp["grad_norms"], grad_norms, rtol=1e-5, atol=1e-6)
     params = _params(out_dir, "gpt2")
-    _assert_params_close(params, engine.state_dict(), FSDP_PARAM_ATOL, "GPT-2 R=2 vs the plain reference")
+    _assert_params_close(params, engine.state_dict(), GPT2_PARAM_ATOL, "GPT-2 R=2 vs the plain reference")
     exported = AutoModelForCausalLM.from_pretrained(out_dir / "gpt2-export", local_files_only=True, dtype="auto")
     assert exported.lm_head.weight is exported.transformer.wte.weight  # still tied after the export
     for name, tensor in exported.state_dict().items():
