@@ -21,6 +21,11 @@ minutes). Last line: one JSON object.
 
     python ops/bench/grpo_vs_trl.py                 # W1 and W2, 3 repetitions
     python ops/bench/grpo_vs_trl.py --workload W1 --reps 5
+    python ops/bench/grpo_vs_trl.py --workload W2 --engines builtin,vllm   # W2 with each rollout engine
+
+With --engines builtin,vllm, W2's streamrl side also runs with stages.generate.options.engine=vllm,
+in the python of the vLLM environment (--vllm-python, default .venv-vllm/bin/python, made by
+ops/vllm_env.sh); W1 stays on the built-in engine.
 """
 
 from __future__ import annotations
@@ -67,13 +72,17 @@ W2_TRL = ["--task", "reverse", "--n-digits", "24", "--min-digits", "2", "--max-c
           *_shape_flags("W2")]
 
 
-def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str) -> dict[str, Any]:
-    common = {
+def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str,
+                    engine: str = "builtin") -> dict[str, Any]:
+    common: dict[str, Any] = {
         "pipeline": str(ROOT / "pipelines" / "grpo.yaml"),
         "seed": seed,
-        "output": {"run_dir": run_dir, "name": f"{workload}-k{staleness}-s{seed}", "tensorboard": False,
+        "output": {"run_dir": run_dir, "name": f"{workload}-{engine}-k{staleness}-s{seed}", "tensorboard": False,
                    "plot": False, "checkpoint": False, "progress": "none"},
     }
+    if engine != "builtin":
+        # both cores for vLLM's OpenMP threads: the explicit range beat vLLM's auto binding here
+        common["stages"] = {"generate": {"options": {"engine": engine, "vllm": {"cpu_threads_bind": "0-1"}}}}
     if workload == "W1":
         return {**common,
                 "model": {"tiny": {**TINY["W1"], "seed": seed}},
@@ -87,13 +96,14 @@ def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str) -> d
                      "max_staleness": staleness}}
 
 
-def run_streamrl(workload: str, seed: int, staleness: int, tmp: Path) -> dict[str, Any]:
-    cfg_path = tmp / f"{workload}-k{staleness}-s{seed}.yaml"
-    cfg_path.write_text(yaml.safe_dump(streamrl_config(workload, seed, staleness, str(tmp / "runs"))))
-    proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "run", str(cfg_path), "--print-result"],
-                          capture_output=True, text=True, timeout=900)
+def run_streamrl(workload: str, seed: int, staleness: int, tmp: Path, engine: str = "builtin",
+                 python: str = sys.executable) -> dict[str, Any]:
+    cfg_path = tmp / f"{workload}-{engine}-k{staleness}-s{seed}.yaml"
+    cfg_path.write_text(yaml.safe_dump(streamrl_config(workload, seed, staleness, str(tmp / "runs"), engine)))
+    proc = subprocess.run([python, "-m", "streamrl.cli", "run", str(cfg_path), "--print-result"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     if proc.returncode != 0:
-        raise RuntimeError(f"streamrl {workload} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"streamrl {workload} ({engine}) failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = [json.loads(line) for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     batch = 64 if workload == "W1" else 128  # samples (completions) per optimizer step
@@ -150,17 +160,21 @@ def run_trl(python: Path, workload: str, args: list[str], seed: int) -> dict[str
     return result
 
 
-def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace,
-                tmp: Path) -> tuple[dict[int, list[dict[str, Any]]], list[dict[str, Any]]]:
-    """Repetition r runs TRL, then streamrl k=0, then k=1, all with seed r: load drift hits both sides."""
-    ours: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace, tmp: Path,
+                engines: tuple[str, ...] = ("builtin",)) -> tuple[dict[tuple[str, int], list[dict[str, Any]]],
+                                                                  list[dict[str, Any]]]:
+    """Repetition r runs TRL, then streamrl k=0, then k=1 (per engine), all with seed r: load drift hits
+    every side. ``ours`` is keyed by (engine, k)."""
+    ours: dict[tuple[str, int], list[dict[str, Any]]] = {(e, k): [] for e in engines for k in (0, 1)}
     trl: list[dict[str, Any]] = []
     python = None if args.skip_trl else ensure_trl_venv(args.trl_venv)
     for seed in range(args.reps):
         if python is not None:
             trl.append(run_trl(python, workload, trl_args, seed))
-        for k in (0, 1):
-            ours[k].append(run_streamrl(workload, seed, k, tmp))
+        for engine in engines:
+            python_of_engine = sys.executable if engine == "builtin" else str(args.vllm_python)
+            for k in (0, 1):
+                ours[(engine, k)].append(run_streamrl(workload, seed, k, tmp, engine, python_of_engine))
         print(f"{workload} repetition {seed + 1}/{args.reps} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     return ours, trl
 
@@ -195,7 +209,16 @@ def main() -> None:
     ap.add_argument("--trl-venv", type=Path, default=DEFAULT_TRL_VENV,
                     help="venv of the TRL side, made by ops/bench/setup_trl_env.sh if missing "
                          "(default: $STREAMRL_TRL_VENV or /tmp/streamrl-trl-venv2)")
+    ap.add_argument("--engines", default="builtin",
+                    help="W2's rollout engines, comma-separated: builtin, vllm (default: builtin)")
+    ap.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
+                    help="python of the vLLM environment (ops/vllm_env.sh makes it)")
     args = ap.parse_args()
+    engines = tuple(e.strip() for e in args.engines.split(","))
+    if set(engines) - {"builtin", "vllm"} or "builtin" not in engines:
+        ap.error(f"--engines must list builtin and optionally vllm, got {args.engines!r}")
+    if "vllm" in engines and not args.vllm_python.exists():
+        ap.error(f"--engines has vllm but {args.vllm_python} does not exist: run `bash ops/vllm_env.sh` first")
     figures: dict[str, Any] = {}
     baseline: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
@@ -211,11 +234,12 @@ def main() -> None:
                 trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
                             "same_initial_weights": True}
             for k in (0, 1):
-                ttt = spread(r["time_to_target_s"] for r in ours[k] if r["time_to_target_s"] is not None)
-                steps = spread(r["first_step_ge_0.9"] for r in ours[k] if r["first_step_ge_0.9"])
+                runs = ours[("builtin", k)]
+                ttt = spread(r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None)
+                steps = spread(r["first_step_ge_0.9"] for r in runs if r["first_step_ge_0.9"])
                 figures[f"W1_k{k}_time_to_0.9_s"] = ttt
                 figures[f"W1_k{k}_steps_to_0.9"] = steps
-                figures[f"W1_k{k}_setup_s"] = spread(r["setup_s"] for r in ours[k])
+                figures[f"W1_k{k}_setup_s"] = spread(r["setup_s"] for r in runs)
                 rows.append([f"W1 streamrl k={k}: s to 0.9 (steps)", f"{fmt_spread(ttt, 2)} ({fmt_spread(steps, 0)})"])
             if trl:
                 t = spread(r["wall_s"] for r in trl if r["first_step_reward_ge_0.9"])
@@ -229,32 +253,40 @@ def main() -> None:
             params = w2_params()
             figures["matmul_ceiling_gflops"] = ceiling
             rows.append(["fp32 matmul ceiling, 2 threads (GFLOP/s)", f"{ceiling:.0f}"])
-            ours, trl = interleaved("W2", W2_TRL, args, tmp)
+            ours, trl = interleaved("W2", W2_TRL, args, tmp, engines)
             if trl:  # run_trl has checked every run's initial weights against streamrl's
                 trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
                             "same_initial_weights": True}
-            for k in (0, 1):
-                cps = spread(r["completions_per_s"] for r in ours[k])
-                tps = spread(r["gen_tokens_per_s"] for r in ours[k])
+            for (engine, k), runs in ours.items():
+                key = f"W2_k{k}" if engine == "builtin" else f"W2_{engine}_k{k}"
+                label = f"W2 streamrl k={k}" if engine == "builtin" else f"W2 streamrl {engine} k={k}"
+                cps = spread(r["completions_per_s"] for r in runs)
+                tps = spread(r["gen_tokens_per_s"] for r in runs)
                 # useful work: train fwd+bwd 6*P*T over every trained token, generation 2*P*T (prefill + decode)
-                flops = [(6 + 2) * params * r["sequence_tokens"] / r["wall_s"] / 1e9 for r in ours[k]]
-                figures[f"W2_k{k}_completions_per_s"] = cps
-                figures[f"W2_k{k}_gen_tokens_per_s"] = tps
-                figures[f"W2_k{k}_useful_gflops"] = spread(flops)
-                figures[f"W2_k{k}_flop_fraction_of_ceiling"] = spread(f / ceiling for f in flops)
-                rows.append([f"W2 streamrl k={k}: completions/s", fmt_spread(cps)])
-                rows.append([f"W2 streamrl k={k}: gen tokens/s", fmt_spread(tps, 0)])
-                rows.append([f"W2 streamrl k={k}: useful GFLOP/s (fraction of ceiling)",
+                flops = [(6 + 2) * params * r["sequence_tokens"] / r["wall_s"] / 1e9 for r in runs]
+                figures[f"{key}_completions_per_s"] = cps
+                figures[f"{key}_gen_tokens_per_s"] = tps
+                figures[f"{key}_setup_s"] = spread(r["setup_s"] for r in runs)
+                figures[f"{key}_useful_gflops"] = spread(flops)
+                figures[f"{key}_flop_fraction_of_ceiling"] = spread(f / ceiling for f in flops)
+                rows.append([f"{label}: completions/s", fmt_spread(cps)])
+                rows.append([f"{label}: gen tokens/s", fmt_spread(tps, 0)])
+                rows.append([f"{label}: setup s", fmt_spread(figures[f"{key}_setup_s"], 1)])
+                rows.append([f"{label}: useful GFLOP/s (fraction of ceiling)",
                              f"{fmt_spread(spread(flops))} ({spread(flops)['median'] / ceiling:.2f})"])
+                if engine != "builtin":
+                    ratios[f"W2_{engine}_over_builtin_completions_per_s_k{k}"] = (
+                        cps["median"] / figures[f"W2_k{k}_completions_per_s"]["median"])
             if trl:
                 cps = spread(r["completions_per_s"] for r in trl)
                 baseline["W2_completions_per_s"] = cps
                 baseline["W2_gen_tokens_per_s"] = spread(r["gen_tokens_per_s"] for r in trl)
                 rows.append(["W2 TRL: completions/s", fmt_spread(cps)])
                 rows.append(["W2 TRL: gen tokens/s", fmt_spread(baseline["W2_gen_tokens_per_s"], 0)])
-                for k in (0, 1):
-                    ratios[f"W2_completions_per_s_ratio_k{k}"] = (
-                        figures[f"W2_k{k}_completions_per_s"]["median"] / cps["median"])
+                for (engine, k) in ours:
+                    key = f"W2_k{k}" if engine == "builtin" else f"W2_{engine}_k{k}"
+                    ratios[f"{key.replace('W2_', 'W2_completions_per_s_ratio_', 1)}"] = (
+                        figures[f"{key}_completions_per_s"]["median"] / cps["median"])
             ratios["W2_flop_fraction_of_ceiling"] = figures.get("W2_k0_flop_fraction_of_ceiling", {}).get("median")
         print_table(["measure", "median [min, max]"], rows)
         for k, v in ratios.items():

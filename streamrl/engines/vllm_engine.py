@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -58,28 +59,48 @@ class VllmEngineDeadError(RuntimeError):
     """vLLM's engine stopped working (its process or worker died); the message says what vLLM said."""
 
 
-def configure_vllm_environment(options: VllmOptions, scratch_dir: Path, device: str, separate_process: bool) -> None:
-    """vLLM reads these when it is imported and when its engine starts: set before both.
+def configure_vllm_environment(options: VllmOptions, scratch_dir: Path, device: str,
+                               separate_process: bool) -> dict[str, str | None]:
+    """vLLM reads these when it is imported and when its engine starts: set before both. Returns
+    the previous values, which ``restore_environment`` puts back when the engine closes.
 
-    A variable the user set already is kept (their override wins), except the engine-process
-    choice, which this engine's weight path depends on.
+    A variable the user set already is kept (their override wins), except three this engine
+    depends on: the engine-process choice (its weight path differs), the spawn method, and the ipc
+    directory, which is this engine's own scratch dir (removed at close: a value left from an
+    earlier engine in this process, inherited by child processes, would name a removed directory).
     """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
+    owned = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if separate_process else "0",
+             # vLLM's ZeroMQ ipc socket files: in the engine's scratch dir, removed with it, not /tmp
+             "VLLM_RPC_BASE_PATH": str(scratch_dir)}
     if separate_process:
         # spawn, not fork: a forked engine would inherit this process's torch.distributed state
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    env = {
-        # vLLM's ZeroMQ ipc socket files: in the run's scratch dir, removed with it, not /tmp
-        "VLLM_RPC_BASE_PATH": str(scratch_dir),
+        owned["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    defaults = {
         "VLLM_NO_USAGE_STATS": "1",  # no network here, and none wanted from a trainer
         "VLLM_CONFIGURE_LOGGING": "0",  # keep the worker's own logging set-up
     }
     if device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
+        defaults["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
         if options.cpu_threads_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpu_threads_bind
-    for key, value in env.items():
+            defaults["VLLM_CPU_OMP_THREADS_BIND"] = options.cpu_threads_bind
+    previous = {key: os.environ.get(key) for key in (*owned, *defaults)}
+    os.environ.update(owned)
+    for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    # vLLM freezes its view of the environment once an engine has started in this process
+    # (vllm.envs.enable_envs_cache): unfreeze it so a second engine reads its own values.
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    return previous
+
+
+def restore_environment(previous: dict[str, str | None]) -> None:
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 class VllmRolloutEngine:
@@ -105,25 +126,29 @@ class VllmRolloutEngine:
         if separate_process:
             shm = Path("/dev/shm")
             self.transfer_dir = Path(tempfile.mkdtemp(prefix="srl-vllm-w-", dir=shm if shm.is_dir() else None))
-        configure_vllm_environment(options, scratch, device, separate_process)
+        self._previous_env = configure_vllm_environment(options, scratch, device, separate_process)
         started = time.perf_counter()
         try:
             import vllm
-        except ImportError as exc:
-            raise EngineUnavailableError(f"engine: vllm, but `import vllm` failed ({exc}); {VLLM_INSTALL_HINT}"
-                                         ) from exc
-        self._vllm = vllm
+
+            self._vllm = vllm
+            kwargs: dict[str, Any] = {}
+            if device != "cpu":
+                kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+            self.llm = vllm.LLM(
+                model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
+                logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WeightLoadingExtension",
+                **kwargs,
+            )
+        except BaseException as exc:
+            self._remove_scratch()
+            if isinstance(exc, ImportError):
+                raise EngineUnavailableError(
+                    f"engine: vllm, but `import vllm` failed ({exc}); {VLLM_INSTALL_HINT}") from exc
+            raise
         self.eos_token_id = eos_token_id  # None: no stop token (fixed-length generation, benchmarks)
         self.max_model_len = max_model_len
-        kwargs: dict[str, Any] = {}
-        if device != "cpu":
-            kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
-        self.llm = vllm.LLM(
-            model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
-            logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WeightLoadingExtension",
-            **kwargs,
-        )
         self.startup_s = time.perf_counter() - started
         self.versions_loaded = 0
         self._closed = False
@@ -219,9 +244,13 @@ class VllmRolloutEngine:
             if core is not None:
                 core.shutdown()
         finally:
-            shutil.rmtree(self.scratch_dir, ignore_errors=True)
-            if self.transfer_dir is not None:
-                shutil.rmtree(self.transfer_dir, ignore_errors=True)
+            self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+        if self.transfer_dir is not None:
+            shutil.rmtree(self.transfer_dir, ignore_errors=True)
+        restore_environment(self._previous_env)
 
 
 class WeightLoadingExtension:
