@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -53,6 +54,7 @@ log = logging.getLogger("streamrl.engine.vllm")
 
 TRANSFER_FILE_BYTES = 64 * 2**20  # separate-process weight files: the extra shared memory of an install
 SEED_RANGE = 2**62  # per-request seeds are drawn below this (vLLM seeds a torch.Generator with them)
+ENGINE_WATCH_S = 0.5  # how often a separate-process engine is checked for death (vLLM notices, we unblock)
 
 
 class VllmEngineDeadError(RuntimeError):
@@ -111,6 +113,7 @@ class VllmRolloutEngine:
     def __init__(
         self, model_dir: str | Path, *, eos_token_id: int | None, dtype: str, max_model_len: int, seed: int,
         options: VllmOptions, scratch_dir: str | Path, device: str = "cpu", separate_process: bool = False,
+        transfer_root: Path | None = None,
     ) -> None:
         """``scratch_dir``: a directory this engine owns (vLLM's ipc files; a caller may have saved
         the model there) and removes on ``close``.
@@ -118,14 +121,16 @@ class VllmRolloutEngine:
         ``separate_process``: vLLM's engine core in a process of its own, for a process that holds
         a torch.distributed world already (the disaggregated placement's generate workers): vLLM's
         worker initialises torch.distributed's default group, and a process has only one. Weights
-        then cross over as safetensors files in shared memory, a bucket at a time.
+        then cross over as safetensors files in shared memory, a bucket at a time, in a directory
+        made under ``transfer_root`` (default /dev/shm, else the system temp dir).
         """
         scratch = self.scratch_dir = Path(scratch_dir)
         scratch.mkdir(parents=True, exist_ok=True)
         self.transfer_dir: Path | None = None
         if separate_process:
             shm = Path("/dev/shm")
-            self.transfer_dir = Path(tempfile.mkdtemp(prefix="srl-vllm-w-", dir=shm if shm.is_dir() else None))
+            root = transfer_root or (shm if shm.is_dir() else None)
+            self.transfer_dir = Path(tempfile.mkdtemp(prefix="srl-vllm-w-", dir=root))
         self._previous_env = configure_vllm_environment(options, scratch, device, separate_process)
         started = time.perf_counter()
         try:
@@ -152,6 +157,8 @@ class VllmRolloutEngine:
         self.startup_s = time.perf_counter() - started
         self.versions_loaded = 0
         self._closed = False
+        if separate_process:
+            threading.Thread(target=self._watch_engine_core, name="streamrl-vllm-engine-watch", daemon=True).start()
         log.info("vLLM %s engine ready in %.1f s (%s, %s, max_model_len %d)", vllm.__version__, self.startup_s,
                  model_dir, dtype, max_model_len)
 
@@ -186,7 +193,8 @@ class VllmRolloutEngine:
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)  # type: ignore[arg-type]
         except Exception as exc:  # vLLM's EngineDeadError and friends: name the engine, keep vLLM's words
-            raise VllmEngineDeadError(f"vLLM failed to generate: {type(exc).__name__}: {exc}") from exc
+            raise VllmEngineDeadError(f"vLLM failed to generate: {type(exc).__name__}: {exc}"
+                                      + (f"; {self._core_exit()}" if self._engine_dead() else "")) from exc
         return [self._generation(out.outputs[0]) for out in outputs]
 
     def _generation(self, completion: Any) -> Generation:
@@ -197,10 +205,16 @@ class VllmRolloutEngine:
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Install a new version in place; ``weights`` is consumed once, lazily (module docstring)."""
-        if self.transfer_dir is None:
-            self.llm.collective_rpc("streamrl_reload", args=(weights,))
-        else:
-            self._load_across_processes(weights)
+        try:
+            if self.transfer_dir is None:
+                self.llm.collective_rpc("streamrl_reload", args=(weights,))
+            else:
+                self._load_across_processes(weights)
+        except Exception as exc:
+            if self._engine_dead():
+                raise VllmEngineDeadError(f"vLLM failed to install weights: {type(exc).__name__}: {exc}; "
+                                          f"{self._core_exit()}") from exc
+            raise
         # cached prompt KV blocks were computed with the old weights
         self.llm.reset_prefix_cache()
         self.versions_loaded += 1
@@ -233,6 +247,47 @@ class VllmRolloutEngine:
             self.llm.collective_rpc("streamrl_load_file", args=(str(path),))
         finally:
             path.unlink(missing_ok=True)
+
+    def _core_client(self) -> Any:
+        return getattr(self.llm.llm_engine, "engine_core", None)
+
+    def _engine_dead(self) -> bool:
+        resources = getattr(self._core_client(), "resources", None)
+        return bool(getattr(resources, "engine_dead", False))
+
+    def _core_exit(self) -> str:
+        """What became of the engine-core process(es), for the error message."""
+        manager = getattr(getattr(self._core_client(), "resources", None), "engine_manager", None)
+        procs = getattr(manager, "processes", [])
+        codes = ", ".join(f"pid {p.pid} exit code {p.exitcode}" for p in procs)
+        return f"vLLM's engine-core process ended ({codes or 'exit code unknown'})"
+
+    def _watch_engine_core(self) -> None:
+        """Unblock a call that waits on a dead engine core (separate-process mode).
+
+        vLLM's client notices the engine-core process die (its monitor thread sets
+        ``resources.engine_dead`` and shuts the client down), but with vllm 0.32's synchronous
+        client a ``generate`` already waiting for outputs, or a ``collective_rpc`` waiting for its
+        reply, then waits forever: the output thread exits without queueing an error. This thread
+        puts vLLM's own ``EngineDeadError`` where those calls wait, so they raise instead.
+        """
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        while not self._closed:
+            if self._engine_dead():
+                if self._closed:  # our own close() marks the engine dead too
+                    return
+                client = self._core_client()
+                error = EngineDeadError()
+                queue = getattr(client, "outputs_queue", None)
+                if queue is not None:
+                    queue.put_nowait(error)
+                for future in list(getattr(client, "utility_results", {}).values()):
+                    if not future.done():
+                        future.set_exception(error)
+                log.error("%s", self._core_exit())
+                return
+            time.sleep(ENGINE_WATCH_S)
 
     def close(self) -> None:
         """Shut vLLM's engine core down (its worker, its sockets) explicitly; idempotent."""

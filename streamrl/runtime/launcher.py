@@ -105,6 +105,7 @@ def _worker_process(spec_path: str, log_path: str) -> None:
     raise SystemExit(code)  # multiprocessing's bootstrap turns this into the exit code, with cleanup
 
 
+SHM_DIR = "/dev/shm"  # a tmpfs on Linux: files there are memory, not disk
 STOP_GRACE_S = 15.0  # after a stop request, how long workers get to close (checkpoint) before SIGTERM
 
 
@@ -263,7 +264,7 @@ def _remove_stale_ipc(run_dir: Path) -> None:
     if not isinstance(launcher, int) or launcher == os.getpid() or process_alive(launcher):
         return
     for d in pids.get("ipc", []):
-        if isinstance(d, str) and Path(d).parent == Path("/tmp") and Path(d).name.startswith("srl"):
+        if isinstance(d, str) and Path(d).parent in (Path("/tmp"), Path(SHM_DIR)) and Path(d).name.startswith("srl"):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -305,6 +306,7 @@ class _Launch:
         self.t_progress = 0.0  # the last optimizer step (or Go)
         self.finished: set[tuple[str, int]] = set()
         self.tmp = ""  # this launcher's ipc directory
+        self.shm = ""  # this launcher's shared-memory directory (= tmp where there is no /dev/shm)
         self.busy_at_last_step: dict[str, float] = {}
         self.t_last_step = 0.0
         self.t_go = 0.0
@@ -321,6 +323,8 @@ class _Launch:
         _remove_stale_ipc(self.run_dir)  # a killed run of this directory could not remove its own
         # ipc endpoints live in a short private dir (socket paths are limited to ~100 bytes)
         tmp = self.tmp = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
+        # shared-memory scratch (e.g. vLLM's weight files between processes), removed like tmp
+        self.shm = tempfile.mkdtemp(prefix="srl-", dir=SHM_DIR) if Path(SHM_DIR).is_dir() else tmp
         dock: LocalDock | ThreadDock
         dc = cfg.resources.dock
         limits = DockLimits(dc.max_message_mib, dc.max_header_mib, dc.max_clients, dc.max_parked)
@@ -348,7 +352,7 @@ class _Launch:
                     spec = WorkerSpec(config=cfg, stage=host, worker=k, colocated=[s for s, _ in rest],
                                       dock_endpoint=dock.controller_endpoint, control_endpoint=server.endpoint,
                                       weights_endpoint=weights, run_dir=str(self.run_dir), pipeline=self.pipeline,
-                                      token=token, resume=self.resume,
+                                      token=token, resume=self.resume, scratch_dir=tmp, shm_dir=self.shm,
                                       parent_pid=os.getpid() if cfg.resources.launch == "processes" else 0)
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     if cfg.resources.launch == "processes":
@@ -381,6 +385,7 @@ class _Launch:
                     server.close()
                 dock.stop()
                 shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(self.shm, ignore_errors=True)
                 shutil.rmtree(self.run_dir / "rendezvous", ignore_errors=True)
                 self.progress.close()
                 self.metrics.close()
@@ -405,7 +410,7 @@ class _Launch:
     def _write_pids(self) -> None:
         """``logs/pids.json``: every process of the run (for operators: ``kill -USR1`` dumps a
         worker's stacks into its log; and for fault-injection tests)."""
-        pids: dict[str, Any] = {"launcher": os.getpid(), "ipc": [self.tmp]}
+        pids: dict[str, Any] = {"launcher": os.getpid(), "ipc": sorted({self.tmp, self.shm})}
         if isinstance(self.dock, LocalDock):
             pids["dock"] = list(self.dock.pids)
             if self.dock._ipc_dir is not None:

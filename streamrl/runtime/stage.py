@@ -117,6 +117,10 @@ class StageContext:
     pipeline: PipelineSpec | None = None
     # a resumed run: the checkpoint it continues from (streamrl.runtime.checkpoints); None = a fresh run
     resume: ResumeFrom | None = None
+    # the run's private scratch directories (disk; shared memory where the machine has it), removed
+    # by the launcher when the run ends even if this worker is killed; None: not in a launched run
+    scratch_dir: Path | None = None
+    shm_dir: Path | None = None
 
     @property
     def options(self) -> dict[str, Any]:

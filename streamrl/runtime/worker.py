@@ -57,6 +57,10 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     pipeline: PipelineSpec | None = None  # the whole graph, for stages that pair with another stage
     token: str = ""  # the run's control-channel token (runtime/control.py); the spec file is 0600
     resume: ResumeFrom | None = None  # a resumed run: the checkpoint it continues from
+    # the run's private directories on disk and in shared memory (/dev/shm where there is one): the
+    # launcher removes them when the run ends, also after a killed worker that could not clean up
+    scratch_dir: str = ""
+    shm_dir: str = ""
 
 
 def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
@@ -141,7 +145,9 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
         async with anyio.create_task_group() as tg:
             ctx = StageContext(cfg, sspec, spec.worker, Path(spec.run_dir), device, policy, control,
                                spec.weights_endpoint, logging.getLogger(f"streamrl.stage.{sspec.name}"),
-                               shared=shared, pipeline=spec.pipeline, resume=spec.resume)
+                               shared=shared, pipeline=spec.pipeline, resume=spec.resume,
+                               scratch_dir=Path(spec.scratch_dir) if spec.scratch_dir else None,
+                               shm_dir=Path(spec.shm_dir) if spec.shm_dir else None)
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
                 tg.start_soon(_watch_parent, spec.parent_pid, tg)

@@ -74,7 +74,7 @@ def build_task(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None)
     return get_task(cfg.task.name, **options)
 
 
-def open_rollout_engine(cfg: RunConfig, engine: EngineName, vllm: VllmOptions, model: PreTrainedModel,
+def open_rollout_engine(ctx: StageContext, engine: EngineName, vllm: VllmOptions, model: PreTrainedModel,
                         tokenizer: PreTrainedTokenizerBase, device: str, *, separate_process: bool = False
                         ) -> RolloutEngine:
     """The generate stage's engine over the initial policy ``model`` (version 0).
@@ -82,15 +82,18 @@ def open_rollout_engine(cfg: RunConfig, engine: EngineName, vllm: VllmOptions, m
     ``builtin`` computes on ``model`` itself. ``vllm`` starts a vLLM engine on the same weights:
     ``model.path`` as it is on disk, a tiny model saved into a scratch directory the engine removes
     on close; ``model`` is not used after this. ``separate_process``: see
-    :class:`~streamrl.engines.vllm_engine.VllmRolloutEngine`.
+    :class:`~streamrl.engines.vllm_engine.VllmRolloutEngine`. The engine's scratch lives in the
+    run's own directories (``ctx.scratch_dir`` / ``ctx.shm_dir``), so a killed worker's leftovers
+    go when the launcher cleans up.
     """
+    cfg = ctx.config
     if engine == "builtin":
         model.eval()
         return TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, device)
     from streamrl.engines.vllm_engine import VllmRolloutEngine  # vLLM is imported only when asked for
 
     # short and in the temp dir: vLLM's ipc socket paths go here (a unix socket path has ~107 characters)
-    scratch = Path(tempfile.mkdtemp(prefix="srl-vllm-"))
+    scratch = Path(tempfile.mkdtemp(prefix="vllm-" if ctx.scratch_dir else "srl-vllm-", dir=ctx.scratch_dir))
     try:
         if cfg.model.path is not None:
             model_dir = resolve_model_dir(cfg)
@@ -101,6 +104,7 @@ def open_rollout_engine(cfg: RunConfig, engine: EngineName, vllm: VllmOptions, m
             model_dir, eos_token_id=tokenizer.eos_token_id, dtype=cfg.model.dtype,
             max_model_len=vllm.max_model_len or positions, seed=cfg.seed, options=vllm, scratch_dir=scratch,
             device="cpu" if device.startswith("cpu") else device, separate_process=separate_process,
+            transfer_root=ctx.shm_dir,
         )
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -106,7 +106,7 @@ class DisaggregatedGenerateStage:
             # vLLM keeps its own weights: the reshard's buckets stream into it, no inference copy here.
             # Its engine core runs in a process of its own: this process's default torch.distributed
             # group is the reshard world, and vLLM's worker would make its own.
-            self.engine = await ctx.run_sync(open_rollout_engine, ctx.config, "vllm", opts.vllm, model, tokenizer,
+            self.engine = await ctx.run_sync(open_rollout_engine, ctx, "vllm", opts.vllm, model, tokenizer,
                                              device, separate_process=True)
             ctx.log.info("%s[%d]: vllm rollout engine ready in %.1f s", ctx.spec.name, ctx.worker,
                          self.engine.startup_s)

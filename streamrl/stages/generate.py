@@ -42,7 +42,7 @@ class GenerateStage:
         self.ctx = ctx
         opts = msgspec.convert(ctx.options, GenerateOptions)
         model, tok = build_policy(ctx.config, ctx.device)
-        self.engine = await ctx.run_sync(open_rollout_engine, ctx.config, opts.engine, opts.vllm, model, tok, ctx.device)
+        self.engine = await ctx.run_sync(open_rollout_engine, ctx, opts.engine, opts.vllm, model, tok, ctx.device)
         del model  # the vLLM engine holds its own copy; the built-in one keeps a reference
         ctx.log.info("%s[%d]: %s rollout engine ready in %.1f s", ctx.spec.name, ctx.worker, self.engine.name,
                      self.engine.startup_s)

@@ -1,5 +1,6 @@
 """End to end with vLLM generate workers: GRPO learns digits-max (separate and disaggregated
-placements), and a killed engine stops the run naming the stage, leaving no process.
+placements), and a killed engine (the generate worker that holds it in-process, or the engine-core
+process of a disaggregated worker) stops the run naming the stage, leaving no process or file.
 
 Runs where vLLM is installed (ops/vllm_env.sh builds that environment; .ci/run runs it).
 """
@@ -19,7 +20,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment (o
 
 import streamrl
 from streamrl.runtime.launcher import RunFailed
-from tests.runtime.hygiene import live_processes
+from streamrl.runtime.stage import StageError
+from tests.runtime.hygiene import descendants, live_processes, run_ipc_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM = "stages.generate.options.engine=vllm"
@@ -46,6 +48,13 @@ def test_grpo_with_vllm_learns(tmp_path: Path, config: str) -> None:
     startup = [v for k, v in result.metrics[-1].items() if k.startswith("generate/") and k.endswith("/engine_startup_s")]
     assert startup and all(v > 0 for v in startup)
     assert not live_processes("EngineCore") and not live_processes(str(result.run_dir))
+    _assert_no_files_left(result.run_dir)
+
+
+def _assert_no_files_left(run_dir: Path) -> None:
+    """The run's scratch (vLLM's ipc sockets, its weight files in /dev/shm) went with the run."""
+    dirs = run_ipc_dirs(run_dir)
+    assert dirs and not [d for d in dirs if d.exists()]
 
 
 @pytest.mark.timeout(300)
@@ -75,3 +84,39 @@ def test_a_killed_engine_stops_the_run_naming_the_stage_and_leaves_no_process(tm
     assert run_dirs, "the run never reached step 3"
     time.sleep(1)
     assert not live_processes(str(run_dirs[0])) and not live_processes("EngineCore")
+    _assert_no_files_left(run_dirs[0])
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_engine_core_process_stops_a_disaggregated_run(tmp_path: Path) -> None:
+    """Disaggregated: each generate worker's vLLM engine core is a child process; SIGKILL worker
+    0's mid-run. The worker sees vLLM's engine die, fails naming the stage, and the run stops."""
+    killed: list[tuple[Path, int]] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            done = [p for p in tmp_path.glob("*/metrics.jsonl") if p.read_text().count("reward_mean") >= 2]
+            if done:
+                run_dir = done[0].parent
+                worker = int(json.loads((run_dir / "logs" / "pids.json").read_text())["generate-0"])
+                cores = [pid for pid, cmd in descendants(worker).items() if "EngineCore" in cmd]
+                if cores:
+                    os.kill(cores[0], signal.SIGKILL)
+                    killed.append((run_dir, cores[0]))
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with pytest.raises(StageError, match=r"stage 'generate' worker 0 failed .*VllmEngineDeadError") as failure:
+        streamrl.run(str(REPO / "configs" / "grpo_digits_disaggregated.yaml"),
+                     ["algo.steps=300", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none",
+                      "resources.max_restarts=0", VLLM])
+    thread.join(5)
+    assert killed, "no engine-core process was found under generate-0 by step 2"
+    assert f"engine-core process ended (pid {killed[0][1]} exit code -9)" in str(failure.value), str(failure.value)
+    time.sleep(1)
+    run_dir = killed[0][0]
+    assert not live_processes(str(run_dir)) and not live_processes("EngineCore")
+    _assert_no_files_left(run_dir)

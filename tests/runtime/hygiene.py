@@ -109,10 +109,12 @@ def wait_gone(pids: list[int] | dict[int, str], timeout_s: float = 10.0) -> list
 
 
 def run_ipc_dirs(run_dir: Path) -> set[Path]:
-    """The ipc directories a processes-mode run used, from the endpoints in its worker specs."""
+    """The ipc and scratch directories a processes-mode run used, from its worker specs (the
+    endpoints, and the run's private disk and shared-memory directories)."""
     dirs: set[Path] = set()
     for spec in (run_dir / "logs").glob("*.spec.json"):
         data = json.loads(spec.read_text())
+        dirs.update(Path(data[key]) for key in ("scratch_dir", "shm_dir") if data.get(key))
         for key in ("dock_endpoint", "control_endpoint", "weights_endpoint"):
             endpoint = data.get(key, "")
             if endpoint.startswith("ipc://"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from streamrl.runtime.worker import ORPHAN_EXIT_S
-from tests.runtime.hygiene import descendants, wait_gone
+from tests.runtime.hygiene import descendants, run_ipc_dirs, wait_gone
 from tests.runtime.user_stages import grpo_with_stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,5 +56,10 @@ def test_a_worker_blocked_in_a_thread_exits_once_the_launcher_is_killed(tmp_path
         for pid in wait_gone(started, 0.5):  # whatever the test left alive, it stops
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        # a SIGKILLed launcher cannot remove its ipc / scratch dirs (a resume of the run dir
+        # would): the test removes them
+        for run_dir in runs.glob("*"):
+            for d in run_ipc_dirs(run_dir):
+                shutil.rmtree(d, ignore_errors=True)
     log = next(runs.glob("*/logs/score-0.log")).read_text()
     assert "did not stop within" in log and "exiting" in log
