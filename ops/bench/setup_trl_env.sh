@@ -13,8 +13,8 @@
 # Versions: exactly those the reference TRL figures in docs/benchmarks.md were taken with; other
 # versions run (the runner warns) but their figures do not compare. streamrl itself is not
 # installed: the runner puts its own checkout first on sys.path, so the model, tokenizer and tasks
-# it trains are always the code beside it; only msgspec, which those modules import and the TRL
-# stack does not bring, is added.
+# it trains are always the code beside it; only msgspec and pyzmq, which those modules import and the TRL
+# stack does not bring, are added (streamrl.tasks imports the reward client, hence pyzmq).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -32,7 +32,7 @@ else
 fi
 # torch==2.13.0 is repeated so that resolving the rest can never move it.
 "${pip[@]}" torch==2.13.0 trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 \
-    tokenizers==0.23.3 "msgspec>=0.18"
+    tokenizers==0.23.3 "msgspec>=0.18" "pyzmq>=25"
 
 # Imports TRL and this checkout's streamrl modules, prints the versions, warns on a mismatch.
 "$venv/bin/python" "$here/trl_grpo.py" --check-env

@@ -113,7 +113,7 @@ class VllmRolloutEngine:
     def __init__(
         self, model_dir: str | Path, *, eos_token_id: int | None, dtype: str, max_model_len: int, seed: int,
         options: VllmOptions, scratch_dir: str | Path, device: str = "cpu", separate_process: bool = False,
-        transfer_root: Path | None = None,
+        transfer_root: Path | None = None, sleep_mode: bool = False,
     ) -> None:
         """``scratch_dir``: a directory this engine owns (vLLM's ipc files; a caller may have saved
         the model there) and removes on ``close``.
@@ -123,6 +123,11 @@ class VllmRolloutEngine:
         worker initialises torch.distributed's default group, and a process has only one. Weights
         then cross over as safetensors files in shared memory, a bucket at a time, in a directory
         made under ``transfer_root`` (default /dev/shm, else the system temp dir).
+
+        ``sleep_mode``: ``sleep()`` frees the engine's device memory (weights and KV cache: vLLM's
+        level-2 sleep; the next install writes every weight anyway) and ``wake_up()`` takes it
+        back, for an engine that shares its device with a trainer (colocated). vLLM refuses sleep
+        mode on CPU, so there it stays off and both are no-ops. Not run here (no accelerator).
         """
         scratch = self.scratch_dir = Path(scratch_dir)
         scratch.mkdir(parents=True, exist_ok=True)
@@ -140,6 +145,9 @@ class VllmRolloutEngine:
             kwargs: dict[str, Any] = {}
             if device != "cpu":
                 kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+                kwargs["enable_sleep_mode"] = sleep_mode
+            self.sleep_mode = sleep_mode and device != "cpu"
+            self.asleep = False
             self.llm = vllm.LLM(
                 model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
                 enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
@@ -247,6 +255,18 @@ class VllmRolloutEngine:
             self.llm.collective_rpc("streamrl_load_file", args=(str(path),))
         finally:
             path.unlink(missing_ok=True)
+
+    def sleep(self) -> None:
+        """Free device memory for a colocated trainer's phase; a no-op without sleep mode (CPU)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Take the memory back before the next install; a no-op without sleep mode (CPU)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def _core_client(self) -> Any:
         return getattr(self.llm.llm_engine, "engine_core", None)

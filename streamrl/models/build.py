@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 import torch
+from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
@@ -141,7 +142,22 @@ def save_pretrained_dir(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     """Write ``model`` (safetensors) and ``tokenizer`` to ``path`` as a from_pretrained directory."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        # transformers' save_pretrained writes weights on rank 0 only once torch.distributed is up
+        # (a colocated generate worker's process is a train rank), but this directory is this
+        # process's own: write the config and weights directly, tied duplicates once (as HF does)
+        model.config.save_pretrained(path)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(path)
+        seen: set[int] = set()
+        weights = {}
+        for name, tensor in model.state_dict().items():
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                weights[name] = tensor.detach().contiguous()
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path

@@ -81,6 +81,11 @@ class ColocatedPolicy:
         inference phase (the device then holds only the inference weights).
     release_weights_in_training: free the inference weights for the training phase; generation
         waiting in ``weights.use(v)`` resumes at the next ``to_inference``.
+    stream_to_engine: the inference weights live in a rollout engine of this process that keeps its
+        own copy (vLLM; T = 1), attached with :meth:`attach_engine`: each version's buckets stream
+        into its ``load_weights`` as their all-gathers complete (:meth:`Resharder.reshard_local_stream`),
+        and ``weights`` holds no tensors (it numbers the versions and keeps installs and generation
+        apart). The engine sleeps (``sleep()``) for the training phase and wakes before an install.
     """
 
     def __init__(
@@ -90,17 +95,57 @@ class ColocatedPolicy:
         *,
         swap_training_state: bool = True,
         release_weights_in_training: bool = True,
+        stream_to_engine: bool = False,
     ) -> None:
         if resharder.topology.placement != "colocated":
             raise LayoutError("ColocatedPolicy needs a colocated topology; use WeightSender/WeightReceiver")
+        if stream_to_engine and resharder.topology.inference.tensor_parallel != 1:
+            raise LayoutError("stream_to_engine installs whole Hugging Face parameters: it needs inference T = 1")
         self.engine, self.resharder = engine, resharder
         self.swap_training_state = swap_training_state
         self.release_weights_in_training = release_weights_in_training
-        self.weights = _weights_for(resharder, engine.device)
+        self.stream_to_engine = stream_to_engine
+        self.rollout_engine: SleepingWeightLoader | None = None
+        self.engine_detached = False
+        if stream_to_engine:  # no shapes: update() allocates nothing, the engine holds the weights
+            self.weights = InferenceWeights({}, dtype=resharder.inference_dtype, device=engine.device)
+        else:
+            self.weights = _weights_for(resharder, engine.device)
         self.phase: Phase = "training"
         self.last_reshard: ReshardReport | None = None
         self.last_swap: SwapReport | None = None
         self._transition = anyio.Lock()
+
+    def attach_engine(self, engine: SleepingWeightLoader) -> None:
+        """The rollout engine the versions stream into (``stream_to_engine``); before the first
+        ``to_inference``."""
+        if not self.stream_to_engine:
+            raise LayoutError("attach_engine is for a ColocatedPolicy made with stream_to_engine=True")
+        self.rollout_engine = engine
+
+    async def detach_engine(self) -> None:
+        """The engine is about to close (its stage is stopping): wait for an install in flight, then
+        stop installing into it. Later versions still run their all-gathers (collective: the other
+        ranks' engines may still take them) and drop the result."""
+        async with self.weights.update():
+            self.rollout_engine = None
+            self.engine_detached = True
+
+    def _reshard(self, version: int, tensors: dict[str, torch.Tensor]) -> ReshardReport:
+        shards = self.engine.local_shards()
+        if not self.stream_to_engine:
+            return self.resharder.reshard_local(shards, tensors, version=version)
+        engine = self.rollout_engine
+        if engine is None and not self.engine_detached:
+            raise PhaseError("stream_to_engine: no rollout engine attached; attach_engine() comes first")
+        report = ReshardReport(version, "colocated", self.resharder.config.bucket_bytes)
+        stream = self.resharder.reshard_local_stream(shards, report)
+        if engine is not None:
+            engine.wake_up()
+            engine.load_weights(stream)
+        for _ in stream:  # collective: an engine that stopped early must not leave the others' gathers hanging
+            pass
+        return report
 
     async def to_inference(self, version: int) -> ReshardReport:
         """Reshard the current training weights as ``version``, swap the training state out, publish.
@@ -115,9 +160,7 @@ class ColocatedPolicy:
             async with self.weights.update() as tensors:
 
                 def work() -> ReshardReport:
-                    report = self.resharder.reshard_local(
-                        self.engine.local_shards(), tensors, version=version
-                    )
+                    report = self._reshard(version, tensors)
                     if self.swap_training_state:
                         self.last_swap = self.engine.offload_state()
                     return report
@@ -136,6 +179,8 @@ class ColocatedPolicy:
             async with self.weights.update():
                 if self.release_weights_in_training:
                     self.weights.release()
+                if self.rollout_engine is not None:
+                    await anyio.to_thread.run_sync(self.rollout_engine.sleep)
                 report = None
                 if self.swap_training_state:
                     report = await anyio.to_thread.run_sync(self.engine.reload_state)
@@ -186,6 +231,16 @@ class WeightLoader(Protocol):
     """An engine that keeps its own copy of the weights (a rollout engine such as vLLM)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class SleepingWeightLoader(WeightLoader, Protocol):
+    """A rollout engine colocated with a train rank: it gives its device memory back for the
+    training phase (``sleep``) and takes it again before the next install (``wake_up``); both are
+    no-ops where the platform cannot (vLLM on CPU)."""
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
 
 
 class WeightReceiver:

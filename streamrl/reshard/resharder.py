@@ -52,7 +52,7 @@ from streamrl.reshard.shards import (
     source_blocks,
     train_block,
 )
-from streamrl.reshard.spec import ModelShardingSpec, ParamSpec, Piece, Rect, rect_shape
+from streamrl.reshard.spec import ModelShardingSpec, ParamSpec, Piece, Rect, full_rect, rect_shape
 
 HEADER_WEIGHTS = 1  # header kind: a new policy version follows, bucket by bucket
 HEADER_CLOSE = 2  # header kind: the sender is shutting down; no more versions
@@ -339,6 +339,41 @@ class Resharder:
                 synchronize(self.device)
                 stats.slice_s = time.perf_counter() - t0
         return report
+
+    def reshard_local_stream(
+        self, shards: Mapping[str, torch.Tensor], report: ReshardReport
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Colocated, T = 1: the train group's shards as whole Hugging Face-named parameters,
+        yielded a bucket at a time as each bucket's all-gather completes.
+
+        For an engine in this process that loads Hugging Face weights itself (vLLM): no inference
+        copy is kept here. Buffer lifetimes: the one gather buffer of :meth:`_gathered_buckets`
+        (reused by every bucket, so the views into it die with the bucket), and each bucket's
+        parameter tensors, fresh per bucket and never overwritten (the consumer may keep the
+        previous bucket's until it has copied them). Peak extra memory: one gathered bucket and one
+        bucket of parameters. Collective: every train rank must consume the stream to the end.
+        """
+        if self.topology.placement != "colocated" or self.topology.inference.tensor_parallel != 1:
+            raise LayoutError("reshard_local_stream yields whole Hugging Face parameters: colocated, T = 1 only")
+        self._check_shards(shards)
+        tracker = MemoryTracker()
+        with self._measure(report, tracker):
+            for bucket, views, stats in self._gathered_buckets(shards, tracker, report):
+                t0 = time.perf_counter()
+                params = {p.name: torch.empty(p.shape, dtype=self.inference_dtype, device=self.device)
+                          for p in bucket.params}
+                params_bytes = sum(t.numel() for t in params.values()) * self._out_itemsize
+                tracker.allocate(params_bytes)
+                stats.peak_extra_bytes = tracker.live_bytes
+                for name, full in params.items():
+                    copied = copy_rect(full, (0,) * full.dim(), full_rect(full.shape), views[name])
+                    stats.sliced_bytes += copied * self._out_itemsize
+                synchronize(self.device)
+                del views  # the gather buffer is the next bucket's: nothing may still point into it
+                stats.slice_s = time.perf_counter() - t0
+                yield from params.items()
+                del params  # the consumer has copied them (an engine's load_weights copies as it reads)
+                tracker.release(params_bytes)
 
     def send(self, shards: Mapping[str, torch.Tensor], *, version: int) -> ReshardReport:
         """Disaggregated train rank: gather bucket by bucket, stream each destination its slices.

@@ -15,6 +15,13 @@ the R processes:
   to zero-copy views of them for the length of one batch), so the process holds one copy of
   the weights for each phase, not one per stage.
 
+With ``options.engine: vllm`` (T = 1) the process instead runs a vLLM engine (its engine core in a
+child process: this process's default torch.distributed group is the train world, and vLLM's
+worker makes its own), and each version's gathered buckets stream into its ``load_weights`` as
+they complete; vLLM holds the only inference copy. It sleeps through the training phase where the
+platform supports it (accelerators); on CPU vLLM refuses sleep mode, so there the swap covers
+the trainer only.
+
 Phases alternate on each rank: the train stage claims its share of a step (``batch_size / R``
 samples) while the inference weights are still in place, so generation on this rank keeps
 feeding the other ranks; an all-reduce of the step's token counts (which every rank needs for
@@ -37,14 +44,16 @@ from typing import Any
 import anyio
 import msgspec
 
+from streamrl.engines.options import check_engine_available
 from streamrl.reshard import ColocatedPolicy, RankGroups
-from streamrl.runtime.pipeline import ReshardGenerateOptions
+from streamrl.runtime.pipeline import ReshardGenerateOptions, StageSpec
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.common import build_policy
+from streamrl.stages.common import build_policy, open_rollout_engine
 from streamrl.stages.tp_generation import STOP_WAIT_S, TensorParallelGeneration
-from streamrl.stages.view_rollout import ViewRollout
+from streamrl.stages.view_rollout import EngineRollout, ViewRollout
 
-__all__ = ["STOP_WAIT_S", "ColocatedGenerateStage", "ColocatedRank", "ColocatedSetupError", "colocated_rank"]
+__all__ = ["STOP_WAIT_S", "ColocatedGenerateStage", "ColocatedRank", "ColocatedSetupError", "colocated_rank",
+           "uses_vllm"]
 
 SHARED_KEY = "colocated_rank"
 
@@ -64,6 +73,13 @@ class ColocatedRank:
     # set by the generate stage's close: the train stage destroys the process group only after it
     # (a TP generation group computes over it until its STOP)
     generation_closed: anyio.Event = field(default_factory=anyio.Event)
+    # engine: vllm: set once the generate stage has attached its engine to the policy
+    engine_attached: anyio.Event = field(default_factory=anyio.Event)
+
+
+def uses_vllm(generate: StageSpec) -> bool:
+    """Whether the colocated generate stage runs vLLM (its options' ``engine``)."""
+    return msgspec.convert(generate.options, ReshardGenerateOptions).engine == "vllm"
 
 
 def colocated_rank(ctx: StageContext) -> ColocatedRank:
@@ -86,10 +102,12 @@ class ColocatedGenerateStage:
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
-        if msgspec.convert(options, ReshardGenerateOptions).engine != "builtin":
-            raise ValueError("engine: vllm is not available in the colocated placement (the generate stage computes "
-                             "on the train rank's resharded weights in place); use the separate or the disaggregated "
-                             "placement for vLLM, or engine: builtin here")
+        opts = msgspec.convert(options, ReshardGenerateOptions)
+        check_engine_available(opts.engine)
+        if opts.engine == "vllm" and opts.tensor_parallel != 1:
+            raise ValueError(f"engine: vllm takes whole weights (tensor_parallel: 1); tensor_parallel: "
+                             f"{opts.tensor_parallel} runs on the built-in engine only (engine: builtin), or use "
+                             "vLLM's own options.vllm.tensor_parallel_size on accelerators")
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -104,8 +122,23 @@ class ColocatedGenerateStage:
             raise ColocatedSetupError(f"the colocated train stage {ctx.spec.colocate_with!r} of this process failed "
                                       f"to set up: {shared.error}")
         self.policy = shared.policy
+        self.engine = None
         # on the train stage's device: this process is one rank of the reshard world
-        model, tokenizer = build_policy(ctx.config, str(shared.policy.engine.device))
+        device = str(shared.policy.engine.device)
+        model, tokenizer = build_policy(ctx.config, device)
+        if shared.policy.stream_to_engine:
+            opts = msgspec.convert(ctx.options, ReshardGenerateOptions)
+            # the engine core in its own process: this one's default process group is the train world
+            self.engine = await ctx.run_sync(open_rollout_engine, ctx, "vllm", opts.vllm, model, tokenizer, device,
+                                             separate_process=True, sleep_mode=True)
+            del model
+            ctx.log.info("%s[%d]: vllm rollout engine ready in %.1f s", ctx.spec.name, ctx.worker,
+                         self.engine.startup_s)
+            ctx.report_metrics({"engine_startup_s": self.engine.startup_s})
+            shared.policy.attach_engine(self.engine)  # type: ignore[arg-type]
+            shared.engine_attached.set()
+            self.rollout = EngineRollout(ctx, self.engine)
+            return
         if shared.policy.resharder.topology.inference.tensor_parallel == 1:
             self.rollout = ViewRollout(ctx, model, tokenizer, shared.policy.resharder.plan, 0)
             return
@@ -130,4 +163,9 @@ class ColocatedGenerateStage:
                 else:
                     await self.tp.follow_until_stopped()
         finally:
+            if self.engine is not None:
+                # the train stage may be installing a version into it: let that finish first
+                with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_WAIT_S):
+                    await self.policy.detach_engine()
+                self.engine.close()
             colocated_rank(self.ctx).generation_closed.set()

@@ -75,8 +75,8 @@ def build_task(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None)
 
 
 def open_rollout_engine(ctx: StageContext, engine: EngineName, vllm: VllmOptions, model: PreTrainedModel,
-                        tokenizer: PreTrainedTokenizerBase, device: str, *, separate_process: bool = False
-                        ) -> RolloutEngine:
+                        tokenizer: PreTrainedTokenizerBase, device: str, *, separate_process: bool = False,
+                        sleep_mode: bool = False) -> RolloutEngine:
     """The generate stage's engine over the initial policy ``model`` (version 0).
 
     ``builtin`` computes on ``model`` itself. ``vllm`` starts a vLLM engine on the same weights:
@@ -104,7 +104,7 @@ def open_rollout_engine(ctx: StageContext, engine: EngineName, vllm: VllmOptions
             model_dir, eos_token_id=tokenizer.eos_token_id, dtype=cfg.model.dtype,
             max_model_len=vllm.max_model_len or positions, seed=cfg.seed, options=vllm, scratch_dir=scratch,
             device="cpu" if device.startswith("cpu") else device, separate_process=separate_process,
-            transfer_root=ctx.shm_dir,
+            transfer_root=ctx.shm_dir, sleep_mode=sleep_mode,
         )
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)

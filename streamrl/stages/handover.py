@@ -194,16 +194,24 @@ class ColocatedHandOver(HandOver):
         return Topology.colocated(TrainLayout(self.R, self.options.tensor_parallel), self.T)
 
     async def start(self, trainer: TrainStage) -> None:
-        from streamrl.stages.colocated import colocated_rank
+        from streamrl.stages.colocated import colocated_rank, uses_vllm
 
         resharder = _resharder(trainer, self.topology(), self.options.bucket_bytes)
+        stream = uses_vllm(weights_receiver(self.ctx))
         # T > 1: the slices stay through the training phase (see streamrl/stages/tp_generation.py)
         self.policy = ColocatedPolicy(trainer.engine, resharder, swap_training_state=self.options.swap,
-                                      release_weights_in_training=self.T == 1)
+                                      release_weights_in_training=self.T == 1, stream_to_engine=stream)
+        shared = colocated_rank(self.ctx)
+        if stream:
+            # The generate stage starts vLLM from the initial weights once the policy is shared, and
+            # attaches it; then the first version (0, or a resumed checkpoint's) streams into it.
+            shared.policy, shared.groups = self.policy, trainer.groups
+            shared.ready.set()
+            with anyio.fail_after(self.ctx.config.resources.start_timeout_s):
+                await shared.engine_attached.wait()
         await self.policy.to_inference(trainer.version)  # 0, or a resumed checkpoint's
         if trainer.version > 0:
             await self.channel.announce(trainer.version)
-        shared = colocated_rank(self.ctx)
         shared.policy, shared.groups = self.policy, trainer.groups
         shared.ready.set()
 

@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment (o
 import streamrl
 from streamrl.runtime.launcher import RunFailed
 from streamrl.runtime.stage import StageError
-from tests.runtime.hygiene import descendants, live_processes, run_ipc_dirs
+from tests.runtime.hygiene import descendants, live_processes, processes_with_environ, run_ipc_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM = "stages.generate.options.engine=vllm"
@@ -34,11 +34,13 @@ def _learns(rewards: list[float]) -> None:
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("config", ["grpo_digits.yaml", "grpo_digits_disaggregated.yaml"],
-                         ids=["separate", "disaggregated"])
+@pytest.mark.parametrize("config", ["grpo_digits.yaml", "grpo_digits_disaggregated.yaml", "grpo_digits_colocated.yaml"],
+                         ids=["separate", "disaggregated", "colocated"])
 def test_grpo_with_vllm_learns(tmp_path: Path, config: str) -> None:
     """Separate: the trainer's published snapshots go into one in-process engine. Disaggregated: 2 train
-    ranks stream each version's buckets into 2 generate workers' engines (each in its own process)."""
+    ranks stream each version's buckets into 2 generate workers' engines (each in its own process).
+    Colocated: each of the 2 train ranks streams its all-gathered buckets into the vLLM engine of its
+    own process (the engine core a child process)."""
     result = streamrl.run(str(REPO / "configs" / config),
                           ["algo.steps=60", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
                            "output.progress=none", VLLM])
@@ -47,14 +49,19 @@ def test_grpo_with_vllm_learns(tmp_path: Path, config: str) -> None:
     # generate/engine_startup_s with one worker, generate/<k>/engine_startup_s with several
     startup = [v for k, v in result.metrics[-1].items() if k.startswith("generate/") and k.endswith("/engine_startup_s")]
     assert startup and all(v > 0 for v in startup)
-    assert not live_processes("EngineCore") and not live_processes(str(result.run_dir))
-    _assert_no_files_left(result.run_dir)
+    _assert_nothing_left(result.run_dir)
 
 
-def _assert_no_files_left(run_dir: Path) -> None:
-    """The run's scratch (vLLM's ipc sockets, its weight files in /dev/shm) went with the run."""
+def _assert_nothing_left(run_dir: Path) -> None:
+    """No process of the run (its workers; vLLM's engine cores, which inherit the run's scratch dir
+    in their environment) and none of its scratch (vLLM's ipc sockets, weight files in /dev/shm)."""
+    time.sleep(1)
+    assert not live_processes(str(run_dir))
     dirs = run_ipc_dirs(run_dir)
-    assert dirs and not [d for d in dirs if d.exists()]
+    assert dirs
+    for d in dirs:
+        assert not processes_with_environ(str(d)), d
+    assert not [d for d in dirs if d.exists()]
 
 
 @pytest.mark.timeout(300)
@@ -82,9 +89,7 @@ def test_a_killed_engine_stops_the_run_naming_the_stage_and_leaves_no_process(tm
                       "resources.max_restarts=0", VLLM])
     thread.join(5)
     assert run_dirs, "the run never reached step 3"
-    time.sleep(1)
-    assert not live_processes(str(run_dirs[0])) and not live_processes("EngineCore")
-    _assert_no_files_left(run_dirs[0])
+    _assert_nothing_left(run_dirs[0])
 
 
 @pytest.mark.timeout(400)
@@ -116,7 +121,4 @@ def test_a_killed_engine_core_process_stops_a_disaggregated_run(tmp_path: Path) 
     thread.join(5)
     assert killed, "no engine-core process was found under generate-0 by step 2"
     assert f"engine-core process ended (pid {killed[0][1]} exit code -9)" in str(failure.value), str(failure.value)
-    time.sleep(1)
-    run_dir = killed[0][0]
-    assert not live_processes(str(run_dir)) and not live_processes("EngineCore")
-    _assert_no_files_left(run_dir)
+    _assert_nothing_left(killed[0][0])

@@ -37,6 +37,7 @@ from streamrl.reshard import (
     ModelShardingSpec,
     ReshardConfig,
     Resharder,
+    ReshardReport,
     Topology,
     TrainLayout,
     WeightReceiver,
@@ -278,6 +279,13 @@ def colocated_matrix(
         naive_report = naive.reshard_local(engine.local_shards(), naive_out, version=1)
         check["naive_equal"] = all(torch.equal(naive_out[n], out[n]) for n in out)
         check["naive_peak_extra_bytes"] = naive_report.peak_extra_bytes
+        if T == 1:  # the stream a colocated vLLM engine loads: whole HF parameters, bucket by bucket
+            stream_report = ReshardReport(1, "colocated", bucket_bytes)
+            streamed = dict(resharder.reshard_local_stream(engine.local_shards(), stream_report))
+            check["stream_equal"] = set(streamed) == set(full) and all(torch.equal(streamed[n], full[n]) for n in full)
+            check["stream_buckets"] = len(stream_report.buckets)
+            check["stream_peak_extra_bytes"] = stream_report.peak_extra_bytes
+            check["stream_largest_bucket_bytes"] = stream_report.largest_bucket_bytes
         result["by_t"][str(T)] = check
     result["awaitable"] = _awaitable_check(engine, spec, groups_by_t[inference_tps[-1]])
     return result

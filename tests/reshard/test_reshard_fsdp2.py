@@ -87,6 +87,19 @@ def test_colocated_peak_is_at_most_one_bucket(world: World) -> None:
         assert case["peak_extra_bytes"] <= case["bucket_bytes"] == BUCKET_BYTES, (rank, T, case)
 
 
+def test_colocated_stream_yields_whole_parameters_bitwise_one_bucket_at_a_time(world: World) -> None:
+    """``reshard_local_stream`` (what a colocated vLLM engine loads): every parameter whole and
+    bitwise equal to ``full_tensor()``, with at most one gathered bucket plus that bucket's
+    parameters alive at once."""
+    for rank, T, case in _colocated_cases(world):
+        if T != "1":
+            continue
+        assert case["stream_equal"], (world[0], rank)
+        assert case["stream_buckets"] == case["buckets"] >= 5, (rank, case)
+        assert case["stream_peak_extra_bytes"] <= 2 * case["stream_largest_bucket_bytes"], (rank, case)
+        assert case["stream_largest_bucket_bytes"] <= BUCKET_BYTES
+
+
 @pytest.fixture(scope="module")
 def send_case() -> list[dict[str, Any]]:
     key = case_key(SEND_CASE)

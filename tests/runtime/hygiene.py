@@ -55,6 +55,22 @@ def live_processes(*needles: str) -> dict[int, str]:
     return {pid: cmd for pid, cmd in cmds.items() if any(n in cmd for n in needles)}
 
 
+def processes_with_environ(text: str) -> dict[int, str]:
+    """Live processes (not this one) whose environment holds ``text`` (e.g. a run's scratch dir,
+    which a vLLM engine core inherits as VLLM_RPC_BASE_PATH): pid -> cmdline. Unlike a command-line
+    match, this tells one run's processes from another's running beside it."""
+    needle = text.encode()
+    found: dict[int, str] = {}
+    for pid in _live_others():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ:
+            found[pid] = _cmdline(pid)
+    return found
+
+
 def descendants(root: int) -> dict[int, str]:
     """Live descendants of ``root`` (children, grandchildren, ...): pid -> cmdline."""
     parent_of: dict[int, int] = {}
