@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,61 +65,53 @@ def _assert_nothing_left(run_dir: Path) -> None:
     assert not [d for d in dirs if d.exists()]
 
 
-@pytest.mark.timeout(300)
-def test_a_killed_engine_stops_the_run_naming_the_stage_and_leaves_no_process(tmp_path: Path) -> None:
-    """The separate placement's engine runs inside the generate worker: SIGKILL it mid-run."""
-    run_dirs: list[Path] = []
+def _kill_at_step(tmp_path: Path, steps: int, victim: Callable[[int], int | None]) -> list[tuple[Path, int]]:
+    """Once the run under ``tmp_path`` has logged ``steps`` steps, SIGKILL ``victim(pid of
+    generate-0)``, from a thread; the returned list gets (run dir, killed pid)."""
+    killed: list[tuple[Path, int]] = []
 
     def killer() -> None:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            done = [p for p in tmp_path.glob("*/metrics.jsonl") if p.read_text().count("reward_mean") >= 3]
+            done = [p for p in tmp_path.glob("*/metrics.jsonl") if p.read_text().count("reward_mean") >= steps]
             if done:
                 run_dir = done[0].parent
-                run_dirs.append(run_dir)
-                pid = int(json.loads((run_dir / "logs" / "pids.json").read_text())["generate-0"])
-                os.kill(pid, signal.SIGKILL)
+                pid = victim(int(json.loads((run_dir / "logs" / "pids.json").read_text())["generate-0"]))
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append((run_dir, pid))
                 return
             time.sleep(0.05)
 
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    threading.Thread(target=killer, daemon=True).start()
+    return killed
+
+
+def _engine_core_of(worker: int) -> int | None:
+    return next((pid for pid, cmd in descendants(worker).items() if "EngineCore" in cmd), None)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_engine_stops_the_run_naming_the_stage_and_leaves_no_process(tmp_path: Path) -> None:
+    """The separate placement's engine runs inside the generate worker: SIGKILL it mid-run."""
+    killed = _kill_at_step(tmp_path, 3, lambda worker: worker)
     with pytest.raises(RunFailed, match=r"stage 'generate' worker 0 was killed by signal 9"):
         streamrl.run(str(REPO / "configs" / "grpo_digits.yaml"),
                      ["algo.steps=300", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none",
                       "resources.max_restarts=0", VLLM])
-    thread.join(5)
-    assert run_dirs, "the run never reached step 3"
-    _assert_nothing_left(run_dirs[0])
+    assert killed, "the run never reached step 3"
+    _assert_nothing_left(killed[0][0])
 
 
 @pytest.mark.timeout(400)
 def test_a_killed_engine_core_process_stops_a_disaggregated_run(tmp_path: Path) -> None:
     """Disaggregated: each generate worker's vLLM engine core is a child process; SIGKILL worker
     0's mid-run. The worker sees vLLM's engine die, fails naming the stage, and the run stops."""
-    killed: list[tuple[Path, int]] = []
-
-    def killer() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            done = [p for p in tmp_path.glob("*/metrics.jsonl") if p.read_text().count("reward_mean") >= 2]
-            if done:
-                run_dir = done[0].parent
-                worker = int(json.loads((run_dir / "logs" / "pids.json").read_text())["generate-0"])
-                cores = [pid for pid, cmd in descendants(worker).items() if "EngineCore" in cmd]
-                if cores:
-                    os.kill(cores[0], signal.SIGKILL)
-                    killed.append((run_dir, cores[0]))
-                return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    killed = _kill_at_step(tmp_path, 2, _engine_core_of)
     with pytest.raises(StageError, match=r"stage 'generate' worker 0 failed .*VllmEngineDeadError") as failure:
         streamrl.run(str(REPO / "configs" / "grpo_digits_disaggregated.yaml"),
                      ["algo.steps=300", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none",
                       "resources.max_restarts=0", VLLM])
-    thread.join(5)
     assert killed, "no engine-core process was found under generate-0 by step 2"
     assert f"engine-core process ended (pid {killed[0][1]} exit code -9)" in str(failure.value), str(failure.value)
     _assert_nothing_left(killed[0][0])
