@@ -207,8 +207,13 @@ class ColocatedHandOver(HandOver):
             # attaches it; then the first version (0, or a resumed checkpoint's) streams into it.
             shared.policy, shared.groups = self.policy, trainer.groups
             shared.ready.set()
-            with anyio.fail_after(self.ctx.config.resources.start_timeout_s):
+            timeout_s = self.ctx.config.resources.start_timeout_s
+            with anyio.move_on_after(timeout_s):
                 await shared.engine_attached.wait()
+            if not shared.engine_attached.is_set():
+                raise TimeoutError(f"the colocated generate stage's vLLM engine did not start within "
+                                   f"resources.start_timeout_s ({timeout_s:g} s); raise it for a large model or "
+                                   f"a slow machine (the generate stage's log says how far it got)")
         await self.policy.to_inference(trainer.version)  # 0, or a resumed checkpoint's
         if trainer.version > 0:
             await self.channel.announce(trainer.version)
