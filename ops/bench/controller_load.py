@@ -14,8 +14,8 @@ docs/benchmarks.md) and ack. Rates:
   sample over its five stages (what docs/scaling.md projects the single controller's limit from).
 
 Baseline, side by side in the same run: the same client processes and tasks making the same
-number of controller round trips per sample against a raw pyzmq ROUTER that answers at once
-(the transport's floor for this request count, no dock logic).
+number of controller round trips per sample against dock.py's raw pyzmq ROUTER, which echoes at
+once (the transport's floor for this request count, no dock logic).
 
 "Keeps up" at a rate: the train stage acked >= 95% of the samples added, within 2 s of the last
 add, and the add->train p99 stays under 1 s. All clients share the 2 cores with the controller,
@@ -35,7 +35,9 @@ import asyncio
 import math
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -47,6 +49,7 @@ import zmq.asyncio
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ops.bench._common import fmt_spread, percentile, print_json_line, print_table, spread
+from ops.bench.dock import RawServer
 from streamrl.dock.client import DockClient
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.errors import DockTimeout, EndOfStream
@@ -191,31 +194,6 @@ def keeps_up(r: dict[str, Any]) -> bool:
 ROUND_TRIPS_PER_SAMPLE = (2 * len(STAGES) + len(STAGES)) / MICRO + 1 / GROUP
 
 
-def _raw_server(conn: Connection) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind("tcp://127.0.0.1:0")
-    conn.send(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(conn.fileno(), zmq.POLLIN)
-    try:
-        while True:
-            events = dict(poller.poll(1000))
-            if conn.fileno() in events:
-                return
-            while True:
-                try:
-                    ident, body = sock.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                sock.send_multipart([ident, body])
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-
-
 def _raw_process(conn: Connection, endpoint: str, tasks: int, round_trips: int) -> None:
     async def task(ctx: zmq.asyncio.Context, n: int) -> None:
         sock = ctx.socket(zmq.DEALER)
@@ -224,8 +202,8 @@ def _raw_process(conn: Connection, endpoint: str, tasks: int, round_trips: int) 
         body = b"x" * 96  # about a claim's size
         try:
             for _ in range(n):
-                await sock.send(body)
-                await sock.recv()
+                await sock.send_multipart([b"echo", body])  # dock.py's RawServer answers [op, reply]
+                await sock.recv_multipart()
         finally:
             sock.close(linger=0)
 
@@ -243,11 +221,10 @@ def _raw_process(conn: Connection, endpoint: str, tasks: int, round_trips: int) 
 def run_raw(samples: int) -> dict[str, Any]:
     """The same request count as ``samples`` through the pipeline, in the same process layout."""
     ctx = mp.get_context("spawn")
-    sconn, schild = ctx.Pipe()
-    server = ctx.Process(target=_raw_server, args=(schild,))
-    server.start()
+    ipc_dir = tempfile.mkdtemp(prefix="srl-ctlbench-")
+    server = RawServer("controller", ipc_dir)
     try:
-        endpoint = sconn.recv()
+        endpoint = server.endpoints["tcp"]
         trips = int(samples * ROUND_TRIPS_PER_SAMPLE)
         tasks = TASKS_PER_STAGE * len(STAGES) // len(PROCESS_STAGES)
         pipes, procs = [], []
@@ -258,16 +235,16 @@ def run_raw(samples: int) -> dict[str, Any]:
             pipes.append(parent)
             procs.append(proc)
         time.sleep(1.0)
-        cpu0 = _cpu_seconds(server.pid)  # type: ignore[arg-type]
+        cpu0 = _cpu_seconds(server.pid)
         for pipe in pipes:
             pipe.send("go")
         seconds = max(pipe.recv() for pipe in pipes)
-        cpu = _cpu_seconds(server.pid) - cpu0  # type: ignore[arg-type]
+        cpu = _cpu_seconds(server.pid) - cpu0
         for proc in procs:
             proc.join(10)
     finally:
-        sconn.send("stop")
-        server.join(10)
+        server.stop()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
     return {"samples_per_s": samples / seconds, "server_us_per_sample": cpu / samples * 1e6}
 
 
