@@ -49,7 +49,7 @@ import zmq.asyncio
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ops.bench._common import fmt_spread, percentile, print_json_line, print_table, spread
-from ops.bench.dock import RawServer
+from ops.bench.dock import RawServer, _cpu_seconds
 from streamrl.dock.client import DockClient
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.errors import DockTimeout, EndOfStream
@@ -70,11 +70,6 @@ STAGES: list[tuple[str, list[str], str | None, bool]] = [
 # which client process runs which stages (the source runs in process 0)
 PROCESS_STAGES = (("generate", "score"), ("reference", "advantage", "train"))
 KEEP_UP_FRACTION, KEEP_UP_DRAIN_S, KEEP_UP_P99_S = 0.95, 2.0, 1.0
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ the dock side

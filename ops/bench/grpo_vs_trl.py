@@ -179,6 +179,11 @@ def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace, tm
     return ours, trl
 
 
+def _w2_key(engine: str, k: int, prefix: str = "W2") -> str:
+    """A W2 figure's key: the built-in engine's keep their pre-engine names (W2_k0_...)."""
+    return f"{prefix}_k{k}" if engine == "builtin" else f"{prefix}_{engine}_k{k}"
+
+
 def matmul_ceiling_gflops(threads: int = 2, n: int = 1024, reps: int = 30) -> float:
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -258,7 +263,7 @@ def main() -> None:
                 trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
                             "same_initial_weights": True}
             for (engine, k), runs in ours.items():
-                key = f"W2_k{k}" if engine == "builtin" else f"W2_{engine}_k{k}"
+                key = _w2_key(engine, k)
                 label = f"W2 streamrl k={k}" if engine == "builtin" else f"W2 streamrl {engine} k={k}"
                 cps = spread(r["completions_per_s"] for r in runs)
                 tps = spread(r["gen_tokens_per_s"] for r in runs)
@@ -284,9 +289,8 @@ def main() -> None:
                 rows.append(["W2 TRL: completions/s", fmt_spread(cps)])
                 rows.append(["W2 TRL: gen tokens/s", fmt_spread(baseline["W2_gen_tokens_per_s"], 0)])
                 for (engine, k) in ours:
-                    key = f"W2_k{k}" if engine == "builtin" else f"W2_{engine}_k{k}"
-                    ratios[f"{key.replace('W2_', 'W2_completions_per_s_ratio_', 1)}"] = (
-                        figures[f"{key}_completions_per_s"]["median"] / cps["median"])
+                    ratios[_w2_key(engine, k, "W2_completions_per_s_ratio")] = (
+                        figures[f"{_w2_key(engine, k)}_completions_per_s"]["median"] / cps["median"])
             ratios["W2_flop_fraction_of_ceiling"] = figures.get("W2_k0_flop_fraction_of_ceiling", {}).get("median")
         print_table(["measure", "median [min, max]"], rows)
         for k, v in ratios.items():

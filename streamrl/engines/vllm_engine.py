@@ -136,6 +136,8 @@ class VllmRolloutEngine:
             shm = Path("/dev/shm")
             root = transfer_root or (shm if shm.is_dir() else None)
             self.transfer_dir = Path(tempfile.mkdtemp(prefix="srl-vllm-w-", dir=root))
+        self.sleep_mode = sleep_mode and device != "cpu"  # vLLM refuses sleep mode on CPU
+        self.asleep = False
         self._previous_env = configure_vllm_environment(options, scratch, device, separate_process)
         started = time.perf_counter()
         try:
@@ -146,8 +148,6 @@ class VllmRolloutEngine:
             if device != "cpu":
                 kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
                 kwargs["enable_sleep_mode"] = sleep_mode
-            self.sleep_mode = sleep_mode and device != "cpu"
-            self.asleep = False
             self.llm = vllm.LLM(
                 model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
                 enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,

@@ -25,7 +25,7 @@ loop, and the only thing that waits for a version is whoever awaits it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Literal, Protocol
 
 import anyio
@@ -142,9 +142,7 @@ class ColocatedPolicy:
         stream = self.resharder.reshard_local_stream(shards, report)
         if engine is not None:
             engine.wake_up()
-            engine.load_weights(stream)
-        for _ in stream:  # collective: an engine that stopped early must not leave the others' gathers hanging
-            pass
+        install_stream(engine, stream)  # detached: the gathers still run (collective), the result is dropped
         return report
 
     async def to_inference(self, version: int) -> ReshardReport:
@@ -233,6 +231,16 @@ class WeightLoader(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
+def install_stream(engine: WeightLoader | None, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Feed a version's stream to ``engine.load_weights``, then run the stream to its end: its
+    transfers are collective (all-gathers, or receives matching a sender's sends), so an engine
+    that stopped reading early, or none at all, must not leave them half done."""
+    if engine is not None:
+        engine.load_weights(stream)
+    for _ in stream:
+        pass
+
+
 class SleepingWeightLoader(WeightLoader, Protocol):
     """A rollout engine colocated with a train rank: it gives its device memory back for the
     training phase (``sleep``) and takes it again before the next install (``wake_up``); both are
@@ -310,10 +318,7 @@ class WeightReceiver:
         if self.engine is None:
             return self.resharder.receive(tensors, version=version)
         report = ReshardReport(version, "receiver", self.resharder.config.bucket_bytes)
-        stream = self.resharder.receive_stream(report)
-        self.engine.load_weights(stream)
-        for _ in stream:  # an engine that stopped early must not leave this version's buckets on the wire
-            pass
+        install_stream(self.engine, self.resharder.receive_stream(report))
         return report
 
     async def wait_closed(self, timeout_s: float, announce: Announce | None = None) -> bool:
