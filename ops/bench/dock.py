@@ -49,6 +49,13 @@ controller/warehouse, raw ROUTERs) and client workers are separate processes.
    96-client event loops. Baseline: the same layout, pacing and probe on raw ``zmq.asyncio``
    DEALERs against an echo ROUTER.
 
+4. **CURVE** (``--curve``, or ``curve`` in ``--phases``): the dock's tcp figures with and without
+   CURVE, both in the same run, repetitions interleaved (plaintext, curve, curve, plaintext, ...):
+   put+fetch MB/s per size (as in 1, dock side only) and sample-claims/s, end to end (as in 2)
+   and controller-bound (pipelined, as in 2). Two ``LocalDock`` instances over tcp, one started with
+   fresh :class:`streamrl.curve.RunKeys`, whose clients hold the keys. Reported: each side's
+   median [min, max] and curve/plaintext (the ratio of medians).
+
 The machine this was written on has 2 cores shared with other work: every figure is noisy, the
 client processes compete with the servers for CPU, and the table prints CPU shares and run-queue
 waits so a reader can tell load from design. Run: ``python ops/bench/dock.py`` (about 3 minutes),
@@ -81,6 +88,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from streamrl.curve import RunKeys, secure_client
 from streamrl.dock import protocol as p
 from streamrl.dock.client import DockClient
 from streamrl.dock.errors import NothingToClaim
@@ -288,8 +296,9 @@ async def _claim_loop_job(conn: Connection, job: dict[str, Any]) -> dict[str, An
 
     async with contextlib.AsyncExitStack() as stack:
         if system == "dock":
+            keys = _job_keys(job)
             clients: list[Any] = [
-                await stack.enter_async_context(DockClient(job["endpoint"], request_timeout_s=30.0))
+                await stack.enter_async_context(DockClient(job["endpoint"], request_timeout_s=30.0, curve=keys))
                 for _ in range(n_clients)
             ]
             task: Callable[[Any], Any] = dock_task
@@ -360,12 +369,19 @@ async def _claim_fetch_job(conn: Connection, job: dict[str, Any]) -> dict[str, A
     return {"lat": lat, "empty": empty}
 
 
-def _sync_dealer(endpoint: str) -> tuple[zmq.Context, zmq.Socket]:
+def _job_keys(job: dict[str, Any]) -> RunKeys | None:
+    """The run's CURVE keys a job was handed (the CURVE phase), or None."""
+    text = job.get("curve")
+    return RunKeys.from_env({"STREAMRL_CURVE_KEYS": text}) if text else None
+
+
+def _sync_dealer(endpoint: str, keys: RunKeys | None = None) -> tuple[zmq.Context, zmq.Socket]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 30_000)  # every wait has a timeout
     sock.setsockopt(zmq.SNDTIMEO, 30_000)
+    secure_client(sock, keys)
     sock.connect(endpoint)
     return ctx, sock
 
@@ -390,7 +406,7 @@ async def _claim_pipe_job(conn: Connection, job: dict[str, Any]) -> dict[str, An
     """
     system, quota, depth = job["system"], job["claims"], job["depth"]
     client_id = f"pipe-{os.getpid()}"
-    ctx, sock = _sync_dealer(job["endpoint"])
+    ctx, sock = _sync_dealer(job["endpoint"], _job_keys(job))
     empty = 0
     samples = 0
     try:
@@ -682,7 +698,8 @@ async def bench_bandwidth(
 
 
 # ====================================================================== 2/3. claims
-async def _preload(endpoint: str, n: int, tensors: bool = False, timeout_s: float = 60.0) -> None:
+async def _preload(endpoint: str, n: int, tensors: bool = False, timeout_s: float = 60.0,
+                   keys: RunKeys | None = None) -> None:
     """Add ``n`` samples with a ``tokens`` column; wait until the controller has all live samples ready.
 
     ``tensors``: int64[256] per sample (for runs that fetch); else a small int per sample, which
@@ -693,7 +710,7 @@ async def _preload(endpoint: str, n: int, tensors: bool = False, timeout_s: floa
     view (and no ready count) yet; for them the claim loops count ``NothingToClaim`` as ``empty``.
     """
     tokens = torch.arange(TOKENS_PER_SAMPLE, dtype=torch.int64)
-    async with DockClient(endpoint, request_timeout_s=60.0) as dock:
+    async with DockClient(endpoint, request_timeout_s=60.0, curve=keys) as dock:
         left = n
         while left > 0:
             k = min(4096, left)
@@ -842,6 +859,71 @@ def bench_scale(
     return out
 
 
+CURVE_SIDES = ("plaintext", "curve")
+
+
+async def _curve_bandwidth(endpoints: dict[str, str], keys: RunKeys, reps: int, sizes: dict[str, int],
+                           scale: float) -> dict[str, dict[str, list[float]]]:
+    """Dock put+fetch MB/s per size over tcp, with and without CURVE, repetitions interleaved."""
+    out: dict[str, dict[str, list[float]]] = {side: {k: [] for k in sizes} for side in CURVE_SIDES}
+    async with (DockClient(endpoints["plaintext"], request_timeout_s=60.0) as plain,
+                DockClient(endpoints["curve"], request_timeout_s=60.0, curve=keys) as secured):
+        clients = {"plaintext": plain, "curve": secured}
+        payloads = {k: torch.full((n,), 7, dtype=torch.uint8) for k, n in sizes.items()}
+        for payload in payloads.values():  # warm-up, byte-exact on both sides
+            for c in clients.values():
+                await _dock_put_fetch(c, payload, check=True)
+        for rep in range(reps):
+            for label, payload in payloads.items():
+                iters = max(3, min(200, round(scale * BYTES_PER_MEASURE / payload.numel())))
+                for side in CURVE_SIDES if rep % 2 == 0 else CURVE_SIDES[::-1]:
+                    total = 0.0
+                    for _ in range(iters):
+                        total += await _dock_put_fetch(clients[side], payload)
+                    out[side][label].append(2 * payload.numel() * iters / total / MB)
+    return out
+
+
+def bench_curve(pool: WorkerPool, args: argparse.Namespace, sizes: dict[str, int],
+                bw_scale: float) -> dict[str, dict[str, list[float]]]:
+    """Phase 4: the tcp bandwidth and claim-rate figures of two docks, plaintext and CURVE."""
+    keys = RunKeys.generate()
+    side_keys: dict[str, RunKeys | None] = {"plaintext": None, "curve": keys}
+    with (LocalDock(["bench"], capacity=64, n_warehouses=1, transport="tcp") as plain,
+          LocalDock(["bench"], capacity=64, n_warehouses=1, transport="tcp", curve=keys) as secured):
+        endpoints = {"plaintext": plain.controller_endpoint, "curve": secured.controller_endpoint}
+        bw = asyncio.run(_curve_bandwidth(endpoints, keys, args.reps, sizes, bw_scale))
+    out: dict[str, dict[str, list[float]]] = {
+        side: {f"bw_{label}": v for label, v in res.items()} | {"samples_per_s": [], "pipe_samples_per_s": []}
+        for side, res in bw.items()
+    }
+    n_tasks = args.claim_procs * args.claim_clients
+    per_task = max(1, args.claim_samples // (n_tasks * MICRO_BATCH))
+    n_samples = per_task * n_tasks * MICRO_BATCH
+    per_proc = args.pipe_factor * n_samples // (args.claim_procs * MICRO_BATCH)
+    capacity = args.pipe_factor * n_samples + 64
+    with (LocalDock(["train"], capacity=capacity, n_warehouses=1, transport="tcp") as plain,
+          LocalDock(["train"], capacity=capacity, n_warehouses=1, transport="tcp", curve=keys) as secured):
+        endpoints = {"plaintext": plain.controller_endpoint, "curve": secured.controller_endpoint}
+        for rep in range(args.reps):
+            for side in CURVE_SIDES if rep % 2 == 0 else CURVE_SIDES[::-1]:
+                ep, k = endpoints[side], side_keys[side]
+                secret = k.to_env() if k is not None else None  # to our own worker processes only
+                asyncio.run(_preload(ep, n_samples, keys=k))
+                jobs = [{"kind": "claim_loop", "system": "dock", "endpoint": ep, "n_clients": args.claim_clients,
+                         "claims_per_task": per_task, "think_s": 0.0, "consumer": "train", "seed": rep * 100 + j,
+                         "curve": secret} for j in range(args.claim_procs)]
+                results, _, _ = pool.run(jobs)
+                out[side]["samples_per_s"].append(_rate(results))
+                asyncio.run(_preload(ep, per_proc * args.claim_procs * MICRO_BATCH, keys=k))
+                jobs = [{"kind": "claim_pipe", "system": "dock", "endpoint": ep, "claims": per_proc,
+                         "depth": args.pipe_depth, "consumer": "train", "curve": secret}
+                        for _ in range(args.claim_procs)]
+                results, _, _ = pool.run(jobs)
+                out[side]["pipe_samples_per_s"].append(_rate(results))
+    return out
+
+
 async def _controller_stats(endpoint: str) -> dict[str, Any]:
     async with DockClient(endpoint, request_timeout_s=30.0) as dock:
         return (await dock.server_statistics())["controller"]
@@ -872,7 +954,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations and samples (about 1 minute)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every figure (median and min/max)")
-    ap.add_argument("--phases", default="bandwidth,claims,scale", help="comma-separated subset to run")
+    ap.add_argument("--phases", default="bandwidth,claims,scale", help="comma-separated subset to run "
+                    "(also: curve)")
+    ap.add_argument("--curve", action="store_true", help="add phase 4: the dock's tcp bandwidth and claim "
+                    "rates with and without CURVE, in the same run")
     ap.add_argument("--transports", default="tcp,ipc", help="bandwidth transports")
     ap.add_argument("--claim-transport", default="tcp", choices=["tcp", "ipc"], help="transport of phases 2-3")
     ap.add_argument("--claim-procs", type=int, default=2, help="client processes of the throughput phase")
@@ -901,8 +986,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.scale_consumers < 1 or args.scale_procs % args.scale_consumers:
         ap.error("--scale-procs must be a multiple of --scale-consumers (each name gets the same workers)")
     phases = set(args.phases.split(","))
-    if phases - {"bandwidth", "claims", "scale"}:
-        ap.error(f"unknown phase in --phases {args.phases!r}: use bandwidth, claims, scale")
+    if phases - {"bandwidth", "claims", "scale", "curve"}:
+        ap.error(f"unknown phase in --phases {args.phases!r}: use bandwidth, claims, scale, curve")
+    if args.curve:
+        phases.add("curve")
     if args.quick:
         args.claim_samples = min(args.claim_samples, 16_000)
         args.fetch_iters = min(args.fetch_iters, 150)
@@ -924,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     bw: dict[str, dict[str, dict[str, list[float]]]] = {}
     cl: dict[str, dict[str, list[float]]] | None = None
     sc: dict[str, dict[str, list[float]]] | None = None
+    cv: dict[str, dict[str, list[float]]] | None = None
     try:
         raw_ctl = RawServer("ctl", ipc_dir)
         servers.append(raw_ctl)
@@ -933,8 +1021,8 @@ def main(argv: list[str] | None = None) -> int:
             for tr in transports:
                 bw[tr] = asyncio.run(bench_bandwidth(tr, raw_data.endpoints[tr], args.reps, SIZES, bw_scale))
                 print(f"  bandwidth over {tr} done ({time.monotonic() - t_start:.0f} s)", flush=True)
-        if phases & {"claims", "scale"}:
-            pool = WorkerPool(max(args.claim_procs if "claims" in phases else 1,
+        if phases & {"claims", "scale", "curve"}:
+            pool = WorkerPool(max(args.claim_procs if phases & {"claims", "curve"} else 1,
                                   args.scale_procs + 1 if "scale" in phases else 1))
         if "claims" in phases:
             assert pool is not None
@@ -944,6 +1032,10 @@ def main(argv: list[str] | None = None) -> int:
             assert pool is not None
             sc = bench_scale(pool, raw_ctl, args.claim_transport, args)
             print(f"  scale done ({time.monotonic() - t_start:.0f} s)", flush=True)
+        if "curve" in phases:
+            assert pool is not None
+            cv = bench_curve(pool, args, SIZES, bw_scale)
+            print(f"  curve done ({time.monotonic() - t_start:.0f} s)", flush=True)
     finally:
         if pool is not None:
             pool.close()
@@ -1036,6 +1128,21 @@ def main(argv: list[str] | None = None) -> int:
         target["scale_p99_ms_workers"] = {"max": hi, "median": p99, "met": p99 < hi}
         p99 = figures["scale"]["probe_p99_ms"]["median"]
         target["scale_p99_ms_probe"] = {"max": hi, "median": p99, "met": p99 < hi}
+    # ------------------------------------------------------------------ CURVE table
+    if cv is not None:
+        names = {f"bw_{label}": (f"put+fetch {label} (MB/s)", 0) for label in SIZES}
+        names |= {"samples_per_s": ("sample-claims/s, DockClients (claim 8 + ack)", 0),
+                  "pipe_samples_per_s": ("pipelined sample-claims/s (controller-bound)", 0)}
+        rows = []
+        figures["curve"], baseline["curve_plaintext"], ratios["curve_over_plaintext"] = {}, {}, {}
+        for key, (title, digits) in names.items():
+            c, pl = _sp(cv["curve"][key]), _sp(cv["plaintext"][key])
+            figures["curve"][key], baseline["curve_plaintext"][key] = c, pl
+            ratios["curve_over_plaintext"][key] = r = c["median"] / pl["median"] if pl["median"] else math.nan
+            rows.append([title, fmt_spread(pl, digits), fmt_spread(c, digits), f"{r:.2f}"])
+        print(f"\n4. CURVE: the dock over tcp without and with CURVE, {args.claim_procs} procs x "
+              f"{args.claim_clients} clients for claims (median [min, max])")
+        print_table(["figure", "plaintext", "CURVE", "curve/plaintext"], rows)
     # ------------------------------------------------------------------ verdict + JSON
     print("\nTargets:", ", ".join(f"{k}: {'met' if v['met'] else 'NOT met'}" for k, v in target.items()))
     wall = time.monotonic() - t_start

@@ -109,6 +109,7 @@ class Suite:
         self.warehouses: list[Conn] = []
         self.consumers: list[str] = []
         self.capacity = 0
+        self.block = 1  # hello_reply.block (omitted when 1): owner(k) = (k // block) % W (§5.1)
         self.consumer = args.consumer
         self.reads: list[str] = [c for c in (args.reads or "").split(",") if c]
         self.sole = False
@@ -126,8 +127,11 @@ class Suite:
         expect(reply.get("type") == "reserved", f"reserve answered with {reply}")
         return reply
 
+    def owner_id(self, index: int) -> int:
+        return (index // self.block) % len(self.warehouses)
+
     def owner(self, index: int) -> Conn:
-        return self.warehouses[index % len(self.warehouses)]
+        return self.warehouses[self.owner_id(index)]
 
     def put_reads(self, indices: list[int], version: int = 3) -> None:
         """Put every read column of ``indices``: the first as an int64 tensor [k, k+1, k+2], the others
@@ -221,6 +225,8 @@ class Suite:
         expect(isinstance(reply["warehouses"], list) and len(reply["warehouses"]) >= 1, "no warehouse endpoints")
         expect(reply["capacity"] >= 1, "capacity must be >= 1")
         self.consumers, self.capacity = reply["consumers"], reply["capacity"]
+        self.block = reply.get("block", 1)
+        expect(isinstance(self.block, int) and self.block >= 1, f"hello_reply.block {self.block!r} is not >= 1")
         self.consumer = self.consumer or self.consumers[0]
         expect(self.consumer in self.consumers, f"consumer {self.consumer!r} not in {self.consumers}")
         self.sole = self.consumers == [self.consumer]
@@ -236,7 +242,14 @@ class Suite:
     def c_b_reserve_groups(self) -> None:
         got = self.reserve(4, 2)
         idx, groups = got["indices"], got["groups"]
-        expect(len(idx) == 4 and idx == list(range(idx[0], idx[0] + 4)), f"indices not consecutive: {idx}")
+        expect(len(idx) == 4 and len(set(idx)) == 4, f"reserve of 4 answered with indices {idx}")
+        # each group is consecutive indices; with block 1 the whole reserve is (§5.1)
+        expect(idx[1] == idx[0] + 1 and idx[3] == idx[2] + 1, f"a group's indices are not consecutive: {idx}")
+        expect(self.block > 1 or idx == list(range(idx[0], idx[0] + 4)), f"indices not consecutive: {idx}")
+        if self.block > 1:
+            b = self.block
+            expect(idx[0] // b == idx[1] // b and idx[2] // b == idx[3] // b,
+                   f"a group straddles an ownership block of {b}: {idx}")
         expect(groups[0] == groups[1] and groups[2] == groups[3] and groups[1] != groups[2], f"groups {groups}")
         self.put_reads(idx)  # make them claimable, so later checks are not blocked by them
         self.drain()
@@ -360,7 +373,7 @@ class Suite:
         put = {"type": "put", "req_id": 0, "indices": [k], "columns": [col]}
         data = struct.pack("<3q", k, k + 1, k + 2)
         if len(self.warehouses) > 1:
-            wrong = self.warehouses[(k + 1) % len(self.warehouses)]
+            wrong = self.warehouses[(self.owner_id(k) + 1) % len(self.warehouses)]
             expect_error(wrong.ask({**put, "req_id": rid()}, data)[0], "bad_request")
         # frames must be as long as the header says (up to ALIGN-1 bytes of padding per value)
         expect_error(self.owner(k).ask({**put, "req_id": rid()}, data + b"\0" * 4096)[0], "bad_request")
@@ -371,7 +384,7 @@ class Suite:
 
     def c_j_warehouse_only_messages(self) -> None:
         idx = self.reserve(1)["indices"]
-        fake = {"type": "columns_ready", "warehouse_id": idx[0] % len(self.warehouses), "indices": idx,
+        fake = {"type": "columns_ready", "warehouse_id": self.owner_id(idx[0]), "indices": idx,
                 "columns": self.reads}
         self.ctl.send(fake)  # from a client connection: refused (an error with req_id -1, or nothing)
         time.sleep(0.2)

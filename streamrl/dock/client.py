@@ -30,6 +30,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
+from streamrl.curve import RunKeys, secure_client
 from streamrl.dock import protocol as p
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.errors import (
@@ -118,7 +119,15 @@ class DockClient:
         max_in_flight: int = 64,
         max_message_mib: int = DockLimits.max_message_mib,
         context: zmq.asyncio.Context | None = None,
+        curve: RunKeys | None = None,
+        home_warehouse: int | None = None,
     ) -> None:
+        """``curve``: the run's CURVE keys (a dock bound beyond loopback); every socket this client
+        opens is then a CURVE client of the run's servers. ``home_warehouse``: the warehouse on this
+        client's node; reserves allocate samples it owns (when the dock's block > 1) and the
+        controller counts claims of samples stored elsewhere as remote."""
+        if home_warehouse is not None and not 0 <= home_warehouse <= 65_535:
+            raise ValueError(f"home_warehouse must be a warehouse id in [0, 65535], got {home_warehouse}")
         if not p.MIN_TTL_S <= lease_ttl_s <= p.MAX_TTL_S:
             raise ValueError(f"lease_ttl_s must be in [{p.MIN_TTL_S}, {p.MAX_TTL_S}] seconds, got {lease_ttl_s}")
         if not request_timeout_s > 0:
@@ -130,6 +139,9 @@ class DockClient:
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_in_flight = max_in_flight
+        self.curve = curve
+        self.home_warehouse = home_warehouse
+        self.block = 1  # the dock's ownership block, from hello_reply
         self._ctx = context or zmq.asyncio.Context.instance()
         self._req_ids = itertools.count(1)
         self._conns: list[_Conn] = []
@@ -150,13 +162,14 @@ class DockClient:
         await self._tg.__aenter__()
         try:
             self._ctl = self._open("controller", self.controller_endpoint)
-            hello = p.Hello(self._next_id(), self.client_id, p.PROTOCOL_VERSION, self.lease_ttl_s)
+            hello = p.Hello(self._next_id(), self.client_id, p.PROTOCOL_VERSION, self.lease_ttl_s,
+                            self.home_warehouse)
             reply, _ = await self._request(self._ctl, hello, timeout=self.connect_timeout_s)
             reply = _expect(reply, p.HelloReply, "controller")
             if reply.protocol != p.PROTOCOL_VERSION:
                 raise DockError(f"the dock speaks protocol {reply.protocol}, this client {p.PROTOCOL_VERSION}: "
                                 "upgrade one side")
-            self.consumers, self.capacity = reply.consumers, reply.capacity
+            self.consumers, self.capacity, self.block = reply.consumers, reply.capacity, reply.block
             self._warehouses = [self._open(f"warehouse {i} ({ep})", ep) for i, ep in enumerate(reply.warehouses)]
             self._tg.start_soon(self._heartbeat)
         except BaseException:
@@ -193,6 +206,7 @@ class DockClient:
         sock.setsockopt(zmq.RCVHWM, 1000)
         # a server (or impostor) announcing a frame beyond this is disconnected before we allocate it
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        secure_client(sock, self.curve)  # no-op without keys (loopback runs)
         sock.connect(endpoint)
         conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight))
         self._conns.append(conn)
@@ -273,7 +287,7 @@ class DockClient:
         return reply, data
 
     def _owner(self, index: int) -> int:
-        return index % len(self._warehouses)
+        return p.owner(index, len(self._warehouses), self.block)
 
     def _split(self, indices: Sequence[int]) -> dict[int, list[int]]:
         """Positions in ``indices`` per owning warehouse."""
@@ -284,9 +298,10 @@ class DockClient:
 
     # ------------------------------------------------------------------ producing
     async def reserve(self, n: int, group_size: int = 1, *, timeout: float | None = None) -> list[int]:
-        """New sample indices, waiting while the dock is at capacity (backpressure)."""
+        """New sample indices, waiting while the dock is at capacity (backpressure). With a
+        ``home_warehouse`` (and a dock block > 1) they are all stored on that warehouse."""
         assert self._ctl is not None
-        req = p.Reserve(self._next_id(), self.client_id, n, group_size, timeout)
+        req = p.Reserve(self._next_id(), self.client_id, n, group_size, timeout, self.home_warehouse)
         wait = (timeout if timeout is not None else math.inf) + self.request_timeout_s
         reply, _ = await self._request(self._ctl, req, timeout=wait)
         return list(_expect(reply, p.Reserved, "controller").indices)
@@ -294,7 +309,8 @@ class DockClient:
     async def reserve_nowait(self, n: int, group_size: int = 1) -> list[int]:
         """Like :meth:`reserve` but raises :class:`DockFull` at once instead of waiting (one round trip)."""
         assert self._ctl is not None
-        reply, _ = await self._request(self._ctl, p.Reserve(self._next_id(), self.client_id, n, group_size, 0.0))
+        req = p.Reserve(self._next_id(), self.client_id, n, group_size, 0.0, self.home_warehouse)
+        reply, _ = await self._request(self._ctl, req)
         return list(_expect(reply, p.Reserved, "controller").indices)
 
     async def put(

@@ -37,6 +37,7 @@ import msgspec
 import zmq
 
 from streamrl import wire
+from streamrl.curve import CurveAllowList, RunKeys, secure_server
 from streamrl.dock import protocol as p
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.watch import ParentWatch
@@ -121,6 +122,7 @@ class ControllerState:
         capacity: int,
         n_warehouses: int,
         views: Mapping[str, ConsumerView] | None = None,
+        block: int = 1,
     ) -> None:
         if not consumers:
             raise ValueError("the dock needs at least one consumer: the stage names that must ack each sample")
@@ -128,6 +130,8 @@ class ControllerState:
             raise ValueError(f"consumer names must be unique, got {consumers}")
         if capacity < 1:
             raise ValueError(f"capacity (samples in flight) must be >= 1, got {capacity}")
+        if not 1 <= block <= p.MAX_BLOCK:
+            raise ValueError(f"block (samples per ownership block) must be in [1, {p.MAX_BLOCK}], got {block}")
         self.consumers = list(consumers)
         self.consumer_ids = {c: i for i, c in enumerate(consumers)}
         self.capacity = capacity
@@ -146,7 +150,15 @@ class ControllerState:
                                  f"undeclared {missing}, not consumers {unknown}")
         self.done_count = [0] * len(consumers)  # samples each consumer acked or dropped, ever
         self.claimed_count = [0] * len(consumers)  # samples each consumer holds under leases now
-        self.next_index = 0
+        # ownership: sample k lives on warehouse (k // block) % n_warehouses (docs §5.1). block 1:
+        # one cursor hands out 0, 1, 2, ... (k % W); block > 1: a cursor per warehouse over its own blocks
+        self.block = block
+        self.next_index = 0  # block 1: the next index to hand out
+        self.block_cursor = [w * block for w in range(n_warehouses)] if block > 1 else []
+        self.reserved_by_warehouse = [0] * n_warehouses if block > 1 else []
+        self.next_round_robin = 0  # block > 1: the warehouse of the next reserve that names none
+        self.n_reserved = 0  # samples reserved so far (indices may skip block tails when block > 1)
+        self.client_home: dict[str, int] = {}  # client id -> the warehouse on its node (hello.home_warehouse)
         self.next_group = 0
         self.next_lease = itertools.count(1)
         self.leases: dict[int, _Lease] = {}
@@ -155,7 +167,7 @@ class ControllerState:
         self.to_free: list[int] = []  # freed indices not yet announced to the warehouses
         self.counters = dict.fromkeys(
             ("reserved", "claims", "samples_claimed", "samples_acked", "samples_freed",
-             "samples_released", "dropped_stale", "leases_expired", "errors"),
+             "samples_released", "dropped_stale", "leases_expired", "errors", "claimed_local", "claimed_remote"),
             0,
         )
         for name, view in (views or {}).items():
@@ -169,7 +181,11 @@ class ControllerState:
     def free_slots(self) -> int:
         return self.capacity - len(self.samples)
 
-    def check_reserve(self, n: int, group_size: int) -> None:
+    def owner(self, index: int) -> int:
+        """The warehouse that stores sample ``index``."""
+        return p.owner(index, self.n_warehouses, self.block)
+
+    def check_reserve(self, n: int, group_size: int, warehouse: int | None = None) -> None:
         """Raise ProtocolViolation if a reserve of ``n`` in groups of ``group_size`` can never succeed."""
         if self.input_closed:
             raise ProtocolViolation("input_closed", "the input was closed: no new samples can be reserved")
@@ -181,13 +197,32 @@ class ControllerState:
             raise ProtocolViolation(
                 "bad_field", f"reserve n={n} exceeds the dock capacity {self.capacity}: raise dock.capacity"
             )
+        if warehouse is not None and warehouse >= self.n_warehouses:
+            raise ProtocolViolation("bad_field", f"reserve warehouse={warehouse} outside [0, {self.n_warehouses}): "
+                                    "this dock has that many warehouses")
+        if group_size > self.block > 1:
+            raise ProtocolViolation(
+                "bad_field", f"reserve group_size={group_size} exceeds the dock's ownership block={self.block}: "
+                "a group never straddles a block, so group_size must be <= block (controller --block)")
 
-    def reserve(self, n: int, group_size: int) -> tuple[list[int], list[int]]:
-        """Allocate ``n`` new sample indices in groups of ``group_size``; caller checked capacity."""
-        self.check_reserve(n, group_size)
+    def reserve(self, n: int, group_size: int, warehouse: int | None = None) -> tuple[list[int], list[int]]:
+        """Allocate ``n`` new sample indices in groups of ``group_size``; caller checked capacity.
+
+        block 1: the next ``n`` indices (``warehouse`` is ignored). block > 1: groups inside blocks
+        owned by ``warehouse`` (round robin over the warehouses, one per reserve, when None)."""
+        self.check_reserve(n, group_size, warehouse)
         indices, groups = [], []
         nc = len(self.consumers)
-        for start in range(self.next_index, self.next_index + n, group_size):
+        if self.block == 1:
+            starts: range | list[int] = range(self.next_index, self.next_index + n, group_size)
+            self.next_index += n
+        else:
+            if warehouse is None:
+                warehouse = self.next_round_robin
+                self.next_round_robin = (warehouse + 1) % self.n_warehouses
+            starts = self._block_starts(warehouse, n // group_size, group_size)
+            self.reserved_by_warehouse[warehouse] += n
+        for start in starts:
             g = self.next_group
             self.next_group += 1
             for i in range(start, start + group_size):
@@ -197,9 +232,25 @@ class ControllerState:
                 for view in self.views:  # a consumer that reads nothing may claim it at once
                     if view is not None and view.reads_mask == 0:
                         self._enqueue(view, self.samples[i], front=False)
-        self.next_index += n
+        self.n_reserved += n
         self.counters["reserved"] += n
         return indices, groups
+
+    def _block_starts(self, warehouse: int, n_groups: int, group_size: int) -> list[int]:
+        """Starts of ``n_groups`` contiguous groups inside the blocks ``warehouse`` owns, from its cursor;
+        a group that would cross its block's end starts the warehouse's next block instead."""
+        b, nw = self.block, self.n_warehouses
+        cur = self.block_cursor[warehouse]
+        starts = []
+        for _ in range(n_groups):
+            if cur % b + group_size > b:
+                cur = (cur // b + nw) * b  # the tail of this block stays unused
+            starts.append(cur)
+            cur += group_size
+            if cur % b == 0:
+                cur += (nw - 1) * b  # skip the other warehouses' blocks
+        self.block_cursor[warehouse] = cur
+        return starts
 
     # ------------------------------------------------------------------ readiness
     def _bit(self, column: str) -> int:
@@ -310,10 +361,10 @@ class ControllerState:
 
     def outstanding(self, consumer: int) -> int:
         """Samples reserved so far that this consumer has neither done nor currently claimed."""
-        return self.next_index - self.done_count[consumer] - self.claimed_count[consumer]
+        return self.n_reserved - self.done_count[consumer] - self.claimed_count[consumer]
 
     def at_end(self, consumer: int) -> bool:
-        return self.input_closed and self.done_count[consumer] == self.next_index
+        return self.input_closed and self.done_count[consumer] == self.n_reserved
 
     # ------------------------------------------------------------------ claims and leases
     def validate_claim(self, req: p.Claim) -> _View:
@@ -341,6 +392,11 @@ class ControllerState:
             s.state[view.consumer] = CLAIMED
             self.claimed_count[view.consumer] += 1
             infos.append(p.SampleInfo(i, s.group, s.group_size, s.version, s.length))
+        home = self.client_home.get(req.client_id)
+        if home is not None:  # locality statistics, only for clients that said where they run
+            local = sum(1 for i in picked if self.owner(i) == home)
+            self.counters["claimed_local"] += local
+            self.counters["claimed_remote"] += len(picked) - local
         self.counters["claims"] += 1
         self.counters["samples_claimed"] += len(picked)
         return p.Claimed(req.req_id, lease.lease_id, infos, dropped, False)
@@ -497,11 +553,20 @@ class ControllerState:
             "claimed": claimed,
             "leases": len(self.leases),
             "input_closed": self.input_closed,
-            "reserved_total": self.next_index,
+            "reserved_total": self.n_reserved,
+            "block": self.block,
+            "reserved_per_warehouse": self._reserved_per_warehouse(),
             "columns": sorted(self.column_bits),
             "consumers": per_consumer,
             **self.counters,
         }
+
+
+    def _reserved_per_warehouse(self) -> list[int]:
+        if self.block > 1:
+            return list(self.reserved_by_warehouse)
+        q, r = divmod(self.next_index, self.n_warehouses)  # block 1: indices 0 .. next_index - 1, k % W
+        return [q + (w < r) for w in range(self.n_warehouses)]
 
 
 DEFAULT_TTL_S = 10.0  # lease TTL of a client that never sent hello
@@ -535,12 +600,14 @@ class ControllerServer:
         views: Mapping[str, ConsumerView] | None = None,
         context: zmq.Context | None = None,
         hwm: int = 100_000,
+        curve: RunKeys | None = None,
+        block: int = 1,
     ) -> None:
         if not secret:
             raise ValueError("the controller needs a non-empty warehouse secret (the launcher generates one per run)")
         if not 1 <= n_warehouses <= 65_536:
             raise ValueError(f"n_warehouses must be in [1, 65536], got {n_warehouses}")
-        self.state = ControllerState(consumers, capacity, n_warehouses, views)
+        self.state = ControllerState(consumers, capacity, n_warehouses, views, block)
         self.limits = limits or DockLimits()
         self._secret = secret.encode()
         self.ctx = context or zmq.Context.instance()
@@ -553,6 +620,8 @@ class ControllerServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, never blocks
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of workers connect at once at start-up
+        # CURVE (keys given: a run beyond loopback): only the run's client key pair completes a handshake
+        self.zap: CurveAllowList | None = secure_server(self.sock, curve)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.warehouses: dict[int, tuple[bytes, str]] = {}  # warehouse id -> (routing id, endpoint)
@@ -670,6 +739,7 @@ class ControllerServer:
             del self.client_seen[cid]
             ttl.pop(cid, None)
             self.pending_hellos.pop(cid, None)
+            self.state.client_home.pop(cid, None)
 
     def _granted(self, client_id: str) -> None:
         """A parked claim was granted: its lease's TTL runs from now, even if the (possibly idle)
@@ -748,8 +818,16 @@ class ControllerServer:
                         "protocol", f"client speaks protocol {msg.protocol}, controller {p.PROTOCOL_VERSION}: "
                         "upgrade the older side"
                     )
+                home = msg.home_warehouse
+                if home is not None and home >= st.n_warehouses:
+                    raise ProtocolViolation("bad_field", f"hello home_warehouse={home} outside [0, "
+                                            f"{st.n_warehouses}): this dock has that many warehouses")
                 self._touch(cid)
                 self.client_ttl[cid] = msg.lease_ttl_s  # bounds checked by the decoder (Ttl)
+                if home is None:
+                    st.client_home.pop(cid, None)
+                else:
+                    st.client_home[cid] = home
                 self.pending_hellos[cid] = (identity, msg)
                 self._answer_hellos()
             case p.WarehouseHello():
@@ -767,6 +845,8 @@ class ControllerServer:
                 stats["clients"] = len(self.client_seen)
                 stats["refused"] = dict(self.refused)
                 stats["warehouses_registered"] = len(self.warehouses)
+                if self.zap is not None:  # CURVE handshakes admitted / refused by the allow-list
+                    stats["curve"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
                 self._send(identity, p.Stats(rid, stats))
 
     def _register_warehouse(self, identity: bytes, msg: p.WarehouseHello) -> None:
@@ -779,6 +859,9 @@ class ControllerServer:
         if msg.protocol != p.PROTOCOL_VERSION:
             raise ProtocolViolation("protocol", f"warehouse speaks protocol {msg.protocol}, controller "
                                     f"{p.PROTOCOL_VERSION}: run both from the same streamrl")
+        if msg.block != self.state.block:
+            raise ProtocolViolation("bad_field", f"warehouse started with block={msg.block}, controller with "
+                                    f"block={self.state.block}: start both with the same --block")
         if wid >= self.state.n_warehouses:
             raise ProtocolViolation("bad_field", f"warehouse_id {wid} outside [0, {self.state.n_warehouses}): this "
                                     "dock was started with that many warehouses")
@@ -802,14 +885,15 @@ class ControllerServer:
             return  # clients wait until every warehouse has registered
         eps = [self.warehouses[w][1] for w in range(st.n_warehouses)]
         for identity, hello in self.pending_hellos.values():
-            self._send(identity, p.HelloReply(hello.req_id, p.PROTOCOL_VERSION, eps, st.consumers, st.capacity))
+            self._send(identity, p.HelloReply(hello.req_id, p.PROTOCOL_VERSION, eps, st.consumers, st.capacity,
+                                              st.block))
         self.pending_hellos.clear()
 
     def _reserve(self, identity: bytes, msg: p.Reserve) -> None:
         st = self.state
-        st.check_reserve(msg.n, msg.group_size)
+        st.check_reserve(msg.n, msg.group_size, msg.warehouse)
         if not self.pending_reserves and st.free_slots >= msg.n:
-            indices, groups = st.reserve(msg.n, msg.group_size)
+            indices, groups = st.reserve(msg.n, msg.group_size, msg.warehouse)
             self._send(identity, p.Reserved(msg.req_id, indices, groups))
             return
         if msg.timeout_s is not None and msg.timeout_s <= 0:
@@ -827,7 +911,7 @@ class ControllerServer:
             item = self.pending_reserves.popleft()
             self._answered(item)
             try:
-                indices, groups = st.reserve(item.req.n, item.req.group_size)
+                indices, groups = st.reserve(item.req.n, item.req.group_size, item.req.warehouse)
             except ProtocolViolation as exc:
                 self._error(item.identity, item.req.req_id, exc.code, str(exc))
                 continue
@@ -886,9 +970,9 @@ class ControllerServer:
         if not freed:
             return
         by_wh: dict[int, list[int]] = {}
-        nw = self.state.n_warehouses
+        owner = self.state.owner
         for i in freed:
-            by_wh.setdefault(i % nw, []).append(i)
+            by_wh.setdefault(owner(i), []).append(i)
         for wid, idx in by_wh.items():
             if wid in self.warehouses:
                 self._send(self.warehouses[wid][0], p.Free(idx))
@@ -916,6 +1000,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warehouses", type=int, default=1, help="number of warehouses that will register")
     ap.add_argument("--views", default="", help='JSON {"consumer": {"reads": [...], "whole_groups": false}}: '
                     "each consumer's fixed reads (default: fixed by its first claim)")
+    ap.add_argument("--block", type=int, default=1, help="samples per ownership block: sample k lives on "
+                    "warehouse (k // block) %% warehouses; > 1 lets a producer reserve on its own node's warehouse")
     DockLimits.add_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
@@ -924,8 +1010,10 @@ def main(argv: list[str] | None = None) -> int:
             args.bind, [c for c in args.consumers.split(",") if c], args.capacity, args.warehouses,
             secret=secret_from_env(),  # from the environment, never argv (readable by any local user)
             limits=DockLimits.from_args(args), views=parse_views(args.views) if args.views else None,
+            curve=RunKeys.from_env(),  # CURVE keys, like the secret: from the environment, never argv
+            block=args.block,
         )
-    except (ValueError, zmq.ZMQError) as exc:
+    except (ValueError, zmq.ZMQError, msgspec.DecodeError) as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
     server.parent.pid = args.parent_pid

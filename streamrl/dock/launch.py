@@ -9,10 +9,16 @@ directory: nothing outlives the :class:`LocalDock`.
 Each dock gets a fresh secret (:func:`streamrl.dock.limits.new_secret`), handed to the
 controller and its warehouses in the environment (not argv, which any local user can read):
 only warehouses that know it can register, so no other peer can pose as one.
+
+A dock that binds beyond loopback (``host`` a routable address) is given the run's CURVE keys
+(``curve``, :class:`streamrl.curve.RunKeys`): they reach the servers in the environment too
+(``STREAMRL_CURVE_KEYS``), every server socket admits only the run's client key pair, and every
+client of the dock needs the same keys (``DockClient(curve=...)``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import selectors
 import shutil
@@ -27,7 +33,9 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal
 
 import msgspec
+import zmq
 
+from streamrl.curve import CURVE_ENV, RunKeys, release_context
 from streamrl.dock.controller import ConsumerView, ControllerServer
 from streamrl.dock.limits import SECRET_ENV, DockLimits, new_secret
 
@@ -80,6 +88,10 @@ class LocalDock:
     # each consumer's reads/whole_groups, fixed at start (the launcher passes the pipeline's);
     # None: each consumer's first claim fixes its view (tests, benchmarks)
     views: dict[str, ConsumerView] | None = None
+    # the run's CURVE keys: required when ``host`` is not loopback (None: plaintext, loopback runs)
+    curve: RunKeys | None = None
+    host: str = "127.0.0.1"  # tcp binds: tcp://{host}:0 (a node's routable address for a multi-node run)
+    block: int = 1  # samples per ownership block: sample k lives on warehouse (k // block) % n_warehouses
     controller_endpoint: str = ""
     warehouse_endpoints: list[str] = field(default_factory=list)
     _procs: list[subprocess.Popen[str]] = field(default_factory=list)
@@ -88,12 +100,15 @@ class LocalDock:
 
     def _bind(self, name: str) -> str:
         if self.transport == "tcp":
-            return "tcp://127.0.0.1:0"
+            return f"tcp://{self.host}:0"
         assert self._ipc_dir is not None
         return f"ipc://{self._ipc_dir}/{name}"
 
     def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
         env = {**os.environ, "STREAMRL_LOG": self.log_level, "PYTHONUNBUFFERED": "1", SECRET_ENV: self._secret}
+        env.pop(CURVE_ENV, None)  # only this dock's own keys, never ones this process inherited
+        if self.curve is not None:
+            env[CURVE_ENV] = self.curve.to_env()  # the environment, never argv
         # stderr to a temp file, not a pipe: a chatty server must never block on a full pipe
         log = tempfile.TemporaryFile(mode="w+", prefix="streamrl-dock-")  # noqa: SIM115 - closed in stop()
         # own session: a Ctrl-C at the terminal reaches the launcher, which then stops us in order
@@ -108,6 +123,9 @@ class LocalDock:
     def start(self) -> LocalDock:
         if self.transport not in ("tcp", "ipc"):
             raise ValueError(f"dock transport must be 'tcp' or 'ipc', got {self.transport!r}")
+        if self.transport == "tcp" and self.curve is None and not is_loopback(self.host):
+            raise ValueError(f"a dock bound beyond loopback (host {self.host!r}) needs the run's CURVE keys: "
+                             "LocalDock(curve=RunKeys.generate(), ...), and the same keys for every DockClient")
         if self.transport == "ipc":
             # short path: ipc socket paths are limited to ~100 bytes
             self._ipc_dir = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
@@ -118,7 +136,7 @@ class LocalDock:
                 "streamrl.dock.controller", "--bind", self._bind("controller"),
                 "--consumers", ",".join(self.consumers), "--capacity", str(self.capacity),
                 "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
-                *self.limits.argv(), *views,
+                "--block", str(self.block), *self.limits.argv(), *views,
             ])
             self.controller_endpoint = _read_ready(ctl, "dock controller", self.start_timeout_s)
             whs = [
@@ -126,7 +144,8 @@ class LocalDock:
                     "streamrl.dock.warehouse", "--bind", self._bind(f"warehouse-{w}"),
                     "--controller", self.controller_endpoint, "--id", str(w),
                     "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
-                    "--register-timeout", str(self.start_timeout_s), *self.limits.argv(),
+                    "--register-timeout", str(self.start_timeout_s), "--block", str(self.block),
+                    *self.limits.argv(),
                 ])
                 for w in range(self.n_warehouses)
             ]
@@ -173,6 +192,16 @@ class LocalDock:
         self.stop()
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a socket on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name or an interface: treat as reachable from outside
+
+
 def _close(stream: IO[str] | None) -> None:
     if stream is not None:
         try:
@@ -191,23 +220,32 @@ class ThreadDock:
     limits: DockLimits = field(default_factory=DockLimits)
     views: dict[str, ConsumerView] | None = None
     start_timeout_s: float = 60.0
+    # CURVE keys (see LocalDock). A keyed ThreadDock runs its servers on a zmq context of its own
+    # (a context's ZAP handler serves one run's keys), stopped with the dock
+    curve: RunKeys | None = None
+    block: int = 1
     controller_endpoint: str = ""
     warehouse_endpoints: list[str] = field(default_factory=list)
     _servers: list[object] = field(default_factory=list)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _context: zmq.Context | None = None
 
     def start(self) -> ThreadDock:
         from streamrl.dock.warehouse import WarehouseServer  # torch: only when a ThreadDock starts
 
         secret = new_secret()
+        if self.curve is not None:
+            self._context = zmq.Context()
         ctl = ControllerServer("tcp://127.0.0.1:0", self.consumers, self.capacity, self.n_warehouses,
-                               secret=secret, limits=self.limits, views=self.views)
+                               secret=secret, limits=self.limits, views=self.views, curve=self.curve,
+                               block=self.block, context=self._context)
         self.controller_endpoint = ctl.endpoint
         self._run(ctl)  # serving before the warehouses register: they wait for its answer
         try:
             for w in range(self.n_warehouses):
                 wh = WarehouseServer("tcp://127.0.0.1:0", ctl.endpoint, w, self.n_warehouses, secret=secret,
-                                     limits=self.limits)
+                                     limits=self.limits, curve=self.curve, block=self.block,
+                                     context=self._context)
                 try:
                     wh.register(self.start_timeout_s)
                 except BaseException:
@@ -230,10 +268,17 @@ class ThreadDock:
     def stop(self, timeout_s: float = 10.0) -> None:
         for s in self._servers:
             s.stop()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + timeout_s
         for t in self._threads:
-            t.join(timeout=timeout_s)
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+        joined = not any(t.is_alive() for t in self._threads)
         self._servers.clear()
         self._threads.clear()
+        if self._context is not None:
+            ctx, self._context = self._context, None
+            release_context(ctx)  # stop its ZAP handler thread
+            if joined:  # every server closed its sockets: term() returns at once
+                ctx.term()
 
     def __enter__(self) -> ThreadDock:
         return self.start()

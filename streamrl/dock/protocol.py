@@ -48,6 +48,13 @@ Ids = Annotated[list[Id], Meta(max_length=MAX_ITEMS)]
 Names = Annotated[list[Name], Meta(max_length=MAX_COLUMNS)]
 Shape = Annotated[list[Annotated[int, Meta(ge=0, le=INT63)]], Meta(max_length=MAX_NDIM)]
 FrameIdx = Annotated[int, Meta(ge=0, lt=MAX_FRAMES)]
+MAX_BLOCK = 1 << 30  # samples per ownership block
+Block = Annotated[int, Meta(ge=1, le=MAX_BLOCK)]
+
+
+def owner(index: int, n_warehouses: int, block: int = 1) -> int:
+    """The warehouse that stores sample ``index``: ``(index // block) % n_warehouses`` (docs §5.1)."""
+    return (index // block) % n_warehouses if block > 1 else index % n_warehouses
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
@@ -94,6 +101,8 @@ class Hello(_Msg, tag="hello"):
     client_id: Name
     protocol: ProtocolNo  # no default: always on the wire, so a newer controller can tell versions apart
     lease_ttl_s: Ttl = 10.0  # leases of this client expire this long after its last message
+    # the warehouse on this client's node (statistics: claims of samples owned elsewhere are remote)
+    home_warehouse: WarehouseId | None = None
 
 
 class WarehouseHello(_Msg, tag="warehouse_hello"):
@@ -104,6 +113,7 @@ class WarehouseHello(_Msg, tag="warehouse_hello"):
     endpoint: Annotated[str, Meta(min_length=1, max_length=1024)]
     protocol: ProtocolNo  # no default: always on the wire
     secret: Annotated[str, Meta(max_length=1024)]  # the per-run secret the launcher handed to the dock
+    block: Block = 1  # the ownership block this warehouse was started with: must equal the controller's
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -116,6 +126,8 @@ class Reserve(_Msg, tag="reserve"):
     n: Count
     group_size: Count = 1
     timeout_s: Seconds | None = None  # None: wait for capacity as long as it takes; 0: fail at once
+    # allocate inside blocks this warehouse owns (data locality; block > 1 only, docs §5.1)
+    warehouse: WarehouseId | None = None
 
 
 class Claim(_Msg, tag="claim"):
@@ -193,9 +205,10 @@ WarehouseRequest = Put | Get | Free | StatsRequest
 class HelloReply(_Msg, tag="hello_reply"):
     req_id: Id
     protocol: ProtocolNo
-    warehouses: Annotated[list[str], Meta(max_length=65_536)]  # endpoint of warehouse i; k lives on k % len
+    warehouses: Annotated[list[str], Meta(max_length=65_536)]  # endpoint of warehouse i; k lives on owner(k)
     consumers: Names
     capacity: Annotated[int, Meta(ge=1, le=INT63)]  # samples in flight: may exceed one message's MAX_ITEMS
+    block: Block = 1  # owner(k) = (k // block) % len(warehouses); omitted on the wire when 1
 
 
 class Reserved(_Msg, tag="reserved"):

@@ -1,6 +1,7 @@
 """A dock warehouse: holds the column values of the samples it owns, serves put/get.
 
-Warehouse ``w`` of ``W`` owns sample index ``k`` iff ``k % W == w``; clients compute that
+Warehouse ``w`` of ``W`` owns sample index ``k`` iff ``(k // block) % W == w`` (``block`` 1 by
+default: ``k % W``, see docs/dock-protocol.md §5.1); clients compute that
 themselves and talk to warehouses directly, in parallel, so tensors never pass through the
 controller. After storing a put, the warehouse tells the controller which (sample, column)
 pairs became ready, then answers the client. Nothing relies on the readiness message reaching
@@ -26,6 +27,7 @@ import torch
 import zmq
 
 from streamrl import wire
+from streamrl.curve import CurveAllowList, RunKeys, secure_client, secure_server
 from streamrl.dock import protocol as p
 from streamrl.dock.codec import decode_put, encode_columns
 from streamrl.dock.errors import WireFormatError
@@ -55,21 +57,25 @@ class WarehouseStore:
     the two to the alignment padding.
     """
 
-    def __init__(self, warehouse_id: int, n_warehouses: int) -> None:
+    def __init__(self, warehouse_id: int, n_warehouses: int, block: int = 1) -> None:
         self.warehouse_id = warehouse_id
         self.n_warehouses = n_warehouses
+        self.block = block
         self.rows: dict[int, dict[str, Any]] = {}
         self.held: dict[int, list[_Held]] = {}  # sample index -> frames its values view
         self.bytes_held = 0
         self.column_names: set[str] = set()  # distinct names ever stored, bounded by MAX_COLUMNS
-        self.counters = dict.fromkeys(("puts", "gets", "frees", "errors", "bytes_in", "bytes_out"), 0)
+        # samples_stored: samples that got their first column here, ever (what this warehouse stored)
+        self.counters = dict.fromkeys(("puts", "gets", "frees", "errors", "bytes_in", "bytes_out",
+                                       "samples_stored"), 0)
 
     def check_owned(self, indices: list[int]) -> None:
-        bad = [i for i in indices if i < 0 or i % self.n_warehouses != self.warehouse_id]
+        nw, b, w = self.n_warehouses, self.block, self.warehouse_id
+        bad = [i for i in indices if i < 0 or p.owner(i, nw, b) != w]
         if bad:
+            rule = "k % n_warehouses" if b == 1 else f"(k // {b}) % n_warehouses"
             raise ValueError(
-                f"indices {bad[:8]} are not owned by warehouse {self.warehouse_id} of {self.n_warehouses} "
-                "(index k lives on warehouse k % n_warehouses)"
+                f"indices {bad[:8]} are not owned by warehouse {w} of {nw} (index k lives on warehouse {rule})"
             )
 
     def put(self, indices: list[int], values: dict[str, list[Any]],
@@ -90,7 +96,10 @@ class WarehouseStore:
                 raise ValueError(f"column {dup[0]!r} of sample {i} is already written (columns are write-once)")
         self.column_names.update(new_names)
         for k, i in enumerate(indices):
-            row = self.rows.setdefault(i, {})
+            row = self.rows.get(i)
+            if row is None:
+                row = self.rows[i] = {}
+                self.counters["samples_stored"] += 1
             for name, vals in values.items():
                 row[name] = vals[k]
         for nbytes, users in frames or ():
@@ -145,9 +154,11 @@ class WarehouseServer:
         limits: DockLimits | None = None,
         context: zmq.Context | None = None,
         hwm: int = 1000,
+        curve: RunKeys | None = None,
+        block: int = 1,
     ) -> None:
         self.limits = limits or DockLimits()
-        self.store = WarehouseStore(warehouse_id, n_warehouses)
+        self.store = WarehouseStore(warehouse_id, n_warehouses, block)
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.RCVHWM, hwm)  # finite: clients bound their in-flight requests too
@@ -157,15 +168,18 @@ class WarehouseServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of clients connect at once at start-up
+        # CURVE (keys given): only the run's client key pair reads or writes here
+        self.zap: CurveAllowList | None = secure_server(self.sock, curve)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes)  # the controller sends headers only
+        secure_client(self.ctl, curve)
         self.ctl.connect(controller)
         self.registered = False
         self.ctl.send(p.encoder.encode(
-            p.WarehouseHello(0, warehouse_id, self.endpoint, p.PROTOCOL_VERSION, secret)))
+            p.WarehouseHello(0, warehouse_id, self.endpoint, p.PROTOCOL_VERSION, secret, block)))
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
         self._warn = wire.SparseLog(log).warning  # a peer's garbage in a loop must not fill the disk
@@ -301,7 +315,10 @@ class WarehouseServer:
                 st.counters["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
                 self._reply(identity, p.Fetched(rid, idx, cols), frames)
             case p.StatsRequest(req_id=rid):
-                self._reply(identity, p.Stats(rid, st.statistics()))
+                stats = st.statistics()
+                if self.zap is not None:  # CURVE handshakes admitted / refused by this process's allow-list
+                    stats["curve"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
+                self._reply(identity, p.Stats(rid, stats))
             case p.Free():
                 raise ValueError("free is the controller's message; clients release via the controller")
 
@@ -315,15 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warehouses", type=int, default=1)
     ap.add_argument("--register-timeout", type=float, default=60.0,
                     help="seconds to wait for the controller to accept this warehouse")
+    ap.add_argument("--block", type=int, default=1, help="samples per ownership block (the controller's --block)")
     DockLimits.add_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
     try:
         # the secret comes from the environment (never argv: any local user can read a command line)
         server = WarehouseServer(args.bind, args.controller, args.id, args.warehouses, secret=secret_from_env(),
-                                 limits=DockLimits.from_args(args))
+                                 limits=DockLimits.from_args(args), curve=RunKeys.from_env(), block=args.block)
         server.register(args.register_timeout)  # READY only once the controller accepted us
-    except (ValueError, zmq.ZMQError, RegistrationError) as exc:
+    except (ValueError, zmq.ZMQError, RegistrationError, msgspec.DecodeError) as exc:
         print(f"warehouse: {exc}", file=sys.stderr)
         return 2
     server.parent.pid = args.parent_pid

@@ -8,20 +8,15 @@ key (mode 0600, keep it on the machine that owns it). A server in another langua
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
-import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from streamrl.rewards.results import RewardConfigError
-
-log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 
@@ -102,45 +97,6 @@ def configure_client_socket(socket: zmq.Socket, secret_file: PathLike, server_pu
     socket.curve_secretkey = secret
     socket.curve_publickey = public
     socket.curve_serverkey = load_public_key(server_public_file)
-
-
-class CurveAllowList:
-    """A ZAP handler for a context: CURVE clients whose public key is not allowed are refused.
-
-    ``allowed_keys=None`` accepts any client that completes the CURVE handshake (traffic is still
-    encrypted, but anyone who knows the server's public key may connect). Start it before binding.
-    """
-
-    def __init__(self, context: zmq.Context, allowed_keys: Iterable[bytes] | None) -> None:
-        self._allowed = None if allowed_keys is None else frozenset(allowed_keys)
-        self._authenticator = ThreadAuthenticator(context, log=logging.getLogger(__name__ + ".zap"))
-        self._lock = threading.Lock()
-        self.accepted = 0
-        self.refused = 0
-
-    def start(self) -> None:
-        self._authenticator.start()
-        if self._allowed is None:
-            self._authenticator.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
-        else:
-            self._authenticator.configure_curve_callback(domain="*", credentials_provider=self)
-
-    def callback(self, domain: str, client_key: bytes) -> bool:
-        """Called by the ZAP thread for each CURVE handshake with the client's z85 public key."""
-        allowed = self._allowed is not None and client_key in self._allowed
-        with self._lock:
-            if allowed:
-                self.accepted += 1
-            else:
-                self.refused += 1
-        if not allowed:
-            log.warning(
-                "refused a CURVE client whose public key %s is not on the allow-list", client_key.decode()
-            )
-        return allowed
-
-    def stop(self) -> None:
-        self._authenticator.stop()
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from streamrl import __version__, wire
+from streamrl.curve import CurveAllowList
 from streamrl.rewards import keys
 from streamrl.rewards.function import RewardFunction
 from streamrl.rewards.latency import LatencyWindow
@@ -124,7 +125,7 @@ class RewardServer:
         self._max_message_bytes = max_message_bytes
         self._context = context or zmq.Context.instance()
         self._socket: AsyncSocket | None = None
-        self._allow_list: keys.CurveAllowList | None = None
+        self._allow_list: CurveAllowList | None = None
         self.endpoint: str | None = None
         self._in_flight = 0
         self._shutdown_requested = False
@@ -147,7 +148,7 @@ class RewardServer:
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         socket.setsockopt(zmq.LINGER, 0)
         if self._curve_secret_key is not None:
-            self._allow_list = keys.CurveAllowList(self._context, self._curve_allowed_keys)
+            self._allow_list = CurveAllowList(self._context, self._curve_allowed_keys)
             self._allow_list.start()
             keys.configure_server_socket(socket, self._curve_secret_key)
         else:

@@ -19,11 +19,11 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=240)
 
 
-@pytest.mark.parametrize("warehouses", [1, 2])
-def test_conformance_suite_passes_against_local_dock(warehouses: int) -> None:
+@pytest.mark.parametrize(("warehouses", "block"), [(1, 1), (2, 1), (2, 3)])
+def test_conformance_suite_passes_against_local_dock(warehouses: int, block: int) -> None:
     views = {"score": ConsumerView(["tokens", "answer"])}
     with LocalDock(["score"], capacity=32, n_warehouses=warehouses, views=views,
-                   limits=DockLimits(max_clients=8)) as dock:
+                   limits=DockLimits(max_clients=8), block=block) as dock:
         proc = _run(["--controller", dock.controller_endpoint, "--consumer", "score", "--reads", "tokens,answer",
                      "--allow-close", "--max-clients", "8"])
         assert dock.alive()
