@@ -176,10 +176,36 @@ class StageOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     options: dict[str, Any] | None = None
 
 
+class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``resources.launch: ray`` (pip install 'streamrl[ray]'): where the run's processes go."""
+
+    # None: start a Ray instance on this machine for the run, stopped at its end; "auto": the
+    # cluster this machine joined with `ray start`; "HOST:PORT": that cluster's head (GCS address)
+    address: str | None = None
+    # how the workers' bundles spread over the nodes (a Ray placement-group strategy): PACK fills
+    # a node before the next; SPREAD / STRICT_SPREAD put bundles on different nodes
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Ray resources each worker of a stage needs beyond its CPUs (stage threads) and accelerator
+    # (one GPU for device cuda, one NPU for npu), e.g. {generate: {node_b: 1}} to pin generation
+    # to the nodes that offer the custom resource node_b
+    stage_resources: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
+    # a Ray started for the run (address None): the CPUs it offers; None = every core
+    num_cpus: int | None = None
+    # one warehouse per node that runs workers (data stays on its node); false: one warehouse, on
+    # the controller's node
+    warehouse_per_node: bool = True
+    # the ownership block of the dock (docs/dock-protocol.md): samples a producer reserves are
+    # numbered inside blocks of this many indices that its own node's warehouse owns
+    dock_block: int = 4096
+
+
 class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # "processes": controller, warehouses and every stage worker are separate local processes.
     # "inprocess": stages run as tasks in this process (dock servers in threads), for debugging.
-    launch: Literal["processes", "inprocess"] = "processes"
+    # "ray": every process is placed on a Ray cluster (resources.ray); the dock runs over tcp,
+    # every socket with CURVE and the run's keys (see docs/ray.md)
+    launch: Literal["processes", "inprocess", "ray"] = "processes"
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
     device: str = "cpu"  # default device of model stages: cpu, cuda, cuda:N, npu, auto
     dock: DockConfig = msgspec.field(default_factory=DockConfig)
     start_timeout_s: float = 120.0  # worker start-up (imports, model build) must finish within this
@@ -324,6 +350,15 @@ def _check(cfg: RunConfig, where: str) -> None:
         (r.stall_timeout_s >= 0 and math.isfinite(r.stall_timeout_s),
          f"resources.stall_timeout_s must be >= 0 seconds (0 = no stall detection), got {r.stall_timeout_s}"),
         (r.auto_resume >= 0, f"resources.auto_resume must be >= 0 (0 = never), got {r.auto_resume}"),
+        (r.ray.num_cpus is None or r.ray.num_cpus >= 1,
+         f"resources.ray.num_cpus must be >= 1, or null for every core; got {r.ray.num_cpus}"),
+        (r.ray.address is None or bool(r.ray.address.strip()),
+         "resources.ray.address is empty; write auto (the cluster this machine joined), HOST:PORT, or null "
+         "to start Ray for this run"),
+        (r.ray.dock_block >= cfg.algo.group_size,
+         f"resources.ray.dock_block ({r.ray.dock_block}) must hold a group: >= algo.group_size ({cfg.algo.group_size})"),
+        (all(v >= 0 and math.isfinite(v) for res in r.ray.stage_resources.values() for v in res.values()),
+         f"resources.ray.stage_resources amounts must be >= 0, got {r.ray.stage_resources}"),
         (r.auto_resume == 0 or cfg.output.checkpoint_every > 0,
          "resources.auto_resume needs checkpoints to resume from: set output.checkpoint_every, e.g. 50"),
         (cfg.output.checkpoint_every >= 0,

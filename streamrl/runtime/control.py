@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from streamrl import wire
+from streamrl.curve import RunKeys, secure_client, secure_server
 
 log = logging.getLogger("streamrl.control")
 
@@ -129,13 +130,14 @@ class ControlClient:
     """A worker's end. Sends are fire-and-forget from the event loop thread."""
 
     def __init__(self, endpoint: str, stage: str, worker: int, context: zmq.asyncio.Context | None = None,
-                 *, token: str = "") -> None:
+                 *, token: str = "", curve: RunKeys | None = None) -> None:
         self.stage = stage
         self.worker = worker
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)  # let the final Failed/Finished reach the launcher
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)  # commands are tiny; the limit keeps it so
+        secure_client(self.sock, curve)  # a run beyond one host: the launcher's key pair (streamrl.curve)
         self.sock.connect(endpoint)
         self.stop_reason: str | None = None
         self.save_reason: str | None = None  # a Save arrived: checkpoint after this step, then stop
@@ -207,13 +209,15 @@ class ControlServer:
     """The launcher's end: events from the workers it started, commands to them."""
 
     def __init__(self, bind: str, context: zmq.asyncio.Context | None = None, *, token: str = "",
-                 workers: set[tuple[str, int]] | None = None) -> None:
+                 workers: set[tuple[str, int]] | None = None, curve: RunKeys | None = None) -> None:
         """``token``: what every worker's ``Starting`` must carry. ``workers``: the (stage, worker)
         pairs that may register; None accepts any (tests that drive the channel by hand)."""
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)
+        # beyond one host: only the run's own key pair completes a handshake (the token is checked too)
+        self.allow_list = secure_server(self.sock, curve)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.token = token

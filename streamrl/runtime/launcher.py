@@ -29,6 +29,7 @@ import anyio
 import msgspec
 
 from streamrl.config import ConfigError, RunConfig, dump_config, load_config
+from streamrl.curve import RunKeys
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
@@ -44,6 +45,8 @@ from streamrl.runtime.checkpoints import (
     resume_from,
 )
 from streamrl.runtime.pipeline import PipelineSpec, load_pipeline, resolve_run_length
+from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess
+from streamrl.runtime.rendezvous import RendezvousServer
 from streamrl.runtime.stage import StageError
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
 
@@ -113,6 +116,33 @@ SILENT_WORKER_S = 5.0  # a worker that sent no heartbeat for this long has a blo
 STACK_DUMP_WAIT_S = 1.0  # after SIGUSR1, how long a worker gets to write its stacks to its log
 
 
+def _send_signal(proc: multiprocessing.process.BaseProcess | RemoteProcess, sig: int) -> None:
+    """A signal to a worker process, local or on a Ray node (through its host actor)."""
+    if isinstance(proc, RemoteProcess):
+        proc.send_signal(sig)
+    elif proc.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+
+
+def _is_trainer_class(cls: str) -> bool:
+    """The built-in trainer (or a subclass) serves the policy channel from its worker 0."""
+    from streamrl.runtime.pipeline import _is_trainer, import_object
+
+    try:
+        return _is_trainer(import_object(cls, "stage class"))
+    except Exception:
+        return False
+
+
+def _free_port(ip: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
+
+
 class RunFailed(RuntimeError):
     """The run stopped because a stage failed or a worker died; the message says which and where.
 
@@ -146,6 +176,11 @@ class RunResult:
     resumed_from: int | None = None  # the checkpoint's version this run continued from (--resume)
     restarts: dict[str, int] = field(default_factory=dict)  # "<stage>-<worker>" -> times it was restarted
     dock_statistics: dict[str, Any] = field(default_factory=dict)  # the controller's, at the end of training
+    # the warehouses' statistics at the end of training (what each stored and served), by warehouse id
+    warehouse_statistics: list[dict[str, Any]] = field(default_factory=list)
+    # resources.launch: ray: where each worker process ran ("generate-0" -> "node 1a2b... (host, ip)")
+    # and which dock warehouse lived on each node
+    placement: dict[str, str] = field(default_factory=dict)
 
     @property
     def final_reward(self) -> float | None:
@@ -157,7 +192,7 @@ class _Worker:
     stage: str
     index: int
     log_path: Path | None = None
-    proc: multiprocessing.process.BaseProcess | None = None
+    proc: multiprocessing.process.BaseProcess | RemoteProcess | None = None
     restartable: bool = False
     heartbeat: float = 0.0  # monotonic time of its last StageBusy
     in_batch_s: float = 0.0  # what that StageBusy said: seconds in the current batch (0 = between batches)
@@ -316,7 +351,42 @@ class _Launch:
         self.resumable = False
         self.stop_reason = ""
         self.t_end: float | None = None
-        self.dock: LocalDock | ThreadDock | None = None
+        self.dock: LocalDock | ThreadDock | RayDock | None = None
+        self.ray: RayPlacement | None = None  # resources.launch: ray
+        self.curve: RunKeys | None = None  # the run's CURVE keys (ray: every socket leaves the host)
+        self.warehouse_statistics: list[dict[str, Any]] = []
+
+    def _start_ray(self, views: dict[str, ConsumerView], limits: DockLimits) -> RayDock:
+        """Connect to (or start) Ray, place the worker processes, start the dock on the nodes."""
+        from streamrl.runtime.ray_cluster import RayDock, RayPlacement
+
+        cfg = self.cfg
+        rc = cfg.resources.ray
+        self.ray = RayPlacement(rc, self.run_dir.name, cfg.resources.start_timeout_s)
+        self.ray.connect()
+        self.ray.place(self.pipeline, cfg.resources.device)
+        self.curve = RunKeys.generate()
+        where = ", ".join(f"{name} on {node.describe()}" for name, (_, node) in self.ray.worker_hosts.items())
+        self.progress.message(f"streamrl: Ray placed {len(self.ray.worker_hosts)} worker processes on "
+                              f"{len(self.ray.nodes)} node(s): {where}")
+        return RayDock(self.ray, self.pipeline.consumers, cfg.dock_capacity, views, limits, self.curve,
+                       self.run_dir / "logs", block=rc.dock_block, per_node=rc.warehouse_per_node,
+                       start_timeout_s=cfg.resources.start_timeout_s)
+
+    def _ray_endpoints(self) -> tuple[str, str, str]:
+        """Where the launcher's control and rendezvous servers bind (the driver's node address),
+        and the trainer's policy channel (its worker 0's node, a port free there now)."""
+        assert self.ray is not None and self.ray.driver_node is not None
+        trainers = [s for s in self.pipeline.stages if _is_trainer_class(s.cls)]
+        publisher = next((name for name in self.ray.worker_hosts
+                          for s in trainers if name.split("+")[0] == f"{s.name}-0"), None)
+        if publisher is None:  # no built-in trainer: serve the channel's address from the driver's node
+            ip, port = self.ray.driver_node.ip, _free_port(self.ray.driver_node.ip)
+        else:
+            host, node = self.ray.worker_hosts[publisher]
+            ip, port = node.ip, int(self.ray.call(host.free_port.remote()))
+        here = self.ray.driver_node.ip
+        return f"tcp://{here}:0", f"tcp://{ip}:{port}", f"tcp://{here}:0"
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -330,20 +400,29 @@ class _Launch:
         limits = DockLimits(dc.max_message_mib, dc.max_header_mib, dc.max_clients, dc.max_parked)
         # each consumer's reads are fixed from the pipeline, so no claim (from any client) can set them
         views = {s.name: ConsumerView(list(s.reads), s.whole_groups) for s in self.pipeline.stages if s.reads}
-        if cfg.resources.launch == "processes":
-            dock = LocalDock(self.pipeline.consumers, cfg.dock_capacity, dc.warehouses, dc.transport,
-                             start_timeout_s=cfg.resources.start_timeout_s, limits=limits, views=views)
-        else:
-            dock = ThreadDock(self.pipeline.consumers, cfg.dock_capacity, dc.warehouses, limits=limits, views=views)
-        self.dock = dock
         server: c.ControlServer | None = None
+        rendezvous: RendezvousServer | None = None
+        dock: LocalDock | ThreadDock | RayDock | None = None
         try:
             self.progress.message(f"streamrl: run dir {self.run_dir}")
-            dock.start()
+            if cfg.resources.launch == "ray":
+                dock = await anyio.to_thread.run_sync(self._start_ray, views, limits)
+            elif cfg.resources.launch == "processes":
+                dock = LocalDock(self.pipeline.consumers, cfg.dock_capacity, dc.warehouses, dc.transport,
+                                 start_timeout_s=cfg.resources.start_timeout_s, limits=limits, views=views)
+            else:
+                dock = ThreadDock(self.pipeline.consumers, cfg.dock_capacity, dc.warehouses, limits=limits,
+                                  views=views)
+            self.dock = dock
+            await anyio.to_thread.run_sync(dock.start)
             token = c.new_token()
-            server = c.ControlServer(f"ipc://{tmp}/control", token=token,
-                                     workers={(w.stage, w.index) for w in self.workers})
-            weights = f"ipc://{tmp}/weights"
+            control, weights = f"ipc://{tmp}/control", f"ipc://{tmp}/weights"
+            if self.ray is not None:
+                control, weights, rendezvous_bind = await anyio.to_thread.run_sync(self._ray_endpoints)
+                rendezvous = RendezvousServer(rendezvous_bind, curve=self.curve)
+                self.ray.start_monitor()
+            server = c.ControlServer(control, token=token, workers={(w.stage, w.index) for w in self.workers},
+                                     curve=self.curve)
             # colocated and disaggregated stages join torch.distributed through FileStores here
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:
@@ -353,10 +432,12 @@ class _Launch:
                                       dock_endpoint=dock.controller_endpoint, control_endpoint=server.endpoint,
                                       weights_endpoint=weights, run_dir=str(self.run_dir), pipeline=self.pipeline,
                                       token=token, resume=self.resume, scratch_dir=tmp, shm_dir=self.shm,
-                                      parent_pid=os.getpid() if cfg.resources.launch == "processes" else 0)
+                                      parent_pid=os.getpid() if cfg.resources.launch == "processes" else 0,
+                                      curve=self.curve,
+                                      rendezvous_endpoint=rendezvous.endpoint if rendezvous is not None else "")
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
-                    if cfg.resources.launch == "processes":
-                        self._spawn(members, spec)
+                    if cfg.resources.launch != "inprocess":
+                        await anyio.to_thread.run_sync(self._spawn, members, spec)
                     else:
                         tg.start_soon(run_worker, spec)
                 # One task owns the socket's receive: a recv cancelled by the supervisor's poll timeout
@@ -368,7 +449,8 @@ class _Launch:
                 self._write_pids()
                 await self._supervise(server, events)
                 self.t_end = time.monotonic()  # training ends here; shutdown is not training time
-                self.dock_statistics = await self._dock_statistics(dock.controller_endpoint)
+                self.dock_statistics, self.warehouse_statistics = await self._dock_statistics(
+                    dock.controller_endpoint)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -383,7 +465,12 @@ class _Launch:
                         reaping.cancel_scope.cancel()
                 if server is not None:
                     server.close()
-                dock.stop()
+                if dock is not None:
+                    dock.stop()
+                if self.ray is not None:  # every child, actor and the placement group: nothing stays
+                    await anyio.to_thread.run_sync(self.ray.close)
+                if rendezvous is not None:
+                    rendezvous.close()
                 shutil.rmtree(tmp, ignore_errors=True)
                 shutil.rmtree(self.shm, ignore_errors=True)
                 shutil.rmtree(self.run_dir / "rendezvous", ignore_errors=True)
@@ -398,14 +485,30 @@ class _Launch:
         name = "+".join(f"{w.stage}-{w.index}" for w in members)
         self.specs[name] = (members, spec)
         spec_path = logs / f"{name}.spec.json"
-        write_spec(spec, spec_path)
         log_path = logs / f"{name}.log"
+        if self.ray is not None:
+            self._spawn_on_ray(members, spec, name, spec_path, log_path)
+            return
+        write_spec(spec, spec_path)
         proc = _mp.Process(target=_worker_process, args=(str(spec_path), str(log_path)),
                            name=f"streamrl-{name}", daemon=False)
         for w in members:
             w.log_path, w.proc = log_path, proc
         with _main_module_hidden():
             proc.start()
+
+    def _spawn_on_ray(self, members: list[_Worker], spec: WorkerSpec, name: str, spec_path: Path,
+                      log_path: Path) -> None:
+        """The process ``name`` as a child of its Ray host actor, on the node Ray placed it on:
+        it watches that actor (``parent_pid``) and writes new samples to that node's warehouse."""
+        assert self.ray is not None
+        host, node = self.ray.worker_hosts[name]
+        self.ray.call(host.make_dirs.remote([str(log_path.parent)], [self.tmp, self.shm]))
+        spec = msgspec.structs.replace(spec, parent_pid=self.ray.host_pid(name), home_warehouse=node.warehouse)
+        env = {"STREAMRL_LOG": os.environ.get("STREAMRL_LOG", "INFO"), "OMP_WAIT_POLICY": "PASSIVE"}
+        proc = self.ray.spawn_worker(name, msgspec.json.encode(spec), str(spec_path), str(log_path), env)
+        for w in members:
+            w.log_path, w.proc = log_path, proc
 
     def _write_pids(self) -> None:
         """``logs/pids.json``: every process of the run (for operators: ``kill -USR1`` dumps a
@@ -433,18 +536,22 @@ class _Launch:
         return f"resume it with: streamrl run --resume {self.run_dir} ({where})"
 
     def _check_processes(self, stopping: bool) -> None:
-        if isinstance(self.dock, LocalDock) and not self.dock.alive() and self.death is None:
-            self.death = ("a dock server process died (controller or warehouse); the run cannot continue; "
-                          + self._resume_hint())
+        if isinstance(self.dock, LocalDock | RayDock) and not self.dock.alive() and self.death is None:
+            which = self.dock.dead_server() if isinstance(self.dock, RayDock) else "controller or warehouse"
+            self.death = (f"a dock server process died ({which}); the run cannot continue; " + self._resume_hint())
             self.resumable = True
         for name, (members, spec) in list(self.specs.items()):
             proc = members[0].proc
             if proc is None or proc.exitcode in (None, 0) or self.death is not None:
                 continue
             code = proc.exitcode
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            lost = getattr(proc, "lost", None)  # a Ray host actor (or its whole node) died
+            how = f"was lost: {lost}" if lost else \
+                f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            if isinstance(proc, RemoteProcess):
+                how += f" (on {proc.node.describe()})"
             # code 1: the stage raised and reported it (Failed): an error, not a crash to retry
-            if code != 1 and not stopping and all(w.restartable for w in members) \
+            if code != 1 and not lost and not stopping and all(w.restartable for w in members) \
                     and self.restarts.get(name, 0) < self.cfg.resources.max_restarts:
                 self.restarts[name] = self.restarts.get(name, 0) + 1
                 ttl = self.cfg.resources.dock.lease_ttl_s
@@ -619,10 +726,7 @@ class _Launch:
         for w in workers:
             if w.proc is not None and w.proc.pid is not None and w.log_path is not None and w.proc.is_alive():
                 sizes[id(w)] = w.log_path.stat().st_size if w.log_path.exists() else 0
-                try:
-                    os.kill(w.proc.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
+                _send_signal(w.proc, signal.SIGUSR1)
         if not sizes:  # inprocess: the workers are this process's tasks
             import faulthandler
 
@@ -640,19 +744,20 @@ class _Launch:
                     out[id(w)] = f.read().decode(errors="replace")[-6000:]
         return out
 
-    async def _dock_statistics(self, endpoint: str) -> dict[str, Any]:
-        """The controller's counters once training ended (what reached each stage), for the result."""
+    async def _dock_statistics(self, endpoint: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The controller's and the warehouses' counters once training ended (what reached each
+        stage, what each warehouse stored and served), for the result."""
         from streamrl.dock.client import DockClient
 
         try:
             with anyio.fail_after(3):
                 async with DockClient(endpoint, client_id="launcher-stats", connect_timeout_s=2,
-                                      request_timeout_s=2) as dock:
+                                      request_timeout_s=2, curve=self.curve) as dock:
                     stats = await dock.server_statistics()
-            return dict(stats["controller"])
+            return dict(stats["controller"]), list(stats.get("warehouses", []))
         except Exception as exc:  # the dock died (that is reported on its own): no figures
             log.info("no dock statistics at the end: %s", exc)
-            return {}
+            return {}, []
 
     def _stop_grace_s(self) -> float:
         """How long workers get to finish after a stop request: the final evaluation (eval.at_end)
@@ -710,11 +815,8 @@ class _Launch:
             if not alive:
                 break
             for p in alive:
-                if sig is not None and p.pid is not None:
-                    try:
-                        os.kill(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
+                if sig is not None:
+                    _send_signal(p, sig)
             deadline = time.monotonic() + wait
             for p in alive:
                 p.join(timeout=max(0.05, deadline - time.monotonic()))
@@ -748,4 +850,14 @@ class _Launch:
             checkpoint=ckpt if ckpt.is_dir() else None, worker_logs=logs, eval_metrics=self.eval_rows,
             resumed_from=self.resume.state.version if self.resume is not None else None,
             restarts=dict(self.restarts), dock_statistics=self.dock_statistics,
+            warehouse_statistics=self.warehouse_statistics, placement=self._placement(),
         )
+
+    def _placement(self) -> dict[str, str]:
+        if self.ray is None:
+            return {}
+        where = {name: node.describe() for name, (_, node) in self.ray.placed.items()}
+        for node in self.ray.nodes.values():
+            if node.warehouse is not None:
+                where[f"warehouse-{node.warehouse}"] = node.describe()
+        return where

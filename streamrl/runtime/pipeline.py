@@ -593,6 +593,8 @@ def check_run(spec: PipelineSpec, cfg: RunConfig) -> None:
     batching each stage class needs, the reshard worlds, the task and its options or prompt file,
     the model directory, and that prompt + completion fit the model's positions."""
     where = spec.path or f"pipeline {spec.name!r}"
+    if cfg.resources.launch == "ray":
+        _check_ray(spec, cfg)
     classes = {s.name: _import_quietly(s.cls) for s in spec.stages}
     _check_batching(spec, cfg, classes, where)
     keys = {_class_key(c) for c in classes.values() if c is not None}
@@ -604,6 +606,17 @@ def check_run(spec: PipelineSpec, cfg: RunConfig) -> None:
     _check_task(cfg, tokenizer, max_positions if generates else None, positions_key)
     if spec.placement != "separate":
         _check_reshard_model(spec, cfg, model_config, where)
+
+
+def _check_ray(spec: PipelineSpec, cfg: RunConfig) -> None:
+    """``resources.launch: ray``: Ray is installed, and the per-stage resources name real stages."""
+    from streamrl.runtime.ray_cluster import import_ray
+
+    import_ray()
+    unknown = sorted(set(cfg.resources.ray.stage_resources) - {s.name for s in spec.stages})
+    if unknown:
+        raise ConfigError(f"resources.ray.stage_resources names stages {unknown} that the pipeline {spec.name!r} "
+                          f"does not have; its stages: {[s.name for s in spec.stages]}")
 
 
 def _import_quietly(spec: str) -> type | None:

@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from streamrl import wire
+from streamrl.curve import RunKeys, secure_client, secure_server
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.protocol import TensorColumn
 
@@ -88,11 +89,14 @@ class _Pending:
 class PolicyPublisher:
     """Serves the newest policy version from the trainer's process."""
 
-    def __init__(self, bind: str, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, bind: str, context: zmq.asyncio.Context | None = None, *,
+                 curve: RunKeys | None = None) -> None:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.limit_socket(self.sock, MAX_REQUEST_BYTES)
+        # beyond one host: the weights go only to processes holding the run's key pair
+        self.allow_list = secure_server(self.sock, curve)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.version = 0
@@ -190,8 +194,9 @@ class PolicySubscriber:
     which every stage builds itself from the config, so waiting for it costs nothing."""
 
     def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, *, curve: RunKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock: zmq.asyncio.Socket | None = None
         self.poll_s = poll_s
@@ -204,6 +209,7 @@ class PolicySubscriber:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
+            secure_client(self.sock, self.curve)
             self.sock.connect(self.endpoint)
         return self.sock
 

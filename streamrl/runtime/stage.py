@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import anyio.to_thread
 
+from streamrl.curve import RunKeys
 from streamrl.dock.client import SampleList
 from streamrl.dock.protocol import SampleInfo
 
@@ -121,6 +122,10 @@ class StageContext:
     # by the launcher when the run ends even if this worker is killed; None: not in a launched run
     scratch_dir: Path | None = None
     shm_dir: Path | None = None
+    # a run across hosts: the run's CURVE keys (a stage that serves a socket secures it with them),
+    # and the launcher's rendezvous store for torch.distributed worlds ("" = a FileStore in run_dir)
+    curve: RunKeys | None = None
+    rendezvous_endpoint: str = ""
 
     @property
     def options(self) -> dict[str, Any]:

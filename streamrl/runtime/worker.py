@@ -31,6 +31,7 @@ import torch
 import zmq.asyncio
 
 from streamrl.config import RunConfig
+from streamrl.curve import RunKeys
 from streamrl.dock.client import DockClient, Lease
 from streamrl.dock.errors import DockError, EndOfStream, RemoteError
 from streamrl.runtime.checkpoints import ResumeFrom
@@ -61,6 +62,12 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     # launcher removes them when the run ends, also after a killed worker that could not clean up
     scratch_dir: str = ""
     shm_dir: str = ""
+    # a run across hosts (resources.launch: ray): the run's CURVE keys for every socket, the dock
+    # warehouse on this worker's node (new samples are written there), and the launcher's
+    # torch.distributed rendezvous store (streamrl.runtime.rendezvous) instead of a FileStore
+    curve: RunKeys | None = None
+    home_warehouse: int | None = None
+    rendezvous_endpoint: str = ""
 
 
 def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
@@ -134,8 +141,8 @@ async def run_worker(spec: WorkerSpec) -> int:
 
 async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str, Any]) -> int:
     cfg = spec.config
-    control = ControlClient(spec.control_endpoint, sspec.name, spec.worker, token=spec.token)
-    policy = PolicySubscriber(spec.weights_endpoint)
+    control = ControlClient(spec.control_endpoint, sspec.name, spec.worker, token=spec.token, curve=spec.curve)
+    policy = PolicySubscriber(spec.weights_endpoint, curve=spec.curve)
     device = sspec.device or cfg.resources.device
     indices: list[int] = []
     stage: Any = None
@@ -147,7 +154,8 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                                spec.weights_endpoint, logging.getLogger(f"streamrl.stage.{sspec.name}"),
                                shared=shared, pipeline=spec.pipeline, resume=spec.resume,
                                scratch_dir=Path(spec.scratch_dir) if spec.scratch_dir else None,
-                               shm_dir=Path(spec.shm_dir) if spec.shm_dir else None)
+                               shm_dir=Path(spec.shm_dir) if spec.shm_dir else None,
+                               curve=spec.curve, rendezvous_endpoint=spec.rendezvous_endpoint)
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
                 tg.start_soon(_watch_parent, spec.parent_pid, tg)
@@ -174,7 +182,8 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
             tg.start_soon(meter.report_every, BUSY_REPORT_S)
             async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
                                   lease_ttl_s=cfg.resources.dock.lease_ttl_s,
-                                  max_message_mib=cfg.resources.dock.max_message_mib) as dock:
+                                  max_message_mib=cfg.resources.dock.max_message_mib,
+                                  curve=spec.curve, home_warehouse=spec.home_warehouse) as dock:
                 with loop_scope:
                     try:
                         if sspec.is_source:

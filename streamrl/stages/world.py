@@ -16,6 +16,7 @@ import torch.distributed as dist
 from streamrl.models.build import resolve_device
 from streamrl.reshard import DaemonCall, RankGroups, Topology, build_rank_groups
 from streamrl.runtime.pipeline import StageSpec
+from streamrl.runtime.rendezvous import RendezvousStore
 from streamrl.runtime.stage import StageContext
 
 
@@ -60,7 +61,11 @@ async def join_world(ctx: StageContext, store_name: str, rank: int, world_size: 
         kind = torch.device(device).type
         if kind != "cpu":
             getattr(torch, kind).set_device(torch.device(device))
-        store = dist.FileStore(str(store_path), world_size)
+        store: dist.Store
+        if ctx.rendezvous_endpoint:  # across hosts: the launcher's store, no shared filesystem needed
+            store = RendezvousStore(ctx.rendezvous_endpoint, store_name, curve=ctx.curve, timeout_s=timeout_s)
+        else:
+            store = dist.FileStore(str(store_path), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         return build_rank_groups(topology) if topology is not None else None

@@ -1,0 +1,167 @@
+"""``resources.launch: ray`` on a real Ray cluster of two simulated nodes on this machine.
+
+``ray.cluster_utils.Cluster`` starts a head and a second raylet, each with a custom resource
+(``node_a``, ``node_b``) that pins stages to it. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps
+every Ray listener on 127.0.0.1 and ``RAY_TMPDIR`` keeps Ray's files in a temp dir; the run's
+own sockets bind the node address Ray reports (127.0.0.1 here) with CURVE. One cluster serves
+the module (start-up is ~6-15 s here).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import streamrl
+from streamrl.runtime.launcher import RunFailed
+from tests.runtime.hygiene import processes_with_files_under, wait_gone
+
+ray = pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[2]
+DIGITS = REPO / "configs" / "grpo_digits.yaml"
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_TMPDIR")}
+    tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths are limited
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every Ray listener on 127.0.0.1
+    os.environ["RAY_TMPDIR"] = tmp
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "resources": {"node_a": 100},
+                                                       "include_dashboard": False})
+    try:
+        c.add_node(num_cpus=6, resources={"node_b": 100})
+        c.wait_for_nodes(timeout=60)
+        ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _node_id(resource: str) -> str:
+    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"])
+
+
+def _run_leftovers() -> list[str]:
+    """Named actors and placement groups of streamrl runs still on the cluster."""
+    actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("streamrl-")]
+    groups = [g["name"] for g in ray.util.placement_group_table().values()
+              if g["name"].startswith("streamrl-") and g["state"] != "REMOVED"]
+    return actors + groups
+
+
+def _overrides(tmp_path: Path, address: str, steps: int) -> list[str]:
+    pins = "{source: {node_a: 1}, score: {node_a: 1}, advantage: {node_b: 1}, train: {node_b: 1}}"
+    return [
+        f"algo.steps={steps}", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none",
+        "resources.launch=ray", f"resources.ray.address={address}", f"resources.ray.stage_resources={pins}",
+        "resources.ray.strategy=SPREAD", "stages.generate.workers=2", "stages.generate.threads=1",
+        "stages.train.threads=1",
+    ]
+
+
+def test_grpo_learns_across_two_nodes_with_a_warehouse_each(cluster: Any, tmp_path: Path) -> None:
+    steps = 40
+    result = streamrl.run(str(DIGITS), _overrides(tmp_path, cluster.address, steps))
+    assert result.steps == steps
+
+    # it learns (configs/grpo_digits.yaml: chance is ~0.1)
+    rewards = [m["reward_mean"] for m in result.metrics]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last >= 0.3 and last >= first + 0.15, rewards
+
+    # stages on both nodes, a warehouse on each
+    node_a, node_b = _node_id("node_a"), _node_id("node_b")
+    where = result.placement
+    assert node_a[:12] in where["source-0"] and node_a[:12] in where["score-0"], where
+    assert node_b[:12] in where["train-0"] and node_b[:12] in where["advantage-0"], where
+    assert {where["warehouse-0"], where["warehouse-1"]} == {where["source-0"], where["train-0"]}, where
+
+    # data locality: the source wrote every sample to its own node's warehouse; the trainer, on
+    # the other node, read them from there (the samples crossed nodes)
+    home = int(next(k for k, v in where.items() if k.startswith("warehouse-") and v == where["source-0"])[-1])
+    stored = [w["samples_stored"] for w in result.warehouse_statistics]
+    assert stored[home] > 0, result.warehouse_statistics
+    ctl = result.dock_statistics
+    assert ctl["reserved_per_warehouse"][home] == steps * 64 and sum(ctl["reserved_per_warehouse"]) == steps * 64, ctl
+    assert ctl["claimed_remote"] >= steps * 64, ctl  # at least the trainer's claims
+
+    # nothing of the run is left: no actor, no placement group, no process
+    assert _run_leftovers() == []
+    assert wait_gone(processes_with_files_under(result.run_dir), 15) == []
+
+
+def test_a_lost_node_stops_the_run_naming_it(cluster: Any, tmp_path: Path) -> None:
+    """The generate workers' host actors die (as when their node goes): the run stops and says
+    which worker was lost on which node; nothing of the run stays."""
+    import threading
+
+    def kill_generate_hosts() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            named = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith("streamrl-") and a["name"].endswith("generate-1")]
+            if named and any((tmp_path / d / "metrics.jsonl").exists() and
+                             (tmp_path / d / "metrics.jsonl").read_text().count("\n") >= 2
+                             for d in os.listdir(tmp_path)):
+                ray.kill(ray.get_actor(named[0]["name"], namespace=named[0]["namespace"]), no_restart=True)
+                return
+            time.sleep(0.5)
+
+    killer = threading.Thread(target=kill_generate_hosts, daemon=True)
+    killer.start()
+    with pytest.raises(RunFailed, match=r"stage 'generate' worker 1 was lost: its Ray actor on node \w+"):
+        streamrl.run(str(DIGITS), _overrides(tmp_path, cluster.address, 200))
+    killer.join(timeout=10)
+    assert _run_leftovers() == []
+    run_dir = next(tmp_path.iterdir())
+    assert wait_gone(processes_with_files_under(run_dir), 15) == []
+
+
+def test_sigterm_stops_every_actor(cluster: Any, tmp_path: Path) -> None:
+    """``streamrl run`` on the cluster, SIGTERM once training is under way: it exits, and no
+    actor, placement group or process of the run remains."""
+    args = [str(DIGITS), *_overrides(tmp_path, cluster.address, 200)]
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "run", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            rows = [p for p in tmp_path.glob("*/metrics.jsonl") if p.read_text().count("\n") >= 2]
+            if rows:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode in (0, 1, 130), err[-3000:]
+    assert _run_leftovers() == [], err[-3000:]
+    run_dir = next(tmp_path.iterdir())
+    assert wait_gone(processes_with_files_under(run_dir), 15) == []
