@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from streamrl import wire
-from streamrl.curve import RunKeys, secure_client, secure_server
+from streamrl.curve import RunKeys, release_context, secure_client, secure_server
 
 log = logging.getLogger("streamrl.control")
 
@@ -282,3 +282,5 @@ class ControlServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self.allow_list is not None:  # the context's ZAP handler served this run's keys: stop it
+            release_context(self.ctx)

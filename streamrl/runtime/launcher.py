@@ -374,8 +374,8 @@ class _Launch:
                        start_timeout_s=cfg.resources.start_timeout_s)
 
     def _ray_endpoints(self) -> tuple[str, str, str]:
-        """Where the launcher's control and rendezvous servers bind (the driver's node address),
-        and the trainer's policy channel (its worker 0's node, a port free there now)."""
+        """Where the launcher's control channel binds, the trainer's policy channel (its worker
+        0's node, a port free there now), and the driver node's address (the rendezvous store's)."""
         assert self.ray is not None and self.ray.driver_node is not None
         trainers = [s for s in self.pipeline.stages if _is_trainer_class(s.cls)]
         publisher = next((name for name in self.ray.worker_hosts
@@ -386,7 +386,7 @@ class _Launch:
             host, node = self.ray.worker_hosts[publisher]
             ip, port = node.ip, int(self.ray.call(host.free_port.remote()))
         here = self.ray.driver_node.ip
-        return f"tcp://{here}:0", f"tcp://{ip}:{port}", f"tcp://{here}:0"
+        return f"tcp://{here}:0", f"tcp://{ip}:{port}", here
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -418,8 +418,8 @@ class _Launch:
             token = c.new_token()
             control, weights = f"ipc://{tmp}/control", f"ipc://{tmp}/weights"
             if self.ray is not None:
-                control, weights, rendezvous_bind = await anyio.to_thread.run_sync(self._ray_endpoints)
-                rendezvous = RendezvousServer(rendezvous_bind, curve=self.curve)
+                control, weights, here = await anyio.to_thread.run_sync(self._ray_endpoints)
+                rendezvous = RendezvousServer(here, timeout_s=cfg.resources.start_timeout_s)
                 self.ray.start_monitor()
             server = c.ControlServer(control, token=token, workers={(w.stage, w.index) for w in self.workers},
                                      curve=self.curve)

@@ -297,9 +297,9 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
                     colocated_tensor_parallel(s, cfg.algo.max_staleness)
                 except ValueError as exc:
                     raise ConfigError(f"{where}: {exc}") from None
-    if spec.placement != "separate" and cfg.resources.launch != "processes":
+    if spec.placement != "separate" and cfg.resources.launch == "inprocess":
         raise ConfigError(f"{where}: placement {spec.placement!r} joins a torch.distributed group per worker "
-                          "process; it needs resources.launch: processes (not inprocess)")
+                          "process; it needs resources.launch: processes or ray (not inprocess)")
     sources = [s.name for s in spec.stages if s.is_source]
     if len(sources) != 1:
         raise ConfigError(f"{where}: exactly one stage must have no reads and some writes (the source); found "
@@ -656,9 +656,9 @@ def _check_batching(spec: PipelineSpec, cfg: RunConfig, classes: dict[str, type 
                 raise ConfigError(f"{at}: algo.prompts_per_step x algo.group_size = {batch} samples per step must "
                                   f"divide evenly over its {over}; change one of them")
             share = batch // replicas
-            if s.workers > 1 and cfg.resources.launch != "processes":
+            if s.workers > 1 and cfg.resources.launch == "inprocess":
                 raise ConfigError(f"{at}: workers={s.workers} train as one torch.distributed group, one process "
-                                  "each; it needs resources.launch: processes (not inprocess)")
+                                  "each; it needs resources.launch: processes or ray (not inprocess)")
             if spec.placement != "separate" and spec.weights_receiver(s.name) is None:
                 link = "colocate_with" if spec.placement == "colocated" else "weights_from"
                 raise ConfigError(f"{at}: no stage says `{link}: {s.name}`, so its policy versions reach no "

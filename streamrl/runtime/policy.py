@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 from streamrl import wire
-from streamrl.curve import RunKeys, secure_client, secure_server
+from streamrl.curve import RunKeys, release_context, secure_client, secure_server
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.protocol import TensorColumn
 
@@ -187,6 +187,8 @@ class PolicyPublisher:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self.allow_list is not None:  # the context's ZAP handler served this run's keys: stop it
+            release_context(self.ctx)
 
 
 class PolicySubscriber:

@@ -312,6 +312,8 @@ class RayPlacement:
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
+            if not self.ray.is_initialized():
+                return  # never let a Ray call start a new local Ray (ray.get would, uninitialised)
             for proc in list(self.processes):
                 if proc.exitcode is not None:
                     continue

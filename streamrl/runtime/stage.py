@@ -123,7 +123,7 @@ class StageContext:
     scratch_dir: Path | None = None
     shm_dir: Path | None = None
     # a run across hosts: the run's CURVE keys (a stage that serves a socket secures it with them),
-    # and the launcher's rendezvous store for torch.distributed worlds ("" = a FileStore in run_dir)
+    # and the launcher's torch.distributed store, HOST:PORT ("" = a FileStore in run_dir)
     curve: RunKeys | None = None
     rendezvous_endpoint: str = ""
 

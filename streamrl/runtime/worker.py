@@ -64,7 +64,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     shm_dir: str = ""
     # a run across hosts (resources.launch: ray): the run's CURVE keys for every socket, the dock
     # warehouse on this worker's node (new samples are written there), and the launcher's
-    # torch.distributed rendezvous store (streamrl.runtime.rendezvous) instead of a FileStore
+    # torch.distributed store, HOST:PORT (streamrl.runtime.rendezvous) instead of a FileStore
     curve: RunKeys | None = None
     home_warehouse: int | None = None
     rendezvous_endpoint: str = ""

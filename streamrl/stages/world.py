@@ -16,7 +16,7 @@ import torch.distributed as dist
 from streamrl.models.build import resolve_device
 from streamrl.reshard import DaemonCall, RankGroups, Topology, build_rank_groups
 from streamrl.runtime.pipeline import StageSpec
-from streamrl.runtime.rendezvous import RendezvousStore
+from streamrl.runtime.rendezvous import connect_store
 from streamrl.runtime.stage import StageContext
 
 
@@ -63,7 +63,7 @@ async def join_world(ctx: StageContext, store_name: str, rank: int, world_size: 
             getattr(torch, kind).set_device(torch.device(device))
         store: dist.Store
         if ctx.rendezvous_endpoint:  # across hosts: the launcher's store, no shared filesystem needed
-            store = RendezvousStore(ctx.rendezvous_endpoint, store_name, curve=ctx.curve, timeout_s=timeout_s)
+            store = connect_store(ctx.rendezvous_endpoint, store_name, timeout_s=timeout_s)
         else:
             store = dist.FileStore(str(store_path), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,

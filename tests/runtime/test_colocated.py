@@ -85,7 +85,7 @@ def test_a_chain_of_colocations_is_refused(tmp_path: Path) -> None:
 
 def test_colocated_needs_worker_processes(tmp_path: Path) -> None:
     msg = _error(_write(tmp_path, COLOCATED), ["resources.launch=inprocess"])
-    assert "needs resources.launch: processes" in msg
+    assert "needs resources.launch: processes or ray" in msg
 
 
 def _run_config(tmp_path: Path, *overrides: str) -> list[str]:
