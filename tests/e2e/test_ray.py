@@ -142,21 +142,39 @@ def test_a_lost_node_stops_the_run_naming_it(cluster: Any, tmp_path: Path) -> No
     assert wait_gone(processes_with_files_under(run_dir), 15) == []
 
 
-def test_sigterm_stops_every_actor(cluster: Any, tmp_path: Path) -> None:
-    """``streamrl run`` on the cluster, SIGTERM once training is under way: it exits, and no
-    actor, placement group or process of the run remains."""
+def _rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
+    import json
+
+    for d in run_dirs:
+        if (d / "metrics.jsonl").exists():
+            return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return []
+
+
+def test_a_killed_worker_is_restarted_and_sigterm_stops_every_actor(cluster: Any, tmp_path: Path) -> None:
+    """``streamrl run`` on the cluster. A generate worker's process is SIGKILLed (its host actor
+    lives on): the host starts it again and training goes on (the restart policy of local runs).
+    Then SIGTERM: the run exits, and no actor, placement group or process of the run remains."""
+    import json
+
     args = [str(DIGITS), *_overrides(tmp_path, cluster.address, 200)]
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "run", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
+
+    def wait_for(what: str, ok: Any, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
-            rows = [p for p in tmp_path.glob("*/metrics.jsonl") if p.read_text().count("\n") >= 2]
-            if rows:
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            if ok():
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"{what}: not within {timeout_s} s (exit code {proc.poll()})")
+
+    try:
+        wait_for("two steps", lambda: len(_rows(list(tmp_path.iterdir()))) >= 2)
+        run_dir = next(tmp_path.iterdir())
+        os.kill(json.loads((run_dir / "logs" / "pids.json").read_text())["generate-0"], signal.SIGKILL)
+        wait_for("a step after the restart", lambda: any(r.get("restarts/generate-0") == 1 for r in _rows([run_dir])))
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=90)
     finally:
@@ -165,7 +183,6 @@ def test_sigterm_stops_every_actor(cluster: Any, tmp_path: Path) -> None:
             proc.wait(timeout=10)
     assert proc.returncode in (0, 1, 130), err[-3000:]
     assert _run_leftovers() == [], err[-3000:]
-    run_dir = next(tmp_path.iterdir())
     assert wait_gone(processes_with_files_under(run_dir), 15) == []
 
 
