@@ -379,7 +379,7 @@ class _Launch:
         assert self.ray is not None and self.ray.driver_node is not None
         trainers = [s for s in self.pipeline.stages if _is_trainer_class(s.cls)]
         publisher = next((name for name in self.ray.worker_hosts
-                          for s in trainers if name.split("+")[0] == f"{s.name}-0"), None)
+                          for s in trainers if f"{s.name}-0" in name.split("+")), None)
         if publisher is None:  # no built-in trainer: serve the channel's address from the driver's node
             ip, port = self.ray.driver_node.ip, _free_port(self.ray.driver_node.ip)
         else:

@@ -191,6 +191,14 @@ class RemoteProcess:
         pass
 
 
+def process_names(pipeline: PipelineSpec) -> list[str]:
+    """The name of each of ``pipeline.process_groups()``, as the launcher names the process (its
+    logs, its spec): its workers in the pipeline's stage order, e.g. ``generate-0+train-0``."""
+    order = {s.name: i for i, s in enumerate(pipeline.stages)}
+    return ["+".join(f"{s.name}-{k}" for s, k in sorted(g, key=lambda sk: order[sk[0].name]))
+            for g in pipeline.process_groups()]
+
+
 def bundle_for(stages: list[StageSpec], device: str, cfg: RayConfig) -> dict[str, float]:
     """The Ray resources of one worker process running ``stages`` (a host stage and the stages
     colocated with it)."""
@@ -245,7 +253,7 @@ class RayPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         groups = pipeline.process_groups()
-        names = ["+".join(f"{s.name}-{k}" for s, k in g) for g in groups]
+        names = process_names(pipeline)
         bundles = [bundle_for([s for s, _ in g], device, self.cfg) for g in groups]
         self.pg = placement_group(bundles, strategy=self.cfg.strategy, name=f"streamrl-{self.run_name}")
         try:
