@@ -44,8 +44,14 @@ from streamrl.runtime.checkpoints import (
     latest_checkpoint,
     resume_from,
 )
-from streamrl.runtime.pipeline import PipelineSpec, load_pipeline, resolve_run_length
-from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess
+from streamrl.runtime.pipeline import (
+    PipelineSpec,
+    _import_quietly,
+    _is_trainer,
+    load_pipeline,
+    resolve_run_length,
+)
+from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess, free_port
 from streamrl.runtime.rendezvous import RendezvousServer
 from streamrl.runtime.stage import StageError
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
@@ -123,24 +129,6 @@ def _send_signal(proc: multiprocessing.process.BaseProcess | RemoteProcess, sig:
     elif proc.pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, sig)
-
-
-def _is_trainer_class(cls: str) -> bool:
-    """The built-in trainer (or a subclass) serves the policy channel from its worker 0."""
-    from streamrl.runtime.pipeline import _is_trainer, import_object
-
-    try:
-        return _is_trainer(import_object(cls, "stage class"))
-    except Exception:
-        return False
-
-
-def _free_port(ip: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return int(s.getsockname()[1])
 
 
 class RunFailed(RuntimeError):
@@ -358,8 +346,6 @@ class _Launch:
 
     def _start_ray(self, views: dict[str, ConsumerView], limits: DockLimits) -> RayDock:
         """Connect to (or start) Ray, place the worker processes, start the dock on the nodes."""
-        from streamrl.runtime.ray_cluster import RayDock, RayPlacement
-
         cfg = self.cfg
         rc = cfg.resources.ray
         self.ray = RayPlacement(rc, self.run_dir.name, cfg.resources.start_timeout_s)
@@ -377,11 +363,12 @@ class _Launch:
         """Where the launcher's control channel binds, the trainer's policy channel (its worker
         0's node, a port free there now), and the driver node's address (the rendezvous store's)."""
         assert self.ray is not None and self.ray.driver_node is not None
-        trainers = [s for s in self.pipeline.stages if _is_trainer_class(s.cls)]
+        # the built-in trainer (or a subclass) serves the policy channel from its worker 0
+        trainers = [s for s in self.pipeline.stages if _is_trainer(_import_quietly(s.cls))]
         publisher = next((name for name in self.ray.worker_hosts
                           for s in trainers if f"{s.name}-0" in name.split("+")), None)
         if publisher is None:  # no built-in trainer: serve the channel's address from the driver's node
-            ip, port = self.ray.driver_node.ip, _free_port(self.ray.driver_node.ip)
+            ip, port = self.ray.driver_node.ip, free_port(self.ray.driver_node.ip)
         else:
             host, node = self.ray.worker_hosts[publisher]
             ip, port = node.ip, int(self.ray.call(host.free_port.remote()))
@@ -856,7 +843,7 @@ class _Launch:
     def _placement(self) -> dict[str, str]:
         if self.ray is None:
             return {}
-        where = {name: node.describe() for name, (_, node) in self.ray.placed.items()}
+        where = {name: node.describe() for name, (_, node) in self.ray.worker_hosts.items()}
         for node in self.ray.nodes.values():
             if node.warehouse is not None:
                 where[f"warehouse-{node.warehouse}"] = node.describe()

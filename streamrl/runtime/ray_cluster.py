@@ -118,11 +118,9 @@ class ProcessHost:
     def free_port(self) -> int:
         """A port the OS has free on this node now (for a server one of this node's children
         binds next, e.g. the trainer's policy channel)."""
-        import socket
+        import ray
 
-        with socket.socket() as s:
-            s.bind((_bind_host(), 0))
-            return int(s.getsockname()[1])
+        return free_port(ray.util.get_node_ip_address())
 
     def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
         """SIGTERM every child, SIGKILL what is left after ``grace_s``; remove the scratch dirs."""
@@ -142,10 +140,13 @@ class ProcessHost:
         return self.poll()
 
 
-def _bind_host() -> str:
-    import ray
+def free_port(ip: str) -> int:
+    """A port the OS has free on ``ip`` now."""
+    import socket
 
-    return ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+        s.bind((ip, 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -227,8 +228,8 @@ class RayPlacement:
     driver_node: Node | None = None
     nodes: dict[str, Node] = field(default_factory=dict)  # node id -> node, in warehouse order
     worker_hosts: dict[str, tuple[Any, Node]] = field(default_factory=dict)  # process name -> host, node
-    placed: dict[str, tuple[Any, Node]] = field(default_factory=dict)  # the same, kept after close
     dock_hosts: dict[str, Any] = field(default_factory=dict)  # node id -> its dock host
+    host_pids: dict[str, int] = field(default_factory=dict)  # process name -> its host actor's pid
     processes: list[RemoteProcess] = field(default_factory=list)
     _monitor: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -278,7 +279,7 @@ class RayPlacement:
         for (name, (host, _)), info in zip(list(self.worker_hosts.items()), infos, strict=True):
             node = self.nodes.setdefault(info["node_id"], Node(info["node_id"], info["ip"], info["host"]))
             self.worker_hosts[name] = (host, node)
-        self.placed = dict(self.worker_hosts)
+            self.host_pids[name] = int(info["pid"])
         driver_id = ray.get_runtime_context().get_node_id()
         self.driver_node = self.nodes.get(driver_id) or Node(driver_id, ray.util.get_node_ip_address(),
                                                              os.uname().nodename)
@@ -310,8 +311,8 @@ class RayPlacement:
         return proc
 
     def host_pid(self, name: str) -> int:
-        host, _ = self.worker_hosts[name]
-        return int(self.call(host.info.remote())["pid"])
+        """The pid of the actor hosting process ``name`` (its children's ``parent_pid``)."""
+        return self.host_pids[name]
 
     def start_monitor(self) -> None:
         """A thread that keeps every worker's exit code (or its host's death) current."""
@@ -360,8 +361,6 @@ class RayPlacement:
         for proc in self.processes:
             if proc.exitcode is None:
                 proc.exitcode = -int(signal.SIGTERM)
-        self.worker_hosts.clear()
-        self.dock_hosts.clear()
         if self.started_ray:
             ray.shutdown()
 
