@@ -617,7 +617,7 @@ def resolve_model_dir(cfg: RunConfig) -> Path:
         raise ConfigError(
             f"model.path {text!r}: not a local directory (looked at {tried}) and not in the Hugging Face cache "
             f"({HF_HUB_CACHE}: {type(exc).__name__}); streamrl does not download models: run "
-            f"`huggingface-cli download {text}` first, or set model.path to a save_pretrained directory"
+            f"`hf download {text} --local-dir models/{text.rsplit('/', 1)[-1]}` and set model.path to that directory"
         ) from None
 
 

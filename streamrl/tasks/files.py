@@ -159,10 +159,13 @@ def _hub_rows(name: str, split: str, config: str | None, limit: int | None) -> l
         loaded = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # offline, unknown name, no such split: all end the same way for a user
         first = str(exc).splitlines()[0] if str(exc) else ""
+        local_dir = f"data/{name.rsplit('/', 1)[-1]}"
         raise PromptDatasetError(
-            f"{name!r} is no local file or directory, so streamrl tried the Hugging Face hub, which failed "
-            f"({type(exc).__name__}: {first}); download the dataset first (e.g. `huggingface-cli download {name} "
-            "--repo-type dataset --local-dir data/...`) and point the option at its .parquet/.jsonl file"
+            f"{name!r} is no local file or directory (relative paths resolve against the config file's directory, "
+            f"then the current one), so streamrl tried it as a Hugging Face hub dataset, which failed "
+            f"({type(exc).__name__}: {first}). If it is a local path, check it; if it is a hub dataset, download it "
+            f"first (`hf download {name} --repo-type dataset --local-dir {local_dir}`) and point the option at "
+            "one of its .parquet/.jsonl files"
         ) from None
     if limit is not None and limit < len(loaded):
         loaded = loaded.select(range(limit))

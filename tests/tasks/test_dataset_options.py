@@ -147,8 +147,8 @@ def test_a_hub_name_offline_says_streamrl_tried_the_hub(tmp_path: Path, monkeypa
         _task("openai/gsm8k", config="main", prompt_field="question")
     message = str(info.value)
     assert message.startswith("task.options.path: 'openai/gsm8k' is no local file or directory")
-    assert "tried the Hugging Face hub" in message and "download the dataset first" in message
-    assert "huggingface-cli download openai/gsm8k --repo-type dataset" in message
+    assert "tried it as a Hugging Face hub dataset" in message and "download it first" in message
+    assert "hf download openai/gsm8k --repo-type dataset" in message
     assert "OfflineModeIsEnabled" in message  # refused by offline mode, not by a network that timed out
     assert time.monotonic() - t0 < 10
 

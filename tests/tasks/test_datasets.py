@@ -130,7 +130,7 @@ def test_a_hub_name_without_network_says_to_download(tmp_path: Path, monkeypatch
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache: nothing to find offline
-    with pytest.raises(PromptDatasetError, match="huggingface-cli download nobody/no-such-dataset"):
+    with pytest.raises(PromptDatasetError, match="hf download nobody/no-such-dataset"):
         gsm8k("nobody/no-such-dataset")
 
 
