@@ -113,6 +113,7 @@ class ColocatedGenerateStage:
         self.ctx = ctx
         self.tp: TensorParallelGeneration | None = None
         self.follows = False
+        self.engine = None  # before anything can fail: close() runs after a failed setup too
         if ctx.spec.colocate_with is None:
             raise ValueError(f"stage {ctx.spec.name!r} needs `colocate_with: <the colocated train stage>`")
         shared = colocated_rank(ctx)
@@ -122,7 +123,6 @@ class ColocatedGenerateStage:
             raise ColocatedSetupError(f"the colocated train stage {ctx.spec.colocate_with!r} of this process failed "
                                       f"to set up: {shared.error}")
         self.policy = shared.policy
-        self.engine = None
         # on the train stage's device: this process is one rank of the reshard world
         device = str(shared.policy.engine.device)
         model, tokenizer = build_policy(ctx.config, device)
