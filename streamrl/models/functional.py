@@ -319,8 +319,8 @@ class FunctionalForward(ABC):
             gen_k[:, :, step] = k
             gen_v[:, :, step] = v
             gen_k, gen_v = gen_k[:, :, : step + 1], gen_v[:, :, : step + 1]
-            # Query heads grouped per kv head (GQA without repeating keys); plain matmuls beat
-            # the SDPA kernel for one query per row (measured).
+            # Query heads grouped per kv head (GQA without repeating keys); plain matmuls, not
+            # the SDPA kernel, which is slower for one query per row.
             q = q.view(batch, kvh, rep, d)
             s_prompt = by_row(torch.matmul(by_prompt(q), cache.prompt_keys[i].transpose(-1, -2)))
             s_gen = torch.matmul(q, gen_k.transpose(-1, -2))
