@@ -56,9 +56,9 @@ controller/warehouse, raw ROUTERs) and client workers are separate processes.
    fresh :class:`streamrl.curve.RunKeys`, whose clients hold the keys. Reported: each side's
    median [min, max] and curve/plaintext (the ratio of medians).
 
-The machine this was written on has 2 cores shared with other work: every figure is noisy, the
-client processes compete with the servers for CPU, and the table prints CPU shares and run-queue
-waits so a reader can tell load from design. Run: ``python ops/bench/dock.py`` (about 3 minutes),
+On a machine of few cores shared with other work every figure is noisy and the client processes
+compete with the servers for CPU: the table prints CPU shares and run-queue waits so a reader can
+tell load from design. Run: ``python ops/bench/dock.py`` (about 3 minutes),
 ``--quick`` (about 1 minute), ``--reps N``, ``--phases bandwidth,claims,scale``. The last output line
 is one JSON object: name, figures, baseline, ratio, target.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""FSDP2 train engine vs the hand-written sharded engine vs one process: step time and bytes per rank.
+"""FSDP2 train engine over R ranks vs the same engine in one process: step time and bytes per rank.
 
-Three columns, one run, the same seeded Qwen2 model (float32) and the same GRPO-like global batch
+Two columns, one run, the same seeded Qwen2 model (float32) and the same GRPO-like global batch
 (``--prompts`` prompts x ``--group`` completions, prompts of ``--prompt-len`` tokens, responses of
 random lengths in [``--min-response``, ``--max-response``], random advantages and rollout
 logprobs, token-mean loss ``LossConfig()``), AdamW lr 1e-3, max grad norm 1.0:
@@ -9,40 +9,29 @@ logprobs, token-mean loss ``LossConfig()``), AdamW lr 1e-3, max grad norm 1.0:
 * ``fsdp2``: :class:`streamrl.engines.fsdp.FSDPTrainEngine` over R=``--world`` gloo processes, each
   with ``--threads`` torch threads, every rank taking batch / R samples in micro-batches of
   ``--micro-batch`` (``accumulate`` per micro-batch, then ``step``);
-* ``hand_written``: the hand-written :class:`streamrl.reshard.train_engine.ShardedTrainEngine` in the
-  same processes (``forward_backward`` per micro-batch with the GRPO loss, then
-  ``optimizer_step``), driven as the removed ``streamrl/stages/sharded_grpo.py`` trainer drove it;
-  its helpers are copied below. When the engine is no longer in the tree the column is skipped
-  (said in the table and in the JSON line) and the recorded figures stay in the docs;
 * ``one_process``: ``FSDPTrainEngine`` in a world of 1 (one process, ``--threads`` threads) on the
-  whole batch.
+  whole batch, run after the R-rank world.
 
-Forward: FSDP2 runs the engine's default, which computes each distinct prompt of a micro-batch
-once (``packed``, where its start-up probe allows) and logits only at response positions; the
-hand-written engine runs right-padded prompt+response rows and logits at every position.
-``--fsdp-padded`` turns packing off in FSDP2 for a like-for-like forward. The "forward" column
-says which path each engine took.
+Forward: the engine's default, which computes each distinct prompt of a micro-batch once
+(``packed``, where its start-up probe allows) and logits only at response positions;
+``--fsdp-padded`` turns packing off (right-padded prompt+response rows) in both columns. The
+"forward" column says which path each took.
 
-The two R-rank engines run interleaved in one world (the order alternating each step) so that a
-busy machine slows both alike; the one-process engine runs after, in its own world.
-
-Per engine: the time of one optimizer step (all its micro-batches' forward+backward and the step;
+Per column: the time of one optimizer step (all its micro-batches' forward+backward and the step;
 the slowest rank's, after a barrier), ``--warmup`` untimed steps then ``--steps`` timed ones,
 median [min, max]; and the bytes per rank of parameters + gradients + optimizer moments (the
-largest rank's), taken after the last timed step's backward, before its optimizer step (when the
-gradients exist). FSDP2's from ``memory_bytes()``; the hand-written engine's from its padded
-shards, their gradients and its AdamW state. Transients (gathered layers / the hand-written
-engine's whole gathered model, activations) are not counted. The step-0 loss and gradient norm of
-every engine are printed as a cross-check that all three compute the same step.
+largest rank's, from ``memory_bytes()``), taken after the last timed step's backward, before its
+optimizer step (when the gradients exist). Transients (gathered layers, activations) are not
+counted. The step-0 loss and gradient norm of both columns are printed as a cross-check that
+they compute the same step.
 
-Ratios and targets: FSDP2 step time / hand-written step time <= 1.0; FSDP2 bytes per rank /
-(one-process bytes / R + one decoder layer's unsharded parameter bytes) <= 1.0.
+Target: FSDP2 bytes per rank / (one-process bytes / R + one decoder layer's unsharded parameter
+bytes) <= 1.0. The step time of R ranks over one process is reported, without a target.
 
     python ops/bench/fsdp_engine.py                 # 26.1M parameters, 2 warm-up + 5 timed steps
     python ops/bench/fsdp_engine.py --steps 2 --warmup 1
     python ops/bench/fsdp_engine.py --quick         # tiny model, 2 steps: a smoke run
-    python ops/bench/fsdp_engine.py --no-hand-written
-    python ops/bench/fsdp_engine.py --fsdp-padded   # FSDP2 on padded rows too: same forward as the baseline
+    python ops/bench/fsdp_engine.py --fsdp-padded   # right-padded rows instead of packed prompts
 """
 
 from __future__ import annotations
@@ -55,7 +44,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -63,10 +51,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
-from streamrl.algos.grpo import LossConfig, loss_denominator, per_token_loss, unnormalized_loss
+from streamrl.algos.grpo import LossConfig
 from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
 from streamrl.engines.samples import TrainSample
 
@@ -81,72 +68,13 @@ except ImportError:  # run as a script from anywhere
 LR = 1e-3
 MAX_GRAD_NORM = 1.0
 LOSS = LossConfig()  # token-mean, clip 0.2, no KL
-ENGINES = ("fsdp2", "hand_written", "one_process")
-LABELS = {"fsdp2": "FSDP2", "hand_written": "hand-written sharded", "one_process": "FSDP2, one process"}
+LABELS = {"fsdp2": "FSDP2", "one_process": "FSDP2, one process"}
 QUICK = {
     "vocab": 256, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2,
     "prompts": 4, "group": 4, "prompt_len": 8, "min_response": 2, "max_response": 8, "micro_batch": 4,
     "steps": 2, "warmup": 1,
 }
 MIB = 2**20
-
-
-# -- the hand-written engine: optional (it is about to leave the tree) --------------------------------
-def hand_written_missing() -> str | None:
-    """None when the hand-written engine can be imported, else why not."""
-    try:
-        import streamrl.reshard.train_engine  # noqa: F401
-    except ImportError as exc:
-        return f"streamrl.reshard.train_engine is not importable ({exc})"
-    return None
-
-
-def grpo_micro_batch(samples: Sequence[TrainSample]) -> dict[str, Tensor]:
-    """Right-padded prompt+response rows for the Hugging Face forward, and where each response
-    token's logit sits (from the removed ``streamrl/stages/sharded_grpo.py``, taking samples
-    instead of dock columns)."""
-    inputs = [torch.cat([s.prompt_ids, s.response_ids[:-1]]) for s in samples]
-    lengths = torch.tensor([x.numel() for x in inputs])
-    width = int(lengths.max())
-    resp_lens = torch.tensor([s.response_ids.numel() for s in samples])
-    seq_index = torch.repeat_interleave(torch.arange(len(samples)), resp_lens)
-    offset = torch.arange(seq_index.numel()) - (resp_lens.cumsum(0) - resp_lens)[seq_index]
-    first = torch.tensor([s.prompt_ids.numel() - 1 for s in samples])
-    batch = {
-        "input_ids": torch.nn.utils.rnn.pad_sequence(inputs, batch_first=True),
-        "attention_mask": (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long(),
-        "rows": seq_index * width + first[seq_index] + offset,
-        "targets": torch.cat([s.response_ids for s in samples]),
-        "seq_index": seq_index,
-        "n_seqs": torch.tensor(len(samples)),
-        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32)[seq_index],
-    }
-    for name in ("rollout_logprobs", "ref_logprobs"):
-        values = [getattr(s, name) for s in samples]
-        if all(v is not None for v in values):
-            batch[name] = torch.cat(values).float()
-    return batch
-
-
-class GrpoLossFn:
-    """``ShardedTrainEngine.forward_backward``'s loss: the GRPO per-token loss summed unnormalised
-    (the step's denominator goes in through ``loss_scale``), with the loss sum for the report
-    (from the removed ``streamrl/stages/sharded_grpo.py``, statistics trimmed to the loss)."""
-
-    def __init__(self, config: LossConfig, device: torch.device) -> None:
-        self.config, self.device = config, device
-        self.loss_sum = 0.0
-
-    def __call__(self, logits: Tensor, b: Mapping[str, Tensor]) -> Tensor:
-        cfg, device = self.config, self.device
-        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, b["rows"].to(device))
-        logp_all = torch.log_softmax(flat.float() / cfg.temperature, dim=-1)
-        logp = logp_all.gather(1, b["targets"].to(device).unsqueeze(1)).squeeze(1)
-        optional = {k: b[k].to(device) for k in ("rollout_logprobs", "ref_logprobs") if k in b}
-        per_token, _ = per_token_loss(logp, b["advantages"].to(device), cfg, **optional)
-        loss = unnormalized_loss(per_token, b["seq_index"].to(device), int(b["n_seqs"]), cfg.loss_agg)
-        self.loss_sum += float(loss.detach())
-        return loss
 
 
 # -- model and batch ----------------------------------------------------------------------------------
@@ -194,126 +122,37 @@ def rank_micro_batches(samples: list[TrainSample], rank: int, world: int, size: 
     return [mine[i : i + size] for i in range(0, len(mine), size)]
 
 
-# -- the engines, driven one optimizer step at a time -----------------------------------------------------
-StepResult = tuple[float, dict[str, int] | None, dict[str, float]]  # seconds, memory (or None), loss/grad norm
-
-
-class FsdpRunner:
-    """``FSDPTrainEngine``: ``accumulate`` per micro-batch, then ``step``."""
-
-    def __init__(self, config: Qwen2Config, micro_batches: list[list[TrainSample]], args: argparse.Namespace) -> None:
-        self.engine = FSDPTrainEngine(
-            build_model(config, args.seed), lr=LR, max_grad_norm=MAX_GRAD_NORM, device="cpu",
-            options=FSDPOptions(pack_prompts=not args.fsdp_padded),
-        )
-        self.micro_batches = micro_batches
-
-    def step(self, measure: bool) -> StepResult:
-        t0 = time.perf_counter()
-        for mb in self.micro_batches:
-            self.engine.accumulate(mb, LOSS)
-        t1 = time.perf_counter()
-        memory = self.engine.memory_bytes() if measure else None
-        t2 = time.perf_counter()
-        stats = self.engine.step()
-        t3 = time.perf_counter()
-        return (t1 - t0) + (t3 - t2), memory, {"loss": stats["loss"], "grad_norm": stats["grad_norm"]}
-
-    def info(self) -> dict[str, Any]:
-        return {"forward_path": self.engine.forward_path}
-
-
-class HandWrittenRunner:
-    """``ShardedTrainEngine`` as the removed sharded GRPO trainer drove it: the step's token count
-    all-reduced, ``forward_backward(grpo_micro_batch(...), GrpoLossFn, loss_scale=dp / tokens)``
-    per micro-batch, then ``optimizer_step``."""
-
-    def __init__(self, config: Qwen2Config, micro_batches: list[list[TrainSample]], args: argparse.Namespace) -> None:
-        from streamrl.reshard.train_engine import AdamWConfig, ShardedTrainEngine
-
-        from streamrl.reshard import ModelShardingSpec, Topology, TrainLayout, build_rank_groups
-
-        spec = ModelShardingSpec.from_config(config)
-        groups = build_rank_groups(Topology.colocated(TrainLayout(dist.get_world_size()), 1)).train
-        assert groups is not None
-        self.engine: Any = ShardedTrainEngine(
-            build_model(config, args.seed), spec, groups,
-            optimizer=AdamWConfig(lr=LR, max_grad_norm=MAX_GRAD_NORM), device="cpu",
-        )
-        self.group, self.dp = groups.group, groups.layout.data_parallel
-        self.micro_batches = micro_batches
-        self.counts = [float(sum(s.response_ids.numel() for mb in micro_batches for s in mb)),
-                       float(sum(len(mb) for mb in micro_batches))]
-
-    def _all_reduce(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.group is not None:
-            dist.all_reduce(t, group=self.group)
-        return t.tolist()
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes of this rank's (padded) parameter shards, their gradients and the AdamW moments."""
-        def size(tensors: list[Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        shards = list(self.engine.shards.values())
-        moments = [v for state in self.engine.optimizer.state.values() for v in state.values()
-                   if isinstance(v, Tensor) and v.dim() > 0]
-        return {"parameters": size([p.data for p in shards]),
-                "gradients": size([p.grad for p in shards if p.grad is not None]),
-                "optimizer": size(moments)}
-
-    def step(self, measure: bool) -> StepResult:
-        t0 = time.perf_counter()
-        tokens, seqs = self._all_reduce(self.counts)
-        denominator = max(loss_denominator(LOSS.loss_agg, int(tokens), int(seqs)), 1)
-        # the engine averages gradients over dp; each rank backpropagates an unnormalised sum
-        scale = self.dp / denominator
-        loss_fn = GrpoLossFn(LOSS, self.engine.device)
-        for mb in self.micro_batches:
-            self.engine.forward_backward(grpo_micro_batch(mb), loss_fn, loss_scale=scale)
-        t1 = time.perf_counter()
-        memory = self.memory_bytes() if measure else None
-        t2 = time.perf_counter()
-        stats = self.engine.optimizer_step()
-        (loss_sum,) = self._all_reduce([loss_fn.loss_sum])
-        t3 = time.perf_counter()
-        return (t1 - t0) + (t3 - t2), memory, {"loss": loss_sum / denominator, "grad_norm": stats.grad_norm}
-
-    def info(self) -> dict[str, Any]:
-        return {"forward_path": "padded"}
-
-
-Runner = Callable[[Qwen2Config, list[list[TrainSample]], argparse.Namespace], FsdpRunner | HandWrittenRunner]
-RUNNERS: dict[str, Runner] = {
-    "fsdp2": FsdpRunner, "hand_written": HandWrittenRunner, "one_process": FsdpRunner,
-}
-
-
-def rank_main(rank: int, world: int, args: argparse.Namespace, engines: list[str]) -> dict[str, Any]:
-    """Build ``engines`` on this rank and run their steps interleaved; per engine this rank's step
-    seconds, memory at the last timed step, step-0 loss and gradient norm."""
-    config = model_config(args)
+# -- the engine, driven one optimizer step at a time ------------------------------------------------------
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``FSDPTrainEngine`` on this rank, ``accumulate`` per micro-batch then ``step``: this rank's
+    timed step seconds, its memory at the last timed step, the step-0 loss and gradient norm."""
+    engine = FSDPTrainEngine(
+        build_model(model_config(args), args.seed), lr=LR, max_grad_norm=MAX_GRAD_NORM, device="cpu",
+        options=FSDPOptions(pack_prompts=not args.fsdp_padded),
+    )
     micro_batches = rank_micro_batches(global_batch(args), rank, world, args.micro_batch)
-    runners = {name: RUNNERS[name](config, micro_batches, args) for name in engines}
-    out: dict[str, Any] = {name: {"seconds": [], **runner.info()} for name, runner in runners.items()}
+    out: dict[str, Any] = {"seconds": [], "forward_path": engine.forward_path}
     total = args.warmup + args.steps
     for step in range(total):
-        order = engines[step % len(engines) :] + engines[: step % len(engines)]
-        for name in order:
-            dist.barrier()
-            seconds, memory, stats = runners[name].step(measure=step == total - 1)
-            if step == 0:
-                out[name]["step0"] = stats
-            if step >= args.warmup:
-                out[name]["seconds"].append(seconds)
-            if memory is not None:
-                out[name]["memory"] = memory
+        dist.barrier()
+        t0 = time.perf_counter()
+        for mb in micro_batches:
+            engine.accumulate(mb, LOSS)
+        t1 = time.perf_counter()
+        if step == total - 1:  # gradients exist, the optimizer has not stepped; not timed
+            out["memory"] = engine.memory_bytes()
+        t2 = time.perf_counter()
+        stats = engine.step()
+        t3 = time.perf_counter()
+        if step == 0:
+            out["step0"] = {"loss": stats["loss"], "grad_norm": stats["grad_norm"]}
+        if step >= args.warmup:
+            out["seconds"].append((t1 - t0) + (t3 - t2))
     return out
 
 
 # -- worlds of spawned processes --------------------------------------------------------------------------
-def _entry(rank: int, world: int, args: argparse.Namespace, engines: list[str], workdir: str) -> None:
+def _entry(rank: int, world: int, args: argparse.Namespace, workdir: str) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group(
         "gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world,
@@ -321,7 +160,7 @@ def _entry(rank: int, world: int, args: argparse.Namespace, engines: list[str], 
     )
     path = Path(workdir, f"result-{rank}.json")
     try:
-        path.write_text(json.dumps({"ok": True, "value": rank_main(rank, world, args, engines)}))
+        path.write_text(json.dumps({"ok": True, "value": rank_main(rank, world, args)}))
     except BaseException:
         path.write_text(json.dumps({"ok": False, "error": traceback.format_exc()}))
         raise
@@ -329,19 +168,19 @@ def _entry(rank: int, world: int, args: argparse.Namespace, engines: list[str], 
         dist.destroy_process_group()
 
 
-def run_world(world: int, args: argparse.Namespace, engines: list[str]) -> list[dict[str, Any]]:
+def run_world(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """:func:`rank_main` on ``world`` spawned gloo ranks (FileStore in a temporary directory); the
     results by rank. A rank's failure or an overrun of ``--timeout-s`` raises; every process is
     stopped and joined before this returns."""
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-fsdp-") as workdir:
         context = mp.start_processes(
-            _entry, args=(world, args, engines, workdir), nprocs=world, join=False, start_method="spawn"
+            _entry, args=(world, args, workdir), nprocs=world, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + args.timeout_s
         try:
             while not context.join(timeout=0.5):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the world of {world} ranks ({engines}) overran --timeout-s={args.timeout_s}")
+                    raise TimeoutError(f"the world of {world} ranks overran --timeout-s={args.timeout_s}")
         except mp.ProcessRaisedException as exc:
             raise RuntimeError(f"a rank of the world of {world} failed:\n{_errors(workdir, world) or exc}") from None
         except mp.ProcessExitedException as exc:
@@ -371,32 +210,31 @@ def _errors(workdir: str, world: int) -> str:
     return "\n".join(out)
 
 
-def combine(by_rank: list[dict[str, Any]], name: str, R: int) -> dict[str, Any]:
-    """One engine's figures from its ranks: the slowest rank's time per step, the largest rank's bytes."""
-    per_step = [max(r[name]["seconds"][i] for r in by_rank) for i in range(len(by_rank[0][name]["seconds"]))]
-    memory = max((r[name]["memory"] for r in by_rank), key=lambda m: sum(m.values()))
+def combine(by_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """A world's figures from its ranks: the slowest rank's time per step, the largest rank's bytes."""
+    per_step = [max(r["seconds"][i] for r in by_rank) for i in range(len(by_rank[0]["seconds"]))]
+    memory = max((r["memory"] for r in by_rank), key=lambda m: sum(m.values()))
     return {
-        "R": R,
+        "R": len(by_rank),
         "step_ms": spread(s * 1e3 for s in per_step),
         "bytes_per_rank": sum(memory.values()),
         "memory_bytes": memory,
-        "step0_loss": by_rank[0][name]["step0"]["loss"],
-        "step0_grad_norm": by_rank[0][name]["step0"]["grad_norm"],
-        "forward_path": by_rank[0][name]["forward_path"],
+        "step0_loss": by_rank[0]["step0"]["loss"],
+        "step0_grad_norm": by_rank[0]["step0"]["grad_norm"],
+        "forward_path": by_rank[0]["forward_path"],
     }
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=2, help="ranks R of the sharded engines")
+    parser.add_argument("--world", type=int, default=2, help="ranks R of the fsdp2 column")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (and of the one process)")
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per engine")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per column")
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     parser.add_argument("--quick", action="store_true", help="a tiny model, a small batch, 2 steps: a smoke run")
-    parser.add_argument("--no-hand-written", action="store_true", help="skip the hand-written engine's column")
     parser.add_argument("--fsdp-padded", action="store_true",
-                        help="FSDP2 on right-padded rows (pack_prompts off), the hand-written engine's forward; by "
-                        "default it computes each shared prompt once (the engine's default)")
+                        help="right-padded prompt+response rows (pack_prompts off) in both columns; by default "
+                        "each shared prompt is computed once (the engine's default)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of each world (and its collectives)")
     parser.add_argument("--seed", type=int, default=0)
     model = parser.add_argument_group("model (Qwen2, float32)")
@@ -442,7 +280,6 @@ def main() -> None:
     params, layer_bytes = model_sizes(config)
     batch = global_batch(args)
     tokens = sum(s.response_ids.numel() for s in batch)
-    missing = "skipped by --no-hand-written" if args.no_hand_written else hand_written_missing()
     print(
         f"fsdp engine benchmark: Qwen2 {params / 1e6:.2f}M params ({params:,}) fp32, hidden {args.hidden}, "
         f"{args.layers} layers, vocab {args.vocab}; batch {args.prompts} prompts x {args.group} "
@@ -451,22 +288,12 @@ def main() -> None:
         f"{args.steps} timed steps",
         flush=True,
     )
-    if missing:
-        print(f"hand-written engine: {missing}; its column is skipped (its recorded figures are in the docs)")
-
     started = time.perf_counter()
-    sharded = ["fsdp2"] + ([] if missing else ["hand_written"])
-    by_rank = run_world(R, args, sharded)
-    figures = {name: combine(by_rank, name, R) for name in sharded}
-    figures["one_process"] = combine(run_world(1, args, ["one_process"]), "one_process", 1)
+    figures = {"fsdp2": combine(run_world(R, args)), "one_process": combine(run_world(1, args))}
     wall = time.perf_counter() - started
 
     rows = []
-    for name in ENGINES:
-        f = figures.get(name)
-        if f is None:
-            rows.append([LABELS[name], R, "skipped", "-", "-", "-", "-", "-", "-"])
-            continue
+    for name, f in figures.items():
         m = f["memory_bytes"]
         rows.append([
             LABELS[name], f["R"], fmt_spread(f["step_ms"]), f"{m['parameters'] / MIB:.1f}",
@@ -477,25 +304,14 @@ def main() -> None:
                  "total MiB/rank", "step-0 loss / grad norm", "forward"], rows)
 
     fsdp, one = figures["fsdp2"], figures["one_process"]
-    hand = figures.get("hand_written")
     ideal = one["bytes_per_rank"] / R + layer_bytes
     ratio = {
-        "step_time_vs_hand_written": fsdp["step_ms"]["median"] / hand["step_ms"]["median"] if hand else None,
         "bytes_per_rank_vs_one_process_share_plus_layer": fsdp["bytes_per_rank"] / ideal,
         "step_time_vs_one_process": fsdp["step_ms"]["median"] / one["step_ms"]["median"],
-        "bytes_per_rank_vs_hand_written": fsdp["bytes_per_rank"] / hand["bytes_per_rank"] if hand else None,
     }
-    loss_diff = max(abs(f["step0_loss"] - one["step0_loss"]) for f in figures.values())
-    target = {"step_time_vs_hand_written_max": 1.0, "bytes_per_rank_vs_one_process_share_plus_layer_max": 1.0}
-    met = {
-        "step_time": ratio["step_time_vs_hand_written"] <= 1.0 if hand else None,
-        "bytes_per_rank": ratio["bytes_per_rank_vs_one_process_share_plus_layer"] <= 1.0,
-    }
-    if hand:
-        print(f"FSDP2 step time / hand-written: {ratio['step_time_vs_hand_written']:.3f} (target <= 1.0); "
-              f"bytes per rank / hand-written: {ratio['bytes_per_rank_vs_hand_written']:.3f}")
-    else:
-        print("FSDP2 step time / hand-written: n/a (hand-written engine skipped)")
+    loss_diff = abs(fsdp["step0_loss"] - one["step0_loss"])
+    target = {"bytes_per_rank_vs_one_process_share_plus_layer_max": 1.0}
+    met = {"bytes_per_rank": ratio["bytes_per_rank_vs_one_process_share_plus_layer"] <= 1.0}
     print(f"FSDP2 bytes per rank / (one process / R + one layer {layer_bytes / MIB:.2f} MiB = {ideal / MIB:.1f} MiB): "
           f"{ratio['bytes_per_rank_vs_one_process_share_plus_layer']:.3f} (target <= 1.0); "
           f"FSDP2 R={R} step time / one process: {ratio['step_time_vs_one_process']:.3f}")
@@ -504,11 +320,10 @@ def main() -> None:
     print_json_line(
         "fsdp_engine",
         {"fsdp2": fsdp},
-        {"hand_written": hand, "one_process": one},
+        {"one_process": one},
         ratio,
         target,
         met=met,
-        hand_written_skipped=missing,
         params=params,
         layer_param_bytes=layer_bytes,
         train_ranks=R,

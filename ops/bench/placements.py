@@ -18,7 +18,7 @@ median ms per step (reshard + send or swap; for separate the trainer's publish i
 the peak extra bytes of a reshard and the bytes a train rank sends per version. The ratio printed is
 step time against ``separate`` measured in the same repetition. There is no target: on 2 shared CPU
 cores the reshard placements pay for 2 train ranks in lockstep and more processes than cores; the
-point of them is memory (no full second copy) and device sharing, which this machine cannot show.
+point of them is memory (no full second copy) and device sharing, which such a machine cannot show.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ over tcp with CURVE, a warehouse per node) against the same config with the loca
 alternate. Figures: set-up (launch to every worker ready), training (Go to the end) and the
 final rewards, which must be equal (the run is deterministic; Ray changes nothing it computes).
 
-    python3 ops/bench/ray_launch.py [--steps 40] [--reps 3]      # ~1 min per repetition here
+    python3 ops/bench/ray_launch.py [--steps 40] [--reps 3]      # ~1 min per repetition on 2 cores
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ resident-memory growth sampled from /proc/self/statm during the call (CPU) or th
 peak (CUDA) as a measured cross-check (for the baselines: what the collective itself adds).
 The inference slices of both reshards are compared bitwise.
 
-Targets (from the issue): peak extra <= one bucket; time <= 1.5x the plain all_gather.
+Targets: peak extra <= one bucket; time <= 1.5x the plain all_gather.
 
     python ops/bench/reshard.py                 # ~1-2 min on 2 CPU cores
     python ops/bench/reshard.py --device cuda   # needs 2 GPUs (nccl)

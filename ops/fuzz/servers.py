@@ -1,6 +1,6 @@
 """Fuzz every server streamrl runs, one socket at a time, and check each survives and recovers.
 
-    python ops/fuzz/servers.py                       # 100,000 frames per socket (~5-10 min here)
+    python ops/fuzz/servers.py                       # 100,000 frames per socket (~5-10 min on 2 cores)
     python ops/fuzz/servers.py --frames 2000 --targets controller,reward
 
 Targets (each the real server, in its own process, on tcp://127.0.0.1 with a port from the OS):

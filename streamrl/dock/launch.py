@@ -36,8 +36,9 @@ import msgspec
 import zmq
 
 from streamrl.curve import CURVE_ENV, RunKeys, release_context
-from streamrl.dock.controller import ConsumerView, ControllerServer
+from streamrl.dock.controller import ControllerServer
 from streamrl.dock.limits import SECRET_ENV, DockLimits, new_secret
+from streamrl.dock.state import ConsumerView
 
 if TYPE_CHECKING:
     from streamrl.dock.warehouse import WarehouseServer

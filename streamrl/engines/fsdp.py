@@ -119,11 +119,10 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 def _adamw_kernel(device: torch.device, tensor_parallel: int) -> dict[str, bool]:
     """AdamW's implementation: the fused kernel where torch has one, else foreach (per-parameter under TP).
 
-    Every op of the foreach path on DTensors goes through DTensor's dispatcher, which dominated
-    the optimizer step on small models (CPU, the 0.4 M-parameter W1 model: foreach 7.4 ms,
-    per-parameter 11 ms, fused 2.1 ms). The fused kernel also takes the TP mix of (dp, tp)- and
-    dp-meshed DTensors (seen at tp=2 and dp2 x tp2), which foreach refuses ("got mixed
-    torch.Tensor and DTensor").
+    Every op of the foreach path on DTensors goes through DTensor's dispatcher, which dominates
+    the optimizer step of a small model; the fused kernel is several times faster there. The fused
+    kernel also takes the TP mix of (dp, tp)- and dp-meshed DTensors, which foreach refuses
+    ("got mixed torch.Tensor and DTensor").
     """
     if device.type in _get_fused_kernels_supported_devices():
         return {"fused": True}
@@ -515,8 +514,8 @@ class FSDPTrainEngine:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and AdamW moments (its shards; local).
 
-        What the issue's bytes-per-rank target is measured on; the all-gathered layer being
-        computed and activations are transient and not counted.
+        The all-gathered layer being computed and activations are transient and not counted
+        (``ops/bench/fsdp_engine.py`` reports these bytes per rank).
         """
         def size(tensors: list[Tensor]) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
@@ -542,8 +541,8 @@ class FSDPTrainEngine:
         out: dict[str, Tensor] = {}
         for name, t in self.model.state_dict().items():
             if isinstance(t, DTensor):
-                # a mesh of one holds the whole tensor locally: skip full_tensor()'s DTensor dispatch
-                # (2 ms per version for the 0.4 M-parameter W1 model, a third of its training step)
+                # a mesh of one holds the whole tensor locally: skip full_tensor()'s DTensor dispatch,
+                # which costs a small model a large share of its training step
                 t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()  # collective
             if keep:
                 # copy=True: never a view of the live parameters (at one rank, to_local() is one)

@@ -1,8 +1,8 @@
 """Response-token logprobs through a Hugging Face module's own forward, with shared prompts packed.
 
 A GRPO micro-batch holds G completions of each prompt. Fed as right-padded prompt+response rows,
-every prompt is computed G times and every row is as wide as the longest one; on the W2 workload
-that is 3.4x the tokens that carry information. Here each distinct prompt is computed once:
+every prompt is computed G times and every row is as wide as the longest one. Here each
+distinct prompt is computed once:
 
     row:  [ prompt | c1[:-1] | c2[:-1] | ... ]        (the last response token is never an input)
 
@@ -15,7 +15,7 @@ forward's exactly (tests/engines/test_packing.py: equal within float rounding).
 The mask goes through the module's own attention (``sdpa``: boolean, True = attend; ``eager``: an
 additive float mask), so this works for any architecture whose attention takes a prepared 4-D
 mask and whose positions come from ``position_ids`` (transformers returns a 4-D mask as given).
-Whether a model does is *measured* once per engine (:func:`probe_packing`: packed vs padded on a
+Whether a model does is *checked* once per engine (:func:`probe_packing`: packed vs padded on a
 tiny batch before sharding); where it does not, the padded rows are used and the log says why.
 
 A row holds at most ``max_row_tokens`` tokens (its mask is rows x width^2): a group whose

@@ -1,7 +1,7 @@
 """Device meshes, decoder-layer discovery, the train tensor-parallel plan, and the gradient norm.
 
 What :class:`streamrl.engines.fsdp.FSDPTrainEngine` needs from ``torch.distributed`` besides
-``fully_shard`` itself, kept apart so a later engine (e.g. one over Megatron) can reuse it.
+``fully_shard`` itself, none of it specific to FSDP2.
 
 Mesh: ``(dp,)`` when there is no tensor parallelism, else ``(dp, tp)`` with tp the fastest
 varying dim, so the T ranks of one model replica are consecutive (rank = dp_rank * T + tp_rank),

@@ -19,10 +19,8 @@ Sampling: TP rank 0 samples and broadcasts its tokens and their logprobs to the 
 collective of 2·B float64 per step). The ranks then agree *by construction* on every token, EOS
 and compaction decision, which keeps their collectives in lockstep; the alternative (every rank
 samples from identically seeded generators) would need bitwise-identical logits on every rank,
-which gloo/NCCL reductions do not promise. Measured on a shared 2-core CPU (gloo, T = 2, the
-tests' tiny Qwen2, 24 rows): the broadcast alone takes 0.2-0.25 ms against a 4-7 ms decode step,
-and whole ``generate`` timings with and without it (every rank sampling) were within the
-machine's noise. Consequence: only rank 0's ``seed`` / ``generator`` / global RNG is consumed.
+which gloo/NCCL reductions do not promise. The broadcast is small next to a decode step's
+forward. Consequence: only rank 0's ``seed`` / ``generator`` / global RNG is consumed.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ One ``vllm.LLM`` per generate worker, built from a Hugging Face model directory 
 or the tiny model saved into the run directory). What the rest of streamrl relies on:
 
 - **In-process engine core.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core and its one
-  worker run inside the generate worker's process. Seen on a 2-core CPU: ~4 s to start instead of
-  ~40 s plus a ~19 s first batch with vLLM's separate engine process, and weight tensors reach the
-  model without serialisation. The price: vLLM makes ``torch.set_num_threads`` a no-op for the
-  whole process, which a process that only generates does not need. Killing this process kills
-  the engine with it, so no vLLM process outlives the worker.
+  worker run inside the generate worker's process: it starts much faster than with vLLM's
+  separate engine process, and weight tensors reach the model without serialisation. The price:
+  vLLM makes ``torch.set_num_threads`` a no-op for the whole process, which a process that only
+  generates does not need. Killing this process kills the engine with it, so no vLLM process
+  outlives the worker.
 - **No tokenizer.** Prompts go in as token ids (``skip_tokenizer_init``), responses come back as
   ids; generation stops at the tokenizer's EOS through ``stop_token_ids`` (kept in the response,
   as the built-in engine keeps it).

@@ -1,16 +1,17 @@
-"""A compact functional forward for the Llama / Qwen2 / Mistral decoder family.
+"""A compact functional forward for the Llama / Qwen2 / Mistral decoder family, for generation.
 
-Why: on a small CPU the Hugging Face forward spends most of its time in Python (mask
-construction, cache objects, output dataclasses), not in matrix products. This forward does
-the same maths with a few dozen torch ops per layer, and it works on *packed* tokens: the
-linear layers see only real tokens (no padding), only attention sees a padded [B, heads, L, d]
-view. Both the rollout engine (with a KV cache) and the train engine (with autograd) use it.
+The built-in rollout engines (:class:`streamrl.engines.rollout.BatchedRolloutEngine` and its
+tensor-parallel subclass) sample with it: a packed prefill (:meth:`FunctionalForward.forward_packed`:
+the linear layers see only real tokens, only attention sees a padded [B, heads, L, d] view) and
+one-token decoding steps over a :class:`KVCache` that keeps each distinct prompt once. On a small
+CPU the Hugging Face forward spends most of its time in Python (mask construction, cache
+objects, output dataclasses); this one does the same maths with a few dozen torch ops per layer.
 
-It reads the Hugging Face module's own parameters on every call (no copies), so an optimizer
-step or ``load_state_dict`` on the module is seen by the next call. ``unsupported_reason``
-says when a model needs the Hugging Face forward instead (other architectures or options);
-the engines fall back to it. Equivalence with the HF logits is checked in
-``tests/models/test_functional.py``.
+:class:`FunctionalCausalLM` reads the Hugging Face module's own parameters on every call (no
+copies), so an optimizer step or ``load_state_dict`` on the module is seen by the next call.
+``unsupported_reason`` says when a model needs the Hugging Face forward instead (a model type
+outside ``SUPPORTED_MODEL_TYPES``, or options such as a sliding window); the engines fall back to
+it. Equivalence with the HF logits is checked in ``tests/models/test_functional.py``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# model_type -> whether the architecture is the plain pre-norm RMSNorm / RoPE / GQA / SwiGLU decoder.
-SUPPORTED_MODEL_TYPES = frozenset({"qwen2", "llama", "mistral"})
+from streamrl.reshard.spec import SUPPORTED_MODEL_TYPES
+
 # RoPE variants whose inverse frequencies do not depend on the sequence length (static tables).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 
@@ -191,7 +192,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class FunctionalForward(ABC):
-    """The forward passes (packed, shared-prompt, cached decoding) over a few building blocks.
+    """The forward passes (packed prefill, cached decoding) over a few building blocks.
 
     Why a base: the passes are the same whoever holds the weights; a subclass says where the
     weights are and how a block uses them. ``FunctionalCausalLM`` reads a Hugging Face module;
@@ -250,7 +251,7 @@ class FunctionalForward(ABC):
             v = v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
 
-    # --- whole sequences (training, prefill) -------------------------------------------------
+    # --- whole sequences (prefill) -------------------------------------------------
     def forward_packed(
         self,
         input_ids: Tensor,
@@ -279,62 +280,6 @@ class FunctionalForward(ABC):
             attn_out = pack.unpad(out.transpose(1, 2)).reshape(-1, self.n_heads * self.head_dim)
             x = self._mlp_and_out(i, x, attn_out)
         return x, pack
-
-    # --- prompts shared by several continuations (GRPO groups) --------------------------------
-    def forward_shared_prompts(
-        self,
-        prompt_ids: Tensor,
-        prompt_lengths: Tensor,
-        cont_ids: Tensor,
-        cont_lengths: Tensor,
-        prompt_of: Tensor,
-    ) -> tuple[Tensor, Packing, Packing]:
-        """Hidden states of U distinct prompts and B continuations, each prompt computed once.
-
-        Why: a GRPO group is n completions of one prompt, so a plain batch computes every prompt
-        n times in the forward *and* the backward. Here each distinct prompt runs once; the
-        continuations attend to its keys/values through an index, and autograd sums their
-        gradients into it. Values and gradients equal the plain computation.
-
-        ``prompt_ids`` [U, Lp] and ``cont_ids`` [B, Lc] right-padded, ``prompt_lengths`` [U] ≥ 1,
-        ``cont_lengths`` [B] ≥ 0, ``prompt_of`` [B] the prompt row of each continuation.
-        Returns pre-norm hidden [T_p + T_c, hidden] (prompt tokens first, then continuation
-        tokens, each packed row by row) and the two packings.
-        """
-        _n_prompts, p_len = prompt_ids.shape
-        batch, c_len = cont_ids.shape
-        p_pack = Packing.from_lengths(prompt_lengths, p_len)
-        c_pack = Packing.from_lengths(cont_lengths, c_len)
-        n_p = p_pack.positions.numel()
-        p_flat = prompt_ids.reshape(-1) if p_pack.flat_index is None else prompt_ids.reshape(-1)[p_pack.flat_index]
-        c_flat = cont_ids.reshape(-1) if c_pack.flat_index is None else cont_ids.reshape(-1)[c_pack.flat_index]
-        x = self._embed(torch.cat([p_flat, c_flat]))
-        # A continuation token's RoPE position continues its prompt: prompt_len + offset.
-        c_row = torch.arange(batch, device=x.device).repeat_interleave(cont_lengths)
-        c_positions = prompt_lengths.index_select(0, prompt_of)[c_row] + c_pack.positions
-        cos, sin = self.rope_tables(torch.cat([p_pack.positions, c_positions]), x.dtype)
-        # Continuation queries see their prompt's real keys, then their own keys causally.
-        columns = torch.arange(p_len, device=x.device)
-        sees_prompt = (columns.unsqueeze(0) < prompt_lengths.index_select(0, prompt_of).unsqueeze(1))  # [B, Lp]
-        causal = torch.ones(c_len, c_len, dtype=torch.bool, device=x.device).tril()
-        mask = torch.cat(
-            [sees_prompt.unsqueeze(1).expand(batch, c_len, p_len), causal.unsqueeze(0).expand(batch, c_len, c_len)],
-            dim=2,
-        ).unsqueeze(1)  # [B, 1, Lc, Lp + Lc]
-        width = self.n_heads * self.head_dim
-        for i in range(self.n_layers):
-            q, k, v = self._qkv(i, x, cos, sin)
-            kp = p_pack.pad(k[:n_p]).transpose(1, 2)  # [U, kv_heads, Lp, d]
-            vp = p_pack.pad(v[:n_p]).transpose(1, 2)
-            out_p = self._sdpa(p_pack.pad(q[:n_p]).transpose(1, 2), kp, vp, is_causal=True)
-            parts = [p_pack.unpad(out_p.transpose(1, 2)).reshape(-1, width)]
-            if c_len > 0:
-                keys = torch.cat([kp.index_select(0, prompt_of), c_pack.pad(k[n_p:]).transpose(1, 2)], dim=2)
-                values = torch.cat([vp.index_select(0, prompt_of), c_pack.pad(v[n_p:]).transpose(1, 2)], dim=2)
-                out_c = self._sdpa(c_pack.pad(q[n_p:]).transpose(1, 2), keys, values, attn_mask=mask)
-                parts.append(c_pack.unpad(out_c.transpose(1, 2)).reshape(-1, width))
-            x = self._mlp_and_out(i, x, torch.cat(parts) if len(parts) > 1 else parts[0])
-        return x, p_pack, c_pack
 
     # --- one new token per row (decoding) ------------------------------------------------------
     def decode_step(self, token_ids: Tensor, positions: Tensor, cache: KVCache, step: int) -> Tensor:
@@ -374,8 +319,8 @@ class FunctionalForward(ABC):
             gen_k[:, :, step] = k
             gen_v[:, :, step] = v
             gen_k, gen_v = gen_k[:, :, : step + 1], gen_v[:, :, : step + 1]
-            # Query heads grouped per kv head (GQA without repeating keys); plain matmuls beat
-            # the SDPA kernel for one query per row (measured).
+            # Query heads grouped per kv head (GQA without repeating keys); plain matmuls, not
+            # the SDPA kernel, which is slower for one query per row.
             q = q.view(batch, kvh, rep, d)
             s_prompt = by_row(torch.matmul(by_prompt(q), cache.prompt_keys[i].transpose(-1, -2)))
             s_gen = torch.matmul(q, gen_k.transpose(-1, -2))

@@ -3,9 +3,10 @@
 "Extra" memory is what the reshard allocates on top of the training shards and the inference
 weights it fills: the gathered bucket and, when sending to generation workers, one staging
 chunk (``ReshardConfig.staging_bytes``) through which every slice is streamed; a generation
-worker receiving holds only its staging chunk. :class:`MemoryTracker` counts every such allocation when it is made and when it is
-released, so the peak it reports is the peak of live transient bytes, per rank. On CUDA/NPU the
-resharder also measures the allocator's own peak (``device_peak_extra_bytes``) as a cross-check.
+worker receiving holds only its staging chunk. :class:`MemoryTracker` counts every such allocation
+when it is made and when it is released, so the peak it reports is the peak of live transient
+bytes, per rank. On CUDA/NPU the resharder also reads the allocator's own peak
+(``device_peak_extra_bytes``) as a cross-check.
 """
 
 from __future__ import annotations

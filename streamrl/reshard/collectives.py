@@ -1,9 +1,9 @@
-"""Collective helpers shared by the reshard and the sharded engine (device- and backend-agnostic).
+"""Collective helpers of the reshard (device- and backend-agnostic).
 
 :func:`all_gather_in_place` is the reshard's bucket all-gather. On NCCL/HCCL it is the native
 in-place all-gather (the input is this rank's slot of the output, no staging buffer). Gloo's
-all-gather stages the whole output in a temporary buffer of the same size (measured: resident
-memory grows by twice the gathered bytes), which would double the reshard's peak, so on gloo
+all-gather stages the whole output in a temporary buffer of the same size (resident memory
+grows by twice the gathered bytes), which would double the reshard's peak, so on gloo
 the same result is produced by a ring of point-to-point transfers straight into the output
 slots: R - 1 steps, each sending the slot received last step to the next rank.
 """

@@ -39,7 +39,16 @@ from streamrl.reshard.layout import LayoutError, TrainLayout
 #: Per-dimension half-open ranges ``((start0, stop0), (start1, stop1), ...)`` in full-tensor coordinates.
 Rect = tuple[tuple[int, int], ...]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# The model types whose layout streamrl knows ("supported"): the Llama-family decoders (pre-norm
+# RMSNorm, RoPE, grouped-query attention, SwiGLU MLP) under the Hugging Face parameter names
+# (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj). Two paths need it:
+# - the sharding spec (ModelShardingSpec.from_config, below): head-aware splits for train
+#   tensor_parallel > 1 and inference tensor_parallel T > 1; other models get a generic spec
+#   (whole parameters: train tensor_parallel 1 and T = 1 only);
+# - the functional forward (streamrl.models.functional) of the built-in rollout engines, single
+#   process and tensor-parallel, given its further config checks (no sliding window, static RoPE);
+#   other models use the Hugging Face forward and cannot use the tensor-parallel rollout engine.
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral")
 
 
 def full_rect(shape: tuple[int, ...]) -> Rect:

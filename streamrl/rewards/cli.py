@@ -1,7 +1,7 @@
 """Command line: ``reward-server`` (host a reward function) and ``keys generate`` (CURVE key pairs).
 
-``streamrl`` (streamrl/cli.py) mounts these through :func:`register_commands`; until then, and in
-tests, ``python -m streamrl.rewards.cli reward-server ...`` works the same.
+``streamrl`` (streamrl/cli.py) mounts these through :func:`register_commands`;
+``python -m streamrl.rewards.cli reward-server ...`` works the same.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Prompt datasets, and a task that serves them with a chosen reward.
 
 The ``dataset`` task reads JSONL, JSON and Parquet files, ``datasets`` directories and hub
-names (:mod:`streamrl.tasks.files`); ``jsonl`` is the original JSONL-only task. A row gives the
-prompt (``prompt_field``: text, or a list of chat messages), the reference answer
+names (:mod:`streamrl.tasks.files`); ``jsonl`` reads JSONL files only, with stricter fields. A
+row gives the prompt (``prompt_field``: text, or a list of chat messages), the reference answer
 (``answer_field``: a string) and metadata handed to the reward function as keyword arguments;
 or a ``row_fn`` maps it to those. Errors name the file, the row (or line) and the field.
 """

@@ -3,8 +3,7 @@
 Same prompt generator (``make_dataset``: one ``random.Random(seed)`` stream) and same scoring
 (``Recorder.reward_fn``) so learning curves compare one to one.
 
-- ``digits-max``     "3+5+2=" -> "5": the largest digit. Learnable from random init (TRL reaches
-                     mean reward 0.9 at about step 72 on workload W1).
+- ``digits-max``     "3+5+2=" -> "5": the largest digit. Learnable from random init.
 - ``digits-last``    "3+5+2=" -> "2": the last digit.
 - ``digits-sum``     "3+5+2=" -> "0": the last digit of the sum. A known trap: from a random init
                      RL almost never gets a signal the policy can climb (reward stays ~0.1, chance),

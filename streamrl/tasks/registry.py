@@ -3,7 +3,7 @@
 Built-ins: digits-max, digits-last, digits-sum, digits-reverse (``streamrl.tasks.digits``),
 ``dataset`` (``path=`` a JSONL / JSON / Parquet file or a datasets directory, ``reward=`` a named
 reward, a weighted mapping of them, or "module:function"; :func:`streamrl.tasks.dataset.dataset_task`)
-and ``jsonl`` (the JSONL-only original).
+and ``jsonl`` (JSONL files only).
 ``register_task`` adds a user's own factory.
 """
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamrl.dock import protocol as p
-from streamrl.dock.controller import ControllerState, ProtocolViolation
+from streamrl.dock.state import ControllerState, ProtocolViolation
 
 CONSUMERS = ["gen", "train"]
 
@@ -219,7 +219,7 @@ def test_stale_dropping_is_proportional_to_what_it_drops() -> None:
 
 
 def test_declared_views_are_fixed_before_any_claim_and_must_cover_every_consumer() -> None:
-    from streamrl.dock.controller import ConsumerView
+    from streamrl.dock.state import ConsumerView
 
     with pytest.raises(ValueError, match="undeclared"):
         ControllerState(["gen", "train"], 8, 1, {"gen": ConsumerView(["x"])})

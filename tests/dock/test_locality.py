@@ -14,9 +14,9 @@ import torch
 
 from streamrl.dock import protocol as p
 from streamrl.dock.client import DockClient
-from streamrl.dock.controller import ControllerState, ProtocolViolation
 from streamrl.dock.errors import RemoteError
 from streamrl.dock.launch import ThreadDock
+from streamrl.dock.state import ControllerState, ProtocolViolation
 
 
 def test_owner_rule() -> None:

@@ -95,7 +95,7 @@ def test_tp_rollout_equals_single_process_engine(world: int) -> None:
 
 
 # -- T = 1 in this process (group=None) and refusals that need no group --------------------------
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, "mistral"])
 def test_t1_without_a_group_equals_single_process_engine(name: str) -> None:
     config = model_config(name)
     model = build_model(config).eval()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig
 
 from streamrl.engines.rollout import GenerateArgumentError, Generation, TorchRolloutEngine
 from streamrl.engines.tp_rollout import TensorParallelRolloutEngine, TensorParallelRolloutError
@@ -33,6 +33,11 @@ def model_config(name: str) -> PretrainedConfig:
     """Tiny GQA models (nkv=2 < nh=4) whose vocabulary T=4 must pad."""
     if name == "qwen2":  # q/k/v biases, untied lm_head, vocab 18 -> 20 at T=4
         return tiny_config(vocab_size=18)
+    if name == "mistral":  # no biases, untied, no sliding window (the functional forward refuses one)
+        return MistralConfig(
+            vocab_size=18, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False,
+        )
     # Llama with attention_bias (a replicated o_proj bias) and tied embeddings, vocab 15 -> 16
     return LlamaConfig(
         vocab_size=15, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

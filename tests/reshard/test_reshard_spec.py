@@ -2,8 +2,8 @@
 
 The multi-process tests check the real all-gather path on a few layouts; here the same slicing
 runs on shards built per rank in memory (what the all-gather would deliver), so every supported
-(R, P, T) combination, vocab padding, kv-head replication, tied embeddings and Llama are covered
-quickly, against the hand-written oracle.
+(R, P, T) combination, vocab padding, kv-head replication, tied embeddings, Llama and Mistral are
+covered quickly, against the hand-written oracle.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig
 
 from streamrl.models.build import TinyModelSpec
 from streamrl.models.build import build_model as build_tiny
@@ -91,19 +91,15 @@ def _simulated_reshard_of(
     return outs
 
 
+# Llama and Mistral: the same tiny sizes, GQA with one and two kv heads
+SIZES = {"vocab_size": 16, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "tie_word_embeddings": False}
 MODELS = {
     "qwen2": tiny_config(),
     "qwen2-padded-vocab-tied": tiny_config(vocab_size=18, tie_word_embeddings=True),
     "qwen2-mha-8heads": tiny_config(num_attention_heads=8, num_key_value_heads=8, vocab_size=24),
-    "llama-gqa": LlamaConfig(
-        vocab_size=16,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        tie_word_embeddings=False,
-    ),
+    "llama-gqa": LlamaConfig(**SIZES, num_key_value_heads=1),
+    "mistral": MistralConfig(**SIZES, num_key_value_heads=2),
 }
 
 

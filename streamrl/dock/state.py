@@ -1,0 +1,540 @@
+"""The dock controller's bookkeeping, with no sockets: :class:`ControllerState`.
+
+State per live sample: its group, policy version, length, a bitmask of the columns that are
+ready, and per consumer one of PENDING / CLAIMED / DONE. Per consumer a *view* (the columns it
+reads and whether it claims whole groups: declared at start by the launcher, which knows the
+pipeline, or else fixed by the consumer's first claim) keeps a FIFO of samples
+(or groups) that are ready and pending for it. A column becoming ready appends to the views it
+completes; a claim pops from the front. So a claim costs O(samples claimed), never O(capacity).
+
+Leases: claimed samples belong to a lease of the claiming client. The server
+(:mod:`streamrl.dock.controller`) renews a client's leases on each of its messages and calls
+:meth:`ControllerState.expire_client` when the client stays silent past its lease TTL; the
+client's samples then go back to the front of the pool. A sample is freed (and, through the
+server, the warehouse told to drop it) once every registered consumer is DONE.
+
+Every method is a plain call that returns a reply or raises :class:`ProtocolViolation`, so the
+state machine is tested without a socket (``tests/dock/test_controller_state.py``)::
+
+    state = ControllerState(["score", "train"], capacity=64, n_warehouses=1)
+    indices, groups = state.reserve(4, group_size=4)
+    state.columns_ready(indices, ["tokens"], versions=None, lengths=None)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.dock import protocol as p
+
+PENDING, CLAIMED, DONE = 0, 1, 2
+
+class ProtocolViolation(Exception):
+    """A request that is well-formed but not allowed; answered with an ErrorReply, never fatal."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Sample:
+    __slots__ = ("group", "group_size", "group_start", "index", "length", "n_done", "ready", "state", "version")
+
+    def __init__(self, index: int, group: int, group_start: int, group_size: int, n_consumers: int) -> None:
+        self.index = index
+        self.group = group
+        self.group_start = group_start
+        self.group_size = group_size
+        self.version = 0
+        self.length = 0
+        self.ready = 0  # bitmask over column ids
+        self.state = bytearray(n_consumers)
+        self.n_done = 0
+
+
+@dataclass(frozen=True)
+class ConsumerView:
+    """What a consumer reads and whether it claims whole groups, declared when the controller starts."""
+
+    reads: list[str]
+    whole_groups: bool = False
+
+
+@dataclass
+class _View:
+    """A consumer's fixed way of claiming, and its FIFO of claimable samples (or group starts)."""
+
+    consumer: int
+    reads_mask: int
+    reads: list[str]
+    whole_groups: bool
+    queue: deque[int] = field(default_factory=deque)
+    queued_groups: dict[int, int] = field(default_factory=dict)  # queued group start -> group size
+    queued_pending: int = 0  # whole-group views: PENDING members of the queued groups (ready_count in O(1))
+
+
+@dataclass
+class _Lease:
+    lease_id: int
+    client_id: str
+    consumer: int
+    indices: set[int]
+
+
+class ControllerState:
+    """All controller bookkeeping, independent of sockets (unit-testable, deterministic)."""
+
+    def __init__(
+        self,
+        consumers: list[str],
+        capacity: int,
+        n_warehouses: int,
+        views: Mapping[str, ConsumerView] | None = None,
+        block: int = 1,
+    ) -> None:
+        if not consumers:
+            raise ValueError("the dock needs at least one consumer: the stage names that must ack each sample")
+        if len(set(consumers)) != len(consumers):
+            raise ValueError(f"consumer names must be unique, got {consumers}")
+        if capacity < 1:
+            raise ValueError(f"capacity (samples in flight) must be >= 1, got {capacity}")
+        if not 1 <= block <= p.MAX_BLOCK:
+            raise ValueError(f"block (samples per ownership block) must be in [1, {p.MAX_BLOCK}], got {block}")
+        self.consumers = list(consumers)
+        self.consumer_ids = {c: i for i, c in enumerate(consumers)}
+        self.capacity = capacity
+        self.n_warehouses = n_warehouses
+        self.samples: dict[int, _Sample] = {}
+        self.column_bits: dict[str, int] = {}
+        self.views: list[_View | None] = [None] * len(consumers)
+        # declared views (the launcher knows every stage's reads): fixed now, so no client's claim
+        # can pick them; without declarations (tests, benchmarks) a consumer's first claim fixes its view
+        self.declared = bool(views)
+        if views:
+            unknown = sorted(set(views) - set(consumers))
+            missing = [c for c in consumers if c not in views]
+            if unknown or missing:
+                raise ValueError(f"consumer views must be declared for exactly the consumers {consumers}: "
+                                 f"undeclared {missing}, not consumers {unknown}")
+        self.done_count = [0] * len(consumers)  # samples each consumer acked or dropped, ever
+        self.claimed_count = [0] * len(consumers)  # samples each consumer holds under leases now
+        # ownership: sample k lives on warehouse (k // block) % n_warehouses (docs §5.1). block 1:
+        # one cursor hands out 0, 1, 2, ... (k % W); block > 1: a cursor per warehouse over its own blocks
+        self.block = block
+        self.next_index = 0  # block 1: the next index to hand out
+        self.block_cursor = [w * block for w in range(n_warehouses)] if block > 1 else []
+        self.reserved_by_warehouse = [0] * n_warehouses if block > 1 else []
+        self.next_round_robin = 0  # block > 1: the warehouse of the next reserve that names none
+        self.n_reserved = 0  # samples reserved so far (indices may skip block tails when block > 1)
+        self.client_home: dict[str, int] = {}  # client id -> the warehouse on its node (hello.home_warehouse)
+        self.next_group = 0
+        self.next_lease = itertools.count(1)
+        self.leases: dict[int, _Lease] = {}
+        self.client_leases: dict[str, set[int]] = {}
+        self.input_closed = False
+        self.to_free: list[int] = []  # freed indices not yet announced to the warehouses
+        self.counters = dict.fromkeys(
+            ("reserved", "claims", "samples_claimed", "samples_acked", "samples_freed",
+             "samples_released", "dropped_stale", "leases_expired", "errors", "claimed_local", "claimed_remote"),
+            0,
+        )
+        for name, view in (views or {}).items():
+            if len(view.reads) > p.MAX_COLUMNS:
+                raise ValueError(f"consumer {name!r} reads {len(view.reads)} columns, more than {p.MAX_COLUMNS}")
+            cid = self.consumer_ids[name]
+            self.views[cid] = _View(cid, self._mask(view.reads), sorted(view.reads), view.whole_groups)
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def free_slots(self) -> int:
+        return self.capacity - len(self.samples)
+
+    def owner(self, index: int) -> int:
+        """The warehouse that stores sample ``index``."""
+        return p.owner(index, self.n_warehouses, self.block)
+
+    def check_reserve(self, n: int, group_size: int, warehouse: int | None = None) -> None:
+        """Raise ProtocolViolation if a reserve of ``n`` in groups of ``group_size`` can never succeed."""
+        if self.input_closed:
+            raise ProtocolViolation("input_closed", "the input was closed: no new samples can be reserved")
+        if n < 1 or group_size < 1 or n % group_size:
+            raise ProtocolViolation(
+                "bad_field", f"reserve n={n} must be a positive multiple of group_size={group_size}"
+            )
+        if n > self.capacity:
+            raise ProtocolViolation(
+                "bad_field", f"reserve n={n} exceeds the dock capacity {self.capacity}: raise dock.capacity"
+            )
+        if warehouse is not None and warehouse >= self.n_warehouses:
+            raise ProtocolViolation("bad_field", f"reserve warehouse={warehouse} outside [0, {self.n_warehouses}): "
+                                    "this dock has that many warehouses")
+        if group_size > self.block > 1:
+            raise ProtocolViolation(
+                "bad_field", f"reserve group_size={group_size} exceeds the dock's ownership block={self.block}: "
+                "a group never straddles a block, so group_size must be <= block (controller --block)")
+
+    def reserve(self, n: int, group_size: int, warehouse: int | None = None) -> tuple[list[int], list[int]]:
+        """Allocate ``n`` new sample indices in groups of ``group_size``; caller checked capacity.
+
+        block 1: the next ``n`` indices (``warehouse`` is ignored). block > 1: groups inside blocks
+        owned by ``warehouse`` (round robin over the warehouses, one per reserve, when None)."""
+        self.check_reserve(n, group_size, warehouse)
+        indices, groups = [], []
+        nc = len(self.consumers)
+        if self.block == 1:
+            starts: range | list[int] = range(self.next_index, self.next_index + n, group_size)
+            self.next_index += n
+        else:
+            if warehouse is None:
+                warehouse = self.next_round_robin
+                self.next_round_robin = (warehouse + 1) % self.n_warehouses
+            starts = self._block_starts(warehouse, n // group_size, group_size)
+            self.reserved_by_warehouse[warehouse] += n
+        for start in starts:
+            g = self.next_group
+            self.next_group += 1
+            for i in range(start, start + group_size):
+                self.samples[i] = _Sample(i, g, start, group_size, nc)
+                indices.append(i)
+                groups.append(g)
+                for view in self.views:  # a consumer that reads nothing may claim it at once
+                    if view is not None and view.reads_mask == 0:
+                        self._enqueue(view, self.samples[i], front=False)
+        self.n_reserved += n
+        self.counters["reserved"] += n
+        return indices, groups
+
+    def _block_starts(self, warehouse: int, n_groups: int, group_size: int) -> list[int]:
+        """Starts of ``n_groups`` contiguous groups inside the blocks ``warehouse`` owns, from its cursor;
+        a group that would cross its block's end starts the warehouse's next block instead."""
+        b, nw = self.block, self.n_warehouses
+        cur = self.block_cursor[warehouse]
+        starts = []
+        for _ in range(n_groups):
+            if cur % b + group_size > b:
+                cur = (cur // b + nw) * b  # the tail of this block stays unused
+            starts.append(cur)
+            cur += group_size
+            if cur % b == 0:
+                cur += (nw - 1) * b  # skip the other warehouses' blocks
+        self.block_cursor[warehouse] = cur
+        return starts
+
+    # ------------------------------------------------------------------ readiness
+    def _bit(self, column: str) -> int:
+        bit = self.column_bits.get(column)
+        if bit is None:
+            if len(self.column_bits) >= p.MAX_COLUMNS:
+                # each sample's readiness is a bitmask over every column name ever seen: bounded
+                raise ProtocolViolation("too_many_columns", f"column {column!r} would be the dock's "
+                                        f"{p.MAX_COLUMNS + 1}th distinct column name (limit MAX_COLUMNS)")
+            bit = 1 << len(self.column_bits)
+            self.column_bits[column] = bit
+        return bit
+
+    def _mask(self, columns: list[str]) -> int:
+        mask = 0
+        for c in columns:
+            mask |= self._bit(c)
+        return mask
+
+    def columns_ready(
+        self,
+        indices: list[int],
+        columns: list[str],
+        versions: list[int] | None,
+        lengths: list[int] | None,
+    ) -> tuple[set[int], list[int]]:
+        """Mark columns ready. Returns (consumers with new claimable samples, unknown indices)."""
+        mask = self._mask(columns)
+        touched: set[int] = set()
+        unknown: list[int] = []
+        for k, i in enumerate(indices):
+            s = self.samples.get(i)
+            if s is None:
+                unknown.append(i)  # freed already, or never reserved: the warehouse must drop it
+                continue
+            if versions is not None:
+                s.version = versions[k]
+            if lengths is not None:
+                s.length = lengths[k]
+            old = s.ready
+            s.ready = old | mask
+            if s.ready == old:
+                continue
+            for view in self.views:
+                if view is None or s.state[view.consumer] != PENDING:
+                    continue
+                rm = view.reads_mask
+                if (old & rm) != rm and (s.ready & rm) == rm and self._enqueue(view, s, front=False):
+                    touched.add(view.consumer)
+        return touched, unknown
+
+    def _enqueue(self, view: _View, s: _Sample, front: bool) -> bool:
+        if not view.whole_groups:
+            (view.queue.appendleft if front else view.queue.append)(s.index)
+            return True
+        g = s.group_start
+        if g in view.queued_groups:
+            return False
+        pending = self._group_claimable(view, g, s.group_size)
+        if not pending:
+            return False
+        view.queued_groups[g] = s.group_size
+        view.queued_pending += pending
+        (view.queue.appendleft if front else view.queue.append)(g)
+        return True
+
+    def _group_claimable(self, view: _View, start: int, size: int) -> int:
+        """PENDING members if every member is DONE for this consumer or (PENDING and ready), else 0."""
+        pending = 0
+        rm = view.reads_mask
+        for i in range(start, start + size):
+            s = self.samples.get(i)
+            if s is None:
+                continue  # freed members were DONE for everyone
+            st = s.state[view.consumer]
+            if st == CLAIMED or (st == PENDING and (s.ready & rm) != rm):
+                return 0
+            pending += st == PENDING
+        return pending
+
+    def _view_for(self, req: p.Claim) -> _View:
+        cid = self.consumer_ids.get(req.consumer)
+        if cid is None:
+            raise ProtocolViolation(
+                "unknown_consumer", f"consumer {req.consumer!r} is not registered; known: {self.consumers}"
+            )
+        view = self.views[cid]
+        if view is None:
+            mask = self._mask(req.reads)
+            view = _View(cid, mask, sorted(req.reads), req.whole_groups)
+            self.views[cid] = view
+            # one O(live samples) scan when the consumer first shows up; incremental afterwards
+            for s in self.samples.values():
+                if s.state[cid] == PENDING and (s.ready & mask) == mask:
+                    self._enqueue(view, s, front=False)
+        elif view.whole_groups != req.whole_groups or view.reads != sorted(req.reads):
+            how = "is declared (by the launcher, from the pipeline) with" if self.declared else "already claims"
+            raise ProtocolViolation(
+                "bad_field",
+                f"consumer {req.consumer!r} {how} reads={view.reads} whole_groups={view.whole_groups}; "
+                f"this claim has reads={sorted(req.reads)} whole_groups={req.whole_groups}. A consumer's reads "
+                "are fixed: claim with exactly those.",
+            )
+        return view
+
+    def ready_count(self, view: _View) -> int:
+        return view.queued_pending if view.whole_groups else len(view.queue)
+
+    def outstanding(self, consumer: int) -> int:
+        """Samples reserved so far that this consumer has neither done nor currently claimed."""
+        return self.n_reserved - self.done_count[consumer] - self.claimed_count[consumer]
+
+    def at_end(self, consumer: int) -> bool:
+        return self.input_closed and self.done_count[consumer] == self.n_reserved
+
+    # ------------------------------------------------------------------ claims and leases
+    def validate_claim(self, req: p.Claim) -> _View:
+        if req.n < 1 or req.min_n < 1 or req.min_n > req.n:
+            raise ProtocolViolation("bad_field", f"claim needs 1 <= min_n <= n, got n={req.n} min_n={req.min_n}")
+        return self._view_for(req)
+
+    def try_claim(self, req: p.Claim, view: _View, force: bool) -> p.Claimed | None:
+        """Claim now if ``min_n`` samples are claimable (or ``force`` and any are); else None."""
+        dropped = self._drop_stale(view, req.min_version) if req.min_version is not None else 0
+        available = self.ready_count(view)
+        # fewer than min_n are fine when no more can ever come (input closed, all others delivered)
+        last_ones = self.input_closed and available == self.outstanding(view.consumer)
+        if available < req.min_n and not ((force or last_ones) and available > 0):
+            if dropped or self.at_end(view.consumer):
+                return p.Claimed(req.req_id, 0, [], dropped, self.at_end(view.consumer))
+            return None
+        picked = self._pop(view, req.n, req.balance_by_length)
+        lease = _Lease(next(self.next_lease), req.client_id, view.consumer, set(picked))
+        self.leases[lease.lease_id] = lease
+        self.client_leases.setdefault(req.client_id, set()).add(lease.lease_id)
+        infos = []
+        for i in picked:
+            s = self.samples[i]
+            s.state[view.consumer] = CLAIMED
+            self.claimed_count[view.consumer] += 1
+            infos.append(p.SampleInfo(i, s.group, s.group_size, s.version, s.length))
+        home = self.client_home.get(req.client_id)
+        if home is not None:  # locality statistics, only for clients that said where they run
+            local = sum(1 for i in picked if self.owner(i) == home)
+            self.counters["claimed_local"] += local
+            self.counters["claimed_remote"] += len(picked) - local
+        self.counters["claims"] += 1
+        self.counters["samples_claimed"] += len(picked)
+        return p.Claimed(req.req_id, lease.lease_id, infos, dropped, False)
+
+    def _pop(self, view: _View, n: int, balance: bool) -> list[int]:
+        if not view.whole_groups:
+            if not balance or len(view.queue) <= n:
+                return [view.queue.popleft() for _ in range(min(n, len(view.queue)))]
+            # length balancing over a window of 4n: the n samples of closest lengths, so a
+            # micro-batch pads little; the others go back to the front in their old order
+            window = [view.queue.popleft() for _ in range(min(4 * n, len(view.queue)))]
+            by_len = sorted(window, key=lambda i: self.samples[i].length)
+            spread = [
+                self.samples[by_len[k + n - 1]].length - self.samples[by_len[k]].length
+                for k in range(len(by_len) - n + 1)
+            ]
+            k = min(range(len(spread)), key=spread.__getitem__)
+            chosen = set(by_len[k : k + n])
+            view.queue.extendleft(reversed([i for i in window if i not in chosen]))
+            return [i for i in window if i in chosen]
+        picked: list[int] = []
+        while view.queue:
+            start = view.queue[0]
+            members = [
+                i
+                for i in range(start, start + view.queued_groups[start])
+                if i in self.samples and self.samples[i].state[view.consumer] == PENDING
+            ]
+            if picked and len(picked) + len(members) > n:
+                break  # whole groups only: the next group would overflow the micro-batch
+            view.queue.popleft()
+            del view.queued_groups[start]
+            view.queued_pending -= len(members)
+            picked.extend(members)
+            if len(picked) >= n:
+                break
+        return picked
+
+    def _drop_stale(self, view: _View, min_version: int) -> int:
+        """Samples too old for this consumer are DONE for it without being delivered.
+
+        Versions only grow along a queue in a pipeline (the generator tags increasing
+        versions), so stale samples sit at the front: pop them until the head is fresh. That
+        costs O(dropped), not O(queue); a stale sample behind a fresh one is dropped when it
+        reaches the front.
+        """
+        dropped = 0
+        while view.queue:
+            head = view.queue[0]
+            size = view.queued_groups.get(head, 1) if view.whole_groups else 1
+            members = [self.samples.get(i) for i in range(head, head + size)]
+            versions = [m.version for m in members if m is not None]
+            if not versions or min(versions) >= min_version:
+                break
+            view.queue.popleft()
+            if view.whole_groups:
+                del view.queued_groups[head]
+            for m in members:
+                if m is not None and m.state[view.consumer] == PENDING:
+                    if view.whole_groups:
+                        view.queued_pending -= 1
+                    self._mark_done(m, view.consumer)
+                    dropped += 1
+        self.counters["dropped_stale"] += dropped
+        return dropped
+
+    def _mark_done(self, s: _Sample, consumer: int) -> None:
+        s.state[consumer] = DONE
+        s.n_done += 1
+        self.done_count[consumer] += 1
+        if s.n_done == len(self.consumers):
+            del self.samples[s.index]
+            self.to_free.append(s.index)
+            self.counters["samples_freed"] += 1
+
+    def ack(self, client_id: str, lease_id: int, indices: list[int] | None) -> int:
+        """Mark (some of) a lease's samples DONE; returns the lease's consumer id."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.client_id != client_id:
+            raise ProtocolViolation(
+                "unknown_lease",
+                f"lease {lease_id} is not held by client {client_id!r} (expired after the lease TTL, "
+                "already acked, or released)",
+            )
+        targets = list(lease.indices) if indices is None else list(dict.fromkeys(indices))  # no duplicates
+        stray = [i for i in targets if i not in lease.indices]
+        if stray:
+            raise ProtocolViolation("bad_field", f"indices {stray[:8]} are not in lease {lease_id}")
+        for i in targets:
+            lease.indices.discard(i)
+            self.claimed_count[lease.consumer] -= 1
+            self._mark_done(self.samples[i], lease.consumer)
+        self.counters["samples_acked"] += len(targets)
+        if not lease.indices:
+            self._drop_lease(lease)
+        return lease.consumer
+
+    def release(self, client_id: str, lease_id: int) -> int:
+        """Give a lease's unacked samples back (front of the queue). Returns the consumer id."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.client_id != client_id:
+            raise ProtocolViolation("unknown_lease", f"lease {lease_id} is not held by client {client_id!r}")
+        self._return_lease(lease)
+        return lease.consumer
+
+    def _return_lease(self, lease: _Lease) -> None:
+        self._drop_lease(lease)
+        view = self.views[lease.consumer]
+        assert view is not None
+        self.claimed_count[lease.consumer] -= len(lease.indices)
+        for i in sorted(lease.indices, reverse=True):
+            s = self.samples[i]
+            s.state[lease.consumer] = PENDING
+            if (s.ready & view.reads_mask) == view.reads_mask:
+                self._enqueue(view, s, front=True)
+        self.counters["samples_released"] += len(lease.indices)
+
+    def _drop_lease(self, lease: _Lease) -> None:
+        self.leases.pop(lease.lease_id, None)
+        held = self.client_leases.get(lease.client_id)
+        if held is not None:
+            held.discard(lease.lease_id)
+            if not held:
+                del self.client_leases[lease.client_id]
+
+    def expire_client(self, client_id: str) -> set[int]:
+        """The client went silent: every lease it holds goes back to the pool."""
+        touched = set()
+        for lease_id in list(self.client_leases.get(client_id, ())):
+            lease = self.leases[lease_id]
+            self._return_lease(lease)
+            touched.add(lease.consumer)
+            self.counters["leases_expired"] += 1
+        return touched
+
+    def take_freed(self) -> list[int]:
+        freed, self.to_free = self.to_free, []
+        return freed
+
+    def statistics(self) -> dict[str, Any]:
+        claimed = sum(len(lease.indices) for lease in self.leases.values())
+        per_consumer = {}
+        for cid, name in enumerate(self.consumers):
+            view = self.views[cid]
+            per_consumer[name] = {
+                "ready": self.ready_count(view) if view else 0,
+                "claimed": self.claimed_count[cid],
+                "done": self.done_count[cid],
+                "reads": view.reads if view else None,
+            }
+        return {
+            "capacity": self.capacity,
+            "in_flight": len(self.samples),
+            "claimed": claimed,
+            "leases": len(self.leases),
+            "input_closed": self.input_closed,
+            "reserved_total": self.n_reserved,
+            "block": self.block,
+            "reserved_per_warehouse": self._reserved_per_warehouse(),
+            "columns": sorted(self.column_bits),
+            "consumers": per_consumer,
+            **self.counters,
+        }
+
+    def _reserved_per_warehouse(self) -> list[int]:
+        if self.block > 1:
+            return list(self.reserved_by_warehouse)
+        q, r = divmod(self.next_index, self.n_warehouses)  # block 1: indices 0 .. next_index - 1, k % W
+        return [q + (w < r) for w in range(self.n_warehouses)]
