@@ -728,7 +728,7 @@ def _value_problem(value: Any, tp: Any, path: list[str], out: _Problems, root: d
         text = str(exc)
         problem, _, inner = text.partition(" - at `$")
         where = key + inner.rstrip("`")
-        description = field_description(tp)
+        description = field_description(tp).split(". ")[0]  # its first sentence
         out.add(key, _explain(f"{problem} - at `$.{where}`", root), hint=f"{key}: {description}" if description else "")
         out.bad_keys.append(key)
 

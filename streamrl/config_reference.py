@@ -14,6 +14,7 @@ import math
 import re
 import sys
 import textwrap
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import yaml
 from streamrl.config import (
     RunConfig,
     StageOverride,
+    bare_type,
     did_you_mean,
     field_description,
     field_types,
@@ -87,11 +89,23 @@ def yaml_value(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def _type_text(t: Any, names: dict[type, str]) -> str:
+def _literals(tp: Any) -> dict[frozenset[Any], tuple[Any, ...]]:
+    """The ``Literal[...]`` values in ``tp`` in their declared order (msgspec.inspect sorts them)."""
+    tp = bare_type(tp)
+    if typing.get_origin(tp) is typing.Literal:
+        return {frozenset(typing.get_args(tp)): typing.get_args(tp)}
+    found: dict[frozenset[Any], tuple[Any, ...]] = {}
+    for arg in typing.get_args(tp):
+        found.update(_literals(arg))
+    return found
+
+
+def _type_text(t: Any, names: dict[type, str], order: dict[frozenset[Any], tuple[Any, ...]] | None = None) -> str:
     """A msgspec.inspect type in words: ``int (>= 1)``, ``one of a, b``, ``float or null``."""
     mi = msgspec.inspect
+    order = order or {}
     if isinstance(t, mi.Metadata):
-        return _type_text(t.type, names)
+        return _type_text(t.type, names, order)
     if isinstance(t, (mi.IntType, mi.FloatType)):
         name = "int" if isinstance(t, mi.IntType) else "float"
         bounds = [f"{op} {v}" for op, v in ((">=", t.ge), (">", t.gt), ("<=", t.le), ("<", t.lt)) if v is not None]
@@ -101,15 +115,15 @@ def _type_text(t: Any, names: dict[type, str]) -> str:
         if isinstance(t, kind):
             return text
     if isinstance(t, mi.LiteralType):
-        return "one of " + ", ".join(str(v) for v in t.values)
+        return "one of " + ", ".join(str(v) for v in order.get(frozenset(t.values), t.values))
     if isinstance(t, mi.UnionType):
-        return " or ".join(_type_text(u, names) for u in t.types)
+        return " or ".join(_type_text(u, names, order) for u in t.types)
     if isinstance(t, (mi.ListType, mi.SetType, mi.VarTupleType, mi.FrozenSetType)):
-        return f"list of {_type_text(t.item_type, names)}"
+        return f"list of {_type_text(t.item_type, names, order)}"
     if isinstance(t, mi.TupleType):
-        return "[" + ", ".join(_type_text(u, names) for u in t.item_types) + "]"
+        return "[" + ", ".join(_type_text(u, names, order) for u in t.item_types) + "]"
     if isinstance(t, mi.DictType):
-        return f"mapping of {_type_text(t.key_type, names)} to {_type_text(t.value_type, names)}"
+        return f"mapping of {_type_text(t.key_type, names, order)} to {_type_text(t.value_type, names, order)}"
     if isinstance(t, mi.StructType):
         section = names.get(t.cls)
         return f"mapping (section {section})" if section else "mapping"
@@ -137,7 +151,7 @@ def _rows(struct: type[msgspec.Struct], prefix: str, names: dict[type, str]) -> 
             shown = f"(section {names[sub]})"
         else:
             shown = yaml_value(default)
-        rows.append(Row(key=f"{prefix}{field.encode_name}", type=_type_text(msgspec.inspect.type_info(tp), names),
+        rows.append(Row(key=f"{prefix}{field.encode_name}", type=_type_text(msgspec.inspect.type_info(tp), names, _literals(tp)),
                         default=shown, description=field_description(tp), section=names.get(sub, "")))
     return rows
 
@@ -211,7 +225,7 @@ run config, merged over `options:` of that stage in the pipeline file. The
 def _cell(text: str) -> str:
     """Text for Markdown: '|' would end a table cell, and outside `code` '<name>' reads as an HTML tag."""
     parts = text.replace("|", "\\|").split("`")
-    return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
+    return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
 
 
 def _linked(type_text: str) -> str:

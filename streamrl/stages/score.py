@@ -55,8 +55,8 @@ class ScoreOptionsError(RewardConfigError):
 
 
 class ScoreOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """``options`` of the score stage (streamrl.stages.score:ScoreStage); the module docstring says
-    how a map of named scores becomes the reward."""
+    """``options`` of the score stage (streamrl.stages.score:ScoreStage): where rewards are computed,
+    and how a reward that is a map of named scores becomes one number (this module's docstring)."""
 
     backend: Annotated[Literal["inprocess", "zmq"], Meta(description=(
         "inprocess: the reward function runs in the score worker; zmq: external reward servers "
