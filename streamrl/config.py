@@ -154,8 +154,9 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Where the trainer's 'old' logprobs come from: the generator's sampled-token logprobs (rollout, no "
         "extra forward) or a no-grad forward in the trainer (recompute)"))] = "rollout"
     max_staleness: Annotated[int, Meta(description=(
-        "0: synchronous on-policy (step s is generated with the weights of step s). k >= 1: generation runs up "
-        "to k policy versions ahead of training; the trainer drops anything older. Off-policy samples are "
+        "How many policy versions generation may run ahead of training. 0: synchronous on-policy (step s is "
+        "generated with the weights of step s). k >= 1: generation runs up to k policy versions ahead of "
+        "training; the trainer drops anything older. Off-policy samples are "
         "corrected against their rollout logprobs: by the clipped ratio pi/pi_rollout (old_logprobs: rollout), "
         "or with old_logprobs: recompute by the truncated importance weight min(pi_old/pi_rollout, "
         "loss.tis_cap)"))] = 0
@@ -729,7 +730,9 @@ def _value_problem(value: Any, tp: Any, path: list[str], out: _Problems, root: d
         problem, _, inner = text.partition(" - at `$")
         where = key + inner.rstrip("`")
         description = field_description(tp).split(". ")[0]  # its first sentence
-        out.add(key, _explain(f"{problem} - at `$.{where}`", root), hint=f"{key}: {description}" if description else "")
+        section = "stages" if path[0] == "stages" else ".".join(path[:-1]) or "top"
+        hint = f"{description} (streamrl config --help {section})" if description else ""
+        out.add(key, _explain(f"{problem} - at `$.{where}`", root), hint=hint)
         out.bad_keys.append(key)
 
 
