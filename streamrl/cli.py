@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue RUN_DIR from its newest checkpoint (output.checkpoint_every), in the same directory")
     p.set_defaults(func=_cmd_run)
-    v = sub.add_parser("validate", help="check a config and its pipeline without running; print the resolved config")
+    v = sub.add_parser("validate", help="check a config and its pipeline without running; print the resolved config, or "
+                                        "every problem in the config with its line")
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
     v.set_defaults(func=_cmd_validate)
