@@ -1,5 +1,5 @@
-"""``streamrl`` command line: run a config, validate one, report on a run, host reward servers, make
-CURVE keys."""
+"""``streamrl`` command line: run a config, validate one, explain the config's fields, report on a
+run, host reward servers, make CURVE keys."""
 
 from __future__ import annotations
 
@@ -59,6 +59,72 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+_CONFIG_USAGE = """\
+usage: streamrl config --help [SECTION]   (or: streamrl config help [SECTION])
+           the fields of SECTION with their type, default and description; without SECTION, the sections
+       streamrl config show [CONFIG] [key=value ...]
+           the resolved config (the defaults without CONFIG) as YAML, each field's description a comment
+"""
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from streamrl.config import did_you_mean
+
+    words = list(args.words)
+    if args.help_section is not None:
+        if args.help_section:  # streamrl config --help SECTION
+            return _config_help(args.help_section, words)
+        if words and words[0] in ("help", "show"):  # streamrl config show --help
+            print(_CONFIG_USAGE, end="")
+            return 0
+        return _config_help(words[0] if words else "", words[1:])
+    verb = words[0] if words else ""
+    if verb == "help":
+        return _config_help(words[1] if len(words) > 1 else "", words[2:])
+    if verb == "show":
+        return _config_show(words[1:])
+    if not verb:
+        print(_CONFIG_USAGE, end="", file=sys.stderr)
+        return 2
+    print(f"streamrl: config: unknown command {verb!r}{did_you_mean(verb, ['help', 'show'])}\n{_CONFIG_USAGE}",
+          end="", file=sys.stderr)
+    return 2
+
+
+def _config_help(section: str, extra: list[str]) -> int:
+    from streamrl.config_reference import find_section, render_section_list, render_section_text
+
+    if extra:
+        print(f"streamrl: config help takes one SECTION, got also {extra}", file=sys.stderr)
+        return 2
+    if not section:
+        print(_CONFIG_USAGE + "\n" + render_section_list(), end="")
+        return 0
+    try:
+        found = find_section(section)
+    except KeyError as exc:
+        print(f"streamrl: config: {exc.args[0]}; `streamrl config --help` lists them", file=sys.stderr)
+        return 2
+    print(render_section_text(found), end="")
+    return 0
+
+
+def _config_show(words: list[str]) -> int:
+    from streamrl.config import ConfigError, load_config
+    from streamrl.config_reference import commented_yaml
+
+    config: str | None = None
+    if words and ("=" not in words[0] or words[0].endswith((".yaml", ".yml"))):
+        config, words = words[0], words[1:]
+    try:
+        cfg = load_config(config if config is not None else {}, words)
+    except ConfigError as exc:
+        print(f"streamrl: config error: {exc}", file=sys.stderr)
+        return 2
+    print(commented_yaml(cfg), end="")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from streamrl.metrics.report import ReportError, write_report
 
@@ -83,10 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue RUN_DIR from its newest checkpoint (output.checkpoint_every), in the same directory")
     p.set_defaults(func=_cmd_run)
-    v = sub.add_parser("validate", help="check a config and its pipeline without running; print the resolved config")
+    v = sub.add_parser("validate", help="check a config and its pipeline without running; print the resolved config, or "
+                                        "every problem in the config with its line")
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
     v.set_defaults(func=_cmd_validate)
+    c = sub.add_parser("config", add_help=False, usage=_CONFIG_USAGE.removeprefix("usage: "),
+                       help="the config's fields: streamrl config --help [SECTION]; a resolved config with "
+                            "comments: streamrl config show [CONFIG] [key=value ...]")
+    # its own --help: `streamrl config --help algo` prints a config section, not this parser's usage
+    c.add_argument("-h", "--help", dest="help_section", nargs="?", const="", default=None, metavar="SECTION")
+    c.add_argument("words", nargs="*")
+    c.set_defaults(func=_cmd_config)
     r = sub.add_parser("report", help="plots and an index.html summary of a run: streamrl report runs/<run>")
     r.add_argument("run_dir", help="a run directory (holds metrics.jsonl and config.yaml)")
     r.add_argument("--out", default=None, help="where to write the report (default: RUN_DIR/report)")

@@ -1,14 +1,18 @@
 """Run configs: typed (msgspec), validated once at load time, overridable with ``key=value``.
 
 A run config picks a pipeline (the stage graph, ``pipelines/*.yaml``) and sets the model, the
-task, the algorithm's hyper-parameters and the resources. Every field has a default documented
-here; unknown keys are errors with a did-you-mean. ``streamrl run CONFIG algo.lr=3e-4`` sets a
-field from the command line (values parse as YAML: ``true``, ``3e-4``, ``[1, 2]``).
+task, the algorithm's hyper-parameters and the resources. Every field has a default and a
+description in its type (``Annotated[float, msgspec.Meta(description=...)]``), from which
+:mod:`streamrl.config_reference` renders docs/config.md and ``streamrl config --help``; unknown
+keys are errors with a did-you-mean. ``streamrl run CONFIG algo.lr=3e-4`` sets a field from the
+command line (values parse as YAML: ``true``, ``3e-4``, ``[1, 2]``).
 
-``load_config`` checks the config alone (types, ranges, cross-field rules, output paths); the
-checks that need the pipeline, the task or the model run in ``load_pipeline``
-(:func:`streamrl.runtime.pipeline.check_run`). Errors are ``ConfigError`` naming the file, the
-dotted key (``algo.max_new_tokens``) and the fix.
+``load_config`` checks the config alone: unknown keys and each field's type and range, field by
+field so that one bad field does not hide another, then every cross-field rule and the output
+paths. It raises :class:`ConfigErrors` (a ``ConfigError``) listing every problem, each with the
+file, the dotted key (``algo.max_new_tokens``), its line in the file and the fix. The checks that
+need the pipeline, the task or the model run afterwards in ``load_pipeline``
+(:func:`streamrl.runtime.pipeline.check_run`), which raises a ``ConfigError`` at the first.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ import difflib
 import math
 import os
 import re
+import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
+from msgspec import Meta
 
 from streamrl.algos.grpo import LossConfig
 from streamrl.dock.limits import LIMIT_BOUNDS, DockLimits
@@ -79,200 +86,260 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # A local save_pretrained directory (safetensors). None: build `tiny` from a config.
-    path: str | None = None
-    tiny: TinyModelSpec = msgspec.field(default_factory=TinyModelSpec)
-    # Compute dtype of every stage. The trainer keeps float32 master weights and AdamW state and
-    # computes in this dtype (FSDP2 mixed precision, gradients reduced in float32, the loss's
-    # log-softmax in float32); generation and the reference run in it. float16 has no loss
-    # scaling: prefer bfloat16.
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # Characters the built-in character tokenizer knows beyond digits, '+' and '='.
-    extra_chars: str = ""
+    """The policy model: a pretrained directory, or a tiny model built from ``tiny``."""
+
+    path: Annotated[str | None, Meta(description=(
+        "A local save_pretrained directory (safetensors), or a hub id already in the local Hugging Face cache "
+        "(streamrl never downloads). null: build model.tiny from its config"))] = None
+    tiny: Annotated[TinyModelSpec, Meta(description="The tiny model built when model.path is null")] = (
+        msgspec.field(default_factory=TinyModelSpec))
+    dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description=(
+        "Compute dtype of every stage. The trainer keeps float32 master weights and AdamW state and computes in "
+        "this dtype (FSDP2 mixed precision, gradients reduced in float32, the loss's log-softmax in float32); "
+        "generation and the reference run in it. float16 has no loss scaling: prefer bfloat16"))] = "float32"
+    extra_chars: Annotated[str, Meta(description=(
+        "Characters the built-in character tokenizer knows beyond digits, '+' and '=' (model.path unset)"))] = ""
 
 
 class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str = "digits-max"  # a built-in task (streamrl.tasks.registry) or "jsonl"
-    options: dict[str, Any] = msgspec.field(default_factory=dict)  # passed to the task factory
-    seed: int = 0  # prompt stream seed (and the per-epoch shuffle of a dataset)
-    # Render each prompt through the tokenizer's chat template (model.path's tokenizer must have
-    # one): a plain prompt becomes one user message; a dataset row may give whole messages.
-    chat_template: bool = False
-    # With chat_template: a system message put before every prompt's messages (None: none).
-    system_prompt: str | None = None
+    """Where prompts and their rewards come from."""
+
+    name: Annotated[str, Meta(description=(
+        "A built-in task (streamrl.tasks.registry, e.g. digits-max), jsonl (a prompt file) or dataset, or one "
+        "registered with streamrl.tasks.register_task"))] = "digits-max"
+    options: Annotated[dict[str, Any], Meta(description=(
+        "Keyword arguments of the task factory, e.g. {n_digits: 3}; checked against the task when the run "
+        "is validated"))] = msgspec.field(default_factory=dict)
+    seed: Annotated[int, Meta(description="Prompt stream seed (and the per-epoch shuffle of a dataset)")] = 0
+    chat_template: Annotated[bool, Meta(description=(
+        "Render each prompt through the tokenizer's chat template (model.path's tokenizer must have one): a "
+        "plain prompt becomes one user message; a dataset row may give whole messages"))] = False
+    system_prompt: Annotated[str | None, Meta(description=(
+        "With chat_template: a system message put before every prompt's messages (null: none)"))] = None
 
 
 class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    steps: int = 300  # optimizer steps; each publishes a new policy version
-    prompts_per_step: int = 8  # prompts per optimizer step
-    group_size: int = 8  # completions per prompt (GRPO's G); the advantage normalises within a group
-    max_new_tokens: int = 4  # completion length cap (tokens)
-    temperature: float = 1.0
-    top_p: float = 1.0  # 1.0 = off
-    top_k: int = 0  # 0 = off
-    # Run length in passes over the task's train split, instead of algo.steps (set one of the two):
-    # steps = ceil(epochs * rows / prompts_per_step), resolved when the run starts.
-    epochs: float | None = None
-    lr: float = 1e-3  # AdamW peak learning rate (after warmup)
-    # Learning rate per optimizer step (transformers' schedulers): linear warmup from 0 over
-    # warmup_steps, then constant, or a linear / cosine decay to lr * min_lr_ratio at total_steps.
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0  # the decay's floor, as a fraction of lr (linear and cosine)
-    total_steps: int | None = None  # the schedule's length in optimizer steps; None = algo.steps
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0  # clip the global gradient norm; None = no clipping
-    normalize_std: bool = True  # divide group-centred rewards by the group's std (GRPO); False = Dr.GRPO
-    loss: LossConfig = msgspec.field(default_factory=LossConfig)
-    # Where the trainer's "old" logprobs come from: the generator's sampled-token logprobs
-    # ("rollout", no extra forward) or a no-grad forward in the trainer ("recompute").
-    old_logprobs: Literal["rollout", "recompute"] = "rollout"
-    # 0: synchronous on-policy (step s is generated with the weights of step s). k >= 1:
-    # generation runs up to k policy versions ahead of training; the trainer drops anything
-    # older. Off-policy samples are corrected against their rollout logprobs: by the clipped
-    # ratio pi/pi_rollout (old_logprobs: rollout), or with old_logprobs: recompute by the
-    # truncated importance weight min(pi_old/pi_rollout, loss.tis_cap).
-    max_staleness: int = 0
-    stop_reward: float | None = None  # stop early once a step's mean reward >= this
+    """The algorithm (GRPO) and its optimizer: run length, sampling, learning rate, staleness."""
+
+    steps: Annotated[int, Meta(description="Optimizer steps; each publishes a new policy version")] = 300
+    prompts_per_step: Annotated[int, Meta(description="Prompts per optimizer step")] = 8
+    group_size: Annotated[int, Meta(description=(
+        "Completions per prompt (GRPO's G); the advantage normalises within a group"))] = 8
+    max_new_tokens: Annotated[int, Meta(description="Completion length cap (tokens)")] = 4
+    temperature: Annotated[float, Meta(description="Sampling temperature of generation (> 0)")] = 1.0
+    top_p: Annotated[float, Meta(description="Nucleus sampling: keep the smallest token set of this probability "
+                                             "mass; 1.0 = off")] = 1.0
+    top_k: Annotated[int, Meta(description="Sample among the k most likely tokens; 0 = off")] = 0
+    epochs: Annotated[float | None, Meta(description=(
+        "Run length in passes over the task's train split, instead of algo.steps (set one of the two): "
+        "steps = ceil(epochs * rows / prompts_per_step), resolved when the run starts"))] = None
+    lr: Annotated[float, Meta(description="AdamW peak learning rate (after warmup)")] = 1e-3
+    lr_schedule: Annotated[Literal["constant", "linear", "cosine"], Meta(description=(
+        "Learning rate per optimizer step (transformers' schedulers): linear warmup from 0 over warmup_steps, "
+        "then constant, or a linear / cosine decay to lr * min_lr_ratio at total_steps"))] = "constant"
+    warmup_steps: Annotated[int, Meta(description="Optimizer steps of linear warmup from 0 to lr")] = 0
+    min_lr_ratio: Annotated[float, Meta(description=(
+        "The decay's floor, as a fraction of lr (linear and cosine)"))] = 0.0
+    total_steps: Annotated[int | None, Meta(description=(
+        "The schedule's length in optimizer steps; null = algo.steps"))] = None
+    betas: Annotated[tuple[float, float], Meta(description="AdamW's (beta1, beta2)")] = (0.9, 0.999)
+    weight_decay: Annotated[float, Meta(description="AdamW's decoupled weight decay")] = 0.0
+    max_grad_norm: Annotated[float | None, Meta(description=(
+        "Clip the global gradient norm to this; null = no clipping"))] = 1.0
+    normalize_std: Annotated[bool, Meta(description=(
+        "Divide group-centred rewards by the group's std (GRPO); false = Dr.GRPO"))] = True
+    loss: Annotated[LossConfig, Meta(description="The policy loss's hyper-parameters")] = (
+        msgspec.field(default_factory=LossConfig))
+    old_logprobs: Annotated[Literal["rollout", "recompute"], Meta(description=(
+        "Where the trainer's 'old' logprobs come from: the generator's sampled-token logprobs (rollout, no "
+        "extra forward) or a no-grad forward in the trainer (recompute)"))] = "rollout"
+    max_staleness: Annotated[int, Meta(description=(
+        "How many policy versions generation may run ahead of training. 0: synchronous on-policy (step s is "
+        "generated with the weights of step s). k >= 1: generation runs up to k policy versions ahead of "
+        "training; the trainer drops anything older. Off-policy samples are "
+        "corrected against their rollout logprobs: by the clipped ratio pi/pi_rollout (old_logprobs: rollout), "
+        "or with old_logprobs: recompute by the truncated importance weight min(pi_old/pi_rollout, "
+        "loss.tis_cap)"))] = 0
+    stop_reward: Annotated[float | None, Meta(description=(
+        "Stop early once a step's mean reward >= this; null = run every step"))] = None
 
 
-def _limit(name: str) -> Any:
-    """``int`` bounded as DockLimits bounds the dock limit ``name``."""
+def _limit(name: str, description: str) -> Any:
+    """``int`` bounded as DockLimits bounds the dock limit ``name``, with its description."""
     lo, hi = LIMIT_BOUNDS[name]
-    return typing.Annotated[int, msgspec.Meta(ge=lo, le=hi)]
+    return Annotated[int, Meta(ge=lo, le=hi, description=description)]
 
 
-_MessageMib = _limit("max_message_mib")
-_HeaderMib = _limit("max_header_mib")
-_MaxClients = _limit("max_clients")
-_MaxParked = _limit("max_parked")
+_MessageMib = _limit("max_message_mib", (
+    "Largest tensor frame a warehouse or client accepts (MiB; ZMQ_MAXMSGSIZE; 1 GiB holds any real tensor)"))
+_HeaderMib = _limit("max_header_mib", (
+    "Largest header, and largest message the controller accepts (MiB; it only receives headers)"))
+_MaxClients = _limit("max_clients", (
+    "Client ids the controller keeps state for at once (idle ones are forgotten after their TTL)"))
+_MaxParked = _limit("max_parked", "Claims and reserves the controller holds open at once (long-polls)")
 
 
 class DockConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    capacity: int | None = None  # samples in flight; None = (max_staleness + 2) steps' worth
-    # lower bounds of warehouses and lease_ttl_s are checked in _check; the upper ones are the dock's
-    warehouses: typing.Annotated[int, msgspec.Meta(le=65536)] = 1
-    transport: Literal["ipc", "tcp"] = "ipc"
-    # a worker silent this long loses its leased samples to others (the dock accepts up to an hour)
-    lease_ttl_s: typing.Annotated[float, msgspec.Meta(le=3600)] = 30.0
-    # limits of the dock servers (streamrl.dock.limits.DockLimits, which gives their defaults and
-    # ranges; docs/dock-protocol.md §6.1):
-    # largest tensor frame a warehouse/client accepts (ZMQ_MAXMSGSIZE; 1 GiB holds any real tensor)
+    """The transfer dock (controller and warehouses) that holds samples between stages. The server
+    limits' defaults and ranges are streamrl.dock.limits.DockLimits' (docs/dock-protocol.md §6.1)."""
+
+    capacity: Annotated[int | None, Meta(description=(
+        "Samples in flight; null = (algo.max_staleness + 2) steps' worth"))] = None
+    # the lower bounds of warehouses and lease_ttl_s are checked in _check; the upper ones are the dock's
+    warehouses: Annotated[int, Meta(le=65536, description="Warehouse processes that store the samples' tensors")] = 1
+    transport: Annotated[Literal["ipc", "tcp"], Meta(description=(
+        "Socket transport of the dock: ipc (one machine) or tcp"))] = "ipc"
+    lease_ttl_s: Annotated[float, Meta(le=3600, description=(
+        "Seconds a worker may stay silent before its leased samples go to others (the dock accepts up to an "
+        "hour)"))] = 30.0
     max_message_mib: _MessageMib = DockLimits.max_message_mib
-    # largest header, and largest message the controller accepts (it only receives headers)
     max_header_mib: _HeaderMib = DockLimits.max_header_mib
-    # client ids the controller keeps state for at once (idle ones are forgotten after their TTL)
     max_clients: _MaxClients = DockLimits.max_clients
-    # claims/reserves the controller holds open at once (long-polls)
     max_parked: _MaxParked = DockLimits.max_parked
 
 
 class StageOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    workers: int | None = None
-    micro_batch: int | None = None
-    device: str | None = None
-    threads: int | None = None
-    options: dict[str, Any] | None = None
+    """Per-stage overrides of the pipeline file's settings (``stages.<name>``); null keeps the pipeline's."""
+
+    workers: Annotated[int | None, Meta(description="Worker processes of the stage")] = None
+    micro_batch: Annotated[int | None, Meta(description="Samples per claim from the dock")] = None
+    device: Annotated[str | None, Meta(description=(
+        "Device of the stage's workers (cpu, cuda, cuda:N, npu, auto); the pipeline's default is "
+        "resources.device"))] = None
+    threads: Annotated[int | None, Meta(description="torch intra-op threads per worker")] = None
+    options: Annotated[dict[str, Any] | None, Meta(description=(
+        "Stage options, merged over the pipeline's options of that stage (built-in stages' options: see "
+        "the options.* sections)"))] = None
 
 
 class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``resources.launch: ray`` (pip install 'streamrl[ray]'): where the run's processes go."""
 
-    # None: start a Ray instance on this machine for the run, stopped at its end; "auto": the
-    # cluster this machine joined with `ray start`; "HOST:PORT": that cluster's head (GCS address)
-    address: str | None = None
-    # how the workers' bundles spread over the nodes (a Ray placement-group strategy): PACK fills
-    # a node before the next; SPREAD / STRICT_SPREAD put bundles on different nodes
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    # Ray resources each worker of a stage needs beyond its CPUs (stage threads) and accelerator
-    # (one GPU for device cuda, one NPU for npu), e.g. {generate: {node_b: 1}} to pin generation
-    # to the nodes that offer the custom resource node_b
-    stage_resources: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
-    # a Ray started for the run (address None): the CPUs it offers; None = every core
-    num_cpus: int | None = None
-    # one warehouse per node that runs workers (data stays on its node); false: one warehouse, on
-    # the controller's node
-    warehouse_per_node: bool = True
-    # the ownership block of the dock (docs/dock-protocol.md): samples a producer reserves are
-    # numbered inside blocks of this many indices that its own node's warehouse owns
-    dock_block: int = 4096
+    address: Annotated[str | None, Meta(description=(
+        "null: start a Ray instance on this machine for the run, stopped at its end; auto: the cluster this "
+        "machine joined with `ray start`; HOST:PORT: that cluster's head (GCS address)"))] = None
+    strategy: Annotated[Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"], Meta(description=(
+        "How the workers' bundles spread over the nodes (a Ray placement-group strategy): PACK fills a node "
+        "before the next; SPREAD / STRICT_SPREAD put bundles on different nodes"))] = "PACK"
+    stage_resources: Annotated[dict[str, dict[str, float]], Meta(description=(
+        "Ray resources each worker of a stage needs beyond its CPUs (stage threads) and accelerator (one GPU for "
+        "device cuda, one NPU for npu), e.g. {generate: {node_b: 1}} to pin generation to the nodes that offer "
+        "the custom resource node_b"))] = msgspec.field(default_factory=dict)
+    num_cpus: Annotated[int | None, Meta(description=(
+        "A Ray started for the run (address null): the CPUs it offers; null = every core"))] = None
+    warehouse_per_node: Annotated[bool, Meta(description=(
+        "One warehouse per node that runs workers (data stays on its node); false: one warehouse, on the "
+        "controller's node"))] = True
+    dock_block: Annotated[int, Meta(description=(
+        "The dock's ownership block (docs/dock-protocol.md): samples a producer reserves are numbered inside "
+        "blocks of this many indices that its own node's warehouse owns; >= algo.group_size"))] = 4096
 
 
 class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # "processes": controller, warehouses and every stage worker are separate local processes.
-    # "inprocess": stages run as tasks in this process (dock servers in threads), for debugging.
-    # "ray": every process is placed on a Ray cluster (resources.ray); the dock runs over tcp,
-    # every socket with CURVE and the run's keys (see docs/ray.md)
-    launch: Literal["processes", "inprocess", "ray"] = "processes"
-    ray: RayConfig = msgspec.field(default_factory=RayConfig)
-    device: str = "cpu"  # default device of model stages: cpu, cuda, cuda:N, npu, auto
-    dock: DockConfig = msgspec.field(default_factory=DockConfig)
-    start_timeout_s: float = 120.0  # worker start-up (imports, model build) must finish within this
-    # a worker of a restartable stage (generate, score, reference, advantage: no training state)
-    # whose process dies is started again, at most this many times per run; 0 = the run stops
-    max_restarts: int = 3
-    # no optimizer step for this long (seconds) after the last one = a stall: the run stops,
-    # reporting the stack of every worker busy in a batch (faulthandler); 0 = never. The first
-    # step may take longer (warm-up): it gets twice this.
-    stall_timeout_s: float = 1800.0
-    # a run whose trainer dies resumes from its newest checkpoint (output.checkpoint_every) up
-    # to this many times, in the same run directory; 0 = stop and say how to resume
-    auto_resume: int = 0
+    """How and where the run's processes start, and when a stuck or dead one stops the run."""
+
+    launch: Annotated[Literal["processes", "inprocess", "ray"], Meta(description=(
+        "processes: controller, warehouses and every stage worker are separate local processes. inprocess: "
+        "stages run as tasks in this process (dock servers in threads), for debugging. ray: every process is "
+        "placed on a Ray cluster (resources.ray); the dock runs over tcp, every socket with CURVE and the run's "
+        "keys (docs/ray.md)"))] = "processes"
+    ray: Annotated[RayConfig, Meta(description="Placement on a Ray cluster (launch: ray)")] = (
+        msgspec.field(default_factory=RayConfig))
+    device: Annotated[str, Meta(description=(
+        "Default device of model stages: cpu, cuda, cuda:N, npu, auto"))] = "cpu"
+    dock: Annotated[DockConfig, Meta(description="The transfer dock")] = msgspec.field(default_factory=DockConfig)
+    start_timeout_s: Annotated[float, Meta(description=(
+        "Seconds within which worker start-up (imports, model build) must finish"))] = 120.0
+    max_restarts: Annotated[int, Meta(description=(
+        "A worker of a restartable stage (generate, score, reference, advantage: no training state) whose "
+        "process dies is started again, at most this many times per run; 0 = the run stops"))] = 3
+    stall_timeout_s: Annotated[float, Meta(description=(
+        "Seconds without an optimizer step after the last one that count as a stall: the run stops, reporting "
+        "the stack of every worker busy in a batch (faulthandler); 0 = never. The first step may take twice "
+        "this (warm-up)"))] = 1800.0
+    auto_resume: Annotated[int, Meta(description=(
+        "A run whose trainer dies resumes from its newest checkpoint (output.checkpoint_every) up to this many "
+        "times, in the same run directory; 0 = stop and say how to resume"))] = 0
 
 
 class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Held-out evaluation: a stage of its own generates on the task's eval split with the newest
     policy version while training goes on, and writes ``eval/...`` rows to metrics.jsonl."""
 
-    every: int = 0  # evaluate policy versions every, 2*every, ... (optimizer steps); 0 = no evaluation
-    # also evaluate the final version (when every > 0), from the exported checkpoint (output.checkpoint)
-    at_end: bool = True
-    end_timeout_s: float = 600.0  # the final evaluation must finish within this after training ends
-    max_prompts: int | None = None  # eval prompts per evaluation (the first of the eval split); None = all
-    samples: int = 1  # completions per eval prompt: mean@k and pass@k with k = samples
-    pass_threshold: float = 1.0  # pass@k counts a prompt when one of its k rewards is >= this
-    temperature: float = 0.0  # 0 = greedy (then samples must be 1)
-    max_new_tokens: int | None = None  # None = algo.max_new_tokens
-    seed: int = 0  # sampling seed (temperature > 0), and the prompts of a task without an eval split
+    every: Annotated[int, Meta(description=(
+        "Evaluate policy versions every, 2*every, ... (optimizer steps); 0 = no evaluation"))] = 0
+    at_end: Annotated[bool, Meta(description=(
+        "Also evaluate the final version (when every > 0), from the exported checkpoint (output.checkpoint)"))] = True
+    end_timeout_s: Annotated[float, Meta(description=(
+        "Seconds within which the final evaluation must finish after training ends"))] = 600.0
+    max_prompts: Annotated[int | None, Meta(description=(
+        "Eval prompts per evaluation (the first of the eval split); null = all"))] = None
+    samples: Annotated[int, Meta(description=(
+        "Completions per eval prompt: mean@k and pass@k with k = samples"))] = 1
+    pass_threshold: Annotated[float, Meta(description=(
+        "pass@k counts a prompt when one of its k rewards is >= this"))] = 1.0
+    temperature: Annotated[float, Meta(description="Sampling temperature; 0 = greedy (then samples must be 1)")] = 0.0
+    max_new_tokens: Annotated[int | None, Meta(description=(
+        "Completion length cap (tokens); null = algo.max_new_tokens"))] = None
+    seed: Annotated[int, Meta(description=(
+        "Sampling seed (temperature > 0), and the prompts of a task without an eval split"))] = 0
 
 
 class WandbConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Weights & Biases logging (pip install wandb). offline: files under <run dir>/wandb, no
     network (upload later with `wandb sync`)."""
 
-    project: str = "streamrl"
-    mode: Literal["online", "offline"] = "online"
-    entity: str | None = None
-    group: str | None = None
-    tags: list[str] = msgspec.field(default_factory=list)
+    project: Annotated[str, Meta(description="The W&B project")] = "streamrl"
+    mode: Annotated[Literal["online", "offline"], Meta(description=(
+        "online: log to the W&B server; offline: files under <run dir>/wandb, uploaded later with "
+        "`wandb sync`"))] = "online"
+    entity: Annotated[str | None, Meta(description="The W&B entity (user or team); null = your default")] = None
+    group: Annotated[str | None, Meta(description="A W&B run group; null = none")] = None
+    tags: Annotated[list[str], Meta(description="Tags of the W&B run")] = msgspec.field(default_factory=list)
 
 
 class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    run_dir: str = "runs"  # each run writes to <run_dir>/<name>-<timestamp>/
-    name: str = "run"
-    tensorboard: bool = True
-    wandb: WandbConfig | None = None  # None: no Weights & Biases run
-    plot: bool = True  # reward_curve.png at the end
-    checkpoint: bool = True  # final policy as a transformers save_pretrained directory
-    # a resumable checkpoint (policy, optimizer, schedule, RNG, data position) every N optimizer
-    # steps, and on SIGTERM; 0 = none (`streamrl run --resume` needs one)
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2  # the newest N are kept; older ones are deleted once a newer one is complete
-    progress: Literal["auto", "tty", "lines", "none"] = "auto"  # none: silent
+    """What a run writes, and where."""
+
+    run_dir: Annotated[str, Meta(description="Each run writes to <run_dir>/<name>-<timestamp>/")] = "runs"
+    name: Annotated[str, Meta(description="The run's name: a plain file name (no '/')")] = "run"
+    tensorboard: Annotated[bool, Meta(description="Write TensorBoard event files into the run directory")] = True
+    wandb: Annotated[WandbConfig | None, Meta(description="Weights & Biases logging; null = no W&B run")] = None
+    plot: Annotated[bool, Meta(description="Plot reward_curve.png at the end")] = True
+    checkpoint: Annotated[bool, Meta(description=(
+        "Export the final policy as a transformers save_pretrained directory"))] = True
+    checkpoint_every: Annotated[int, Meta(description=(
+        "A resumable checkpoint (policy, optimizer, schedule, RNG, data position) every N optimizer steps, and "
+        "on SIGTERM; 0 = none (`streamrl run --resume` needs one)"))] = 0
+    keep_checkpoints: Annotated[int, Meta(description=(
+        "The newest N checkpoints are kept; older ones are deleted once a newer one is complete"))] = 2
+    progress: Annotated[Literal["auto", "tty", "lines", "none"], Meta(description=(
+        "Progress display on the terminal: auto picks tty (a live line) on a terminal, else lines; "
+        "none: silent"))] = "auto"
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pipeline: str = "pipelines/grpo.yaml"  # relative to the config file, the cwd, or the package
-    seed: int = 0
-    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
-    task: TaskConfig = msgspec.field(default_factory=TaskConfig)
-    algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
-    resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
-    output: OutputConfig = msgspec.field(default_factory=OutputConfig)
-    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
-    stages: dict[str, StageOverride] = msgspec.field(default_factory=dict)  # per-stage overrides
-    config_dir: str = "."  # set by the loader: where relative paths in the config resolve
+    """A run: the pipeline it runs and every setting of its stages."""
+
+    pipeline: Annotated[str, Meta(description=(
+        "The pipeline file (the stage graph), relative to the config file, the cwd, or the package"))] = (
+        "pipelines/grpo.yaml")
+    seed: Annotated[int, Meta(description=(
+        "Sampling seed of generation (each worker and batch derive their generator's seed from it)"))] = 0
+    model: Annotated[ModelConfig, Meta(description="The policy model")] = msgspec.field(default_factory=ModelConfig)
+    task: Annotated[TaskConfig, Meta(description="The task: prompts and rewards")] = (
+        msgspec.field(default_factory=TaskConfig))
+    algo: Annotated[AlgoConfig, Meta(description="The algorithm's hyper-parameters")] = (
+        msgspec.field(default_factory=AlgoConfig))
+    resources: Annotated[ResourcesConfig, Meta(description="Processes, devices and the dock")] = (
+        msgspec.field(default_factory=ResourcesConfig))
+    output: Annotated[OutputConfig, Meta(description="What the run writes")] = (
+        msgspec.field(default_factory=OutputConfig))
+    eval: Annotated[EvalConfig, Meta(description="Held-out evaluation")] = msgspec.field(default_factory=EvalConfig)
+    stages: Annotated[dict[str, StageOverride], Meta(description=(
+        "Per-stage overrides, by stage name: stages.<name>.<field>"))] = msgspec.field(default_factory=dict)
+    config_dir: Annotated[str, Meta(description=(
+        "Set by the loader: the directory relative paths in the config resolve against"))] = "."
 
     @property
     def batch_size(self) -> int:
@@ -284,10 +351,10 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return cap if cap is not None else (self.algo.max_staleness + 2) * self.batch_size
 
 
-def _check(cfg: RunConfig, where: str) -> None:
-    """Cross-field and range checks of the config alone (no files, no imports): each rule names
-    its dotted key and says what to write instead. Checks that need the pipeline, the task or the
-    model are in :func:`streamrl.runtime.pipeline.check_run`."""
+def _check(cfg: RunConfig) -> list[str]:
+    """Cross-field and range checks of the config alone (no files, no imports): the message of
+    every failing rule, each starting with its dotted key and saying what to write instead. Checks
+    that need the pipeline, the task or the model are in :func:`streamrl.runtime.pipeline.check_run`."""
     a = cfg.algo
     r = cfg.resources
     rules: list[tuple[bool, str]] = [
@@ -370,20 +437,18 @@ def _check(cfg: RunConfig, where: str) -> None:
         (cfg.model.path is None or bool(cfg.model.path.strip()),
          "model.path is empty; leave it out (null) to build model.tiny, or give a save_pretrained directory"),
     ]
-    for ok, message in rules:
-        if not ok:
-            raise ConfigError(f"{where}: {message}")
-    _check_output(cfg.output, where)
-    _check_extra_chars(cfg.model.extra_chars, where)
+    failed = [message for ok, message in rules if not ok]
+    return failed + _check_output(cfg.output) + _check_extra_chars(cfg.model.extra_chars)
 
 
-def _check_output(out: OutputConfig, where: str) -> None:
+def _check_output(out: OutputConfig) -> list[str]:
+    problems = []
     name = out.name
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise ConfigError(f"{where}: output.name {name!r} must be a plain file name (no '/'): each run writes "
-                          "<output.run_dir>/<output.name>-<timestamp>/")
+        problems.append(f"output.name {name!r} must be a plain file name (no '/'): each run writes "
+                        "<output.run_dir>/<output.name>-<timestamp>/")
     if not out.run_dir.strip():
-        raise ConfigError(f"{where}: output.run_dir is empty; give a directory, e.g. runs")
+        return [*problems, "output.run_dir is empty; give a directory, e.g. runs"]
     # runs are made under the cwd's run_dir (the launcher's Path(run_dir)): the directory, or the
     # first of its ancestors that exists, must be a directory we may write into
     path = Path(out.run_dir).expanduser()
@@ -392,108 +457,28 @@ def _check_output(out: OutputConfig, where: str) -> None:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         what = "is a file" if probe == path else f"is under {str(probe)!r}, which is a file"
-        raise ConfigError(f"{where}: output.run_dir {out.run_dir!r} {what}, not a directory; "
-                          "set output.run_dir to a directory (it is created if missing)")
-    if probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{where}: output.run_dir {out.run_dir!r}: cannot write into {str(probe)!r} "
-                          "(permission denied); choose another output.run_dir")
+        problems.append(f"output.run_dir {out.run_dir!r} {what}, not a directory; "
+                        "set output.run_dir to a directory (it is created if missing)")
+    elif probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
+        problems.append(f"output.run_dir {out.run_dir!r}: cannot write into {str(probe)!r} "
+                        "(permission denied); choose another output.run_dir")
+    return problems
 
 
-def _check_extra_chars(extra_chars: str, where: str) -> None:
+def _check_extra_chars(extra_chars: str) -> list[str]:
     from streamrl.models.tokenizer import TokenizerConfigError, check_extra_chars
 
     try:
         check_extra_chars(extra_chars)
     except TokenizerConfigError as exc:
-        raise ConfigError(f"{where}: model.{exc}") from None
+        return [f"model.{exc}"]
+    return []
 
 
 def did_you_mean(word: str, options: list[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``options``, else `` (known: a, b, ...)`` in their order."""
     close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(options)})"
-
-
-def _fields_of(struct_type: Any) -> dict[str, Any]:
-    return {f.name: f.type for f in msgspec.structs.fields(struct_type)}
-
-
-_PREFIXES = {"LossConfig.": "algo.loss.", "TinyModelSpec.": "model.tiny."}
-
-
-def _stage_path(path: str, raw: dict[str, Any]) -> str:
-    """msgspec says ``stages[...]`` for a dict value: find the stage override that fails on its own."""
-    if not path.startswith(".stages[...]"):
-        return path
-    stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
-    for name, value in (stages or {}).items():
-        try:
-            msgspec.convert(value, StageOverride)
-        except msgspec.ValidationError:
-            return f".stages.{name}" + path[len(".stages[...]"):]
-    return path
-
-
-def _type_at(parts: list[str]) -> Any:
-    """The declared type of a dotted config path (None where it cannot be followed)."""
-    struct_type: Any = RunConfig
-    if len(parts) >= 2 and parts[0] == "stages":
-        struct_type, parts = StageOverride, parts[2:]  # stages.<name>: a dict of overrides
-    for part in parts:
-        if "[" in part or not (isinstance(struct_type, type) and issubclass(struct_type, msgspec.Struct)):
-            return None
-        struct_type = _fields_of(struct_type).get(part)
-    return struct_type
-
-
-def _value_at(raw: Any, parts: list[str]) -> tuple[bool, Any]:
-    node = raw
-    for part in parts:
-        if not isinstance(node, dict) or part not in node:
-            return False, None
-        node = node[part]
-    return True, node
-
-
-def _allowed_values(tp: Any) -> list[Any]:
-    """The literal values a field accepts (``Literal[...]``, possibly inside ``X | None``)."""
-    if typing.get_origin(tp) is Literal:
-        return list(typing.get_args(tp))
-    return [v for arg in typing.get_args(tp) for v in _allowed_values(arg)]
-
-
-def _explain(exc: msgspec.ValidationError, raw: dict[str, Any], where: str) -> ConfigError:
-    """Turn msgspec's message into one that names the dotted key, the value given and the fix."""
-    text = str(exc)
-    problem, _, at = text.partition(" - at `$")
-    path = _stage_path(at.rstrip("`"), raw)
-    parts = [p for p in path.strip(".").split(".") if p]
-    key = ".".join(parts)
-    if text.startswith("Object contains unknown field"):
-        field = text.split("`")[1]
-        struct_type = _type_at(parts)
-        is_struct = isinstance(struct_type, type) and issubclass(struct_type, msgspec.Struct)
-        options = list(_fields_of(struct_type)) if is_struct else []
-        full = f"{key}.{field}".strip(".")
-        return ConfigError(f"{where}: unknown key {full!r}{did_you_mean(field, sorted(options))}")
-    for prefix, dotted in _PREFIXES.items():  # __post_init__ checks of nested structs name their class
-        if problem.startswith(prefix):
-            return ConfigError(f"{where}: {dotted}{problem[len(prefix):]}")
-    found, value = _value_at(raw, parts)
-    given = f" (given: {value!r})" if found else ""
-    if problem.startswith("Invalid enum value"):
-        allowed = _allowed_values(_type_at(parts))
-        return ConfigError(f"{where}: {key} must be one of {allowed}, got {value!r}")
-    if problem.startswith("Object missing required field"):
-        return ConfigError(f"{where}: {key or 'the config'} misses the required key {problem.split('`')[1]!r}")
-    if problem.startswith("Expected `"):
-        hint = ""
-        if problem.startswith("Expected `object`"):
-            hint = f"; write it as a mapping, e.g. {key}: {{key: value}}"
-        elif "of length" in problem:
-            hint = f"; e.g. {key}: [0.9, 0.999]" if key.endswith("betas") else ""
-        return ConfigError(f"{where}: {key}: {problem[0].lower()}{problem[1:]}{given}{hint}")
-    return ConfigError(f"{where}: {key}: {problem}{given}" if key else f"{where}: {problem}")
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -528,8 +513,269 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def bare_type(tp: Any) -> Any:
+    """``tp`` without its ``Annotated[...]`` metadata (descriptions, bounds)."""
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def field_types(struct_type: Any) -> dict[str, Any]:
+    """Field name -> declared type of a Struct, with its ``Annotated`` metadata (msgspec validates
+    against this: bounds included)."""
+    hints = typing.get_type_hints(struct_type, include_extras=True)
+    return {f.name: hints[f.name] for f in msgspec.structs.fields(struct_type)}
+
+
+def field_description(tp: Any) -> str:
+    """The ``msgspec.Meta(description=...)`` of an annotated field type ("" without one)."""
+    text = ""
+    while typing.get_origin(tp) is Annotated:
+        args = typing.get_args(tp)
+        for meta in args[1:]:
+            if isinstance(meta, msgspec.Meta) and meta.description:
+                text = meta.description
+        tp = args[0]
+    return text
+
+
+def struct_in(tp: Any) -> Any:
+    """The Struct a field holds (``S`` or ``S | None``), else None."""
+    tp = bare_type(tp)
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp
+    structs = [a for a in typing.get_args(tp) if isinstance(bare_type(a), type) and issubclass(bare_type(a), msgspec.Struct)]
+    return bare_type(structs[0]) if len(structs) == 1 and typing.get_origin(tp) in (typing.Union, types.UnionType) else None
+
+
+def _fields_of(struct_type: Any) -> dict[str, Any]:
+    return {name: bare_type(tp) for name, tp in field_types(struct_type).items()}
+
+
+_PREFIXES = {"LossConfig.": "algo.loss.", "TinyModelSpec.": "model.tiny."}
+
+
+def _type_at(parts: list[str]) -> Any:
+    """The declared type of a dotted config path (None where it cannot be followed)."""
+    struct_type: Any = RunConfig
+    if len(parts) >= 2 and parts[0] == "stages":
+        struct_type, parts = StageOverride, parts[2:]  # stages.<name>: a dict of overrides
+    for part in parts:
+        if "[" in part or struct_in(struct_type) is None:
+            return None
+        struct_type = _fields_of(struct_in(struct_type)).get(part)
+    return struct_type
+
+
+def _value_at(raw: Any, parts: list[str]) -> tuple[bool, Any]:
+    node = raw
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _allowed_values(tp: Any) -> list[Any]:
+    """The literal values a field accepts (``Literal[...]``, possibly inside ``X | None``)."""
+    tp = bare_type(tp)
+    if typing.get_origin(tp) is Literal:
+        return list(typing.get_args(tp))
+    return [v for arg in typing.get_args(tp) for v in _allowed_values(arg)]
+
+
+def _explain(text: str, raw: dict[str, Any]) -> str:
+    """msgspec's message (``... - at `$.algo.lr```) as one that names the dotted key, the value
+    given and the fix."""
+    problem, _, at = text.partition(" - at `$")
+    parts = [p for p in at.rstrip("`").strip(".").split(".") if p]
+    key = ".".join(parts)
+    for prefix, dotted in _PREFIXES.items():  # __post_init__ checks of nested structs name their class
+        if problem.startswith(prefix):
+            return f"{dotted}{problem[len(prefix):]}"
+    found, value = _value_at(raw, parts)
+    given = f" (given: {value!r})" if found else ""
+    if problem.startswith("Invalid enum value"):
+        return f"{key} must be one of {_allowed_values(_type_at(parts))}, got {value!r}"
+    if problem.startswith("Expected `"):
+        hint = ""
+        if problem.startswith("Expected `object`"):
+            hint = f"; write it as a mapping, e.g. {key}: {{key: value}}"
+        elif "of length" in problem:
+            hint = f"; e.g. {key}: [0.9, 0.999]" if key.endswith("betas") else ""
+        return f"{key}: {problem[0].lower()}{problem[1:]}{given}{hint}"
+    return f"{key}: {problem}{given}" if key else problem
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One thing wrong in a config: where (the file, the dotted key and its line) and what to do."""
+
+    file: str  # the config file ("config" for a dict), "+ overrides" when the key came from key=value
+    key: str  # the dotted key ("" for the config as a whole)
+    line: int | None  # 1-based line of the key in the file; None: not written in the file
+    message: str  # what is wrong, naming the key; most say what to write instead
+    hint: str = ""  # more help where the message has none (the field's description)
+
+    def __str__(self) -> str:
+        at = f"{self.file}, line {self.line}" if self.line is not None else self.file
+        return f"{at}: {self.message}" + (f"; {self.hint}" if self.hint else "")
+
+
+class ConfigErrors(ConfigError):
+    """Every problem found in one config (at least one); its text lists them all, one a line."""
+
+    def __init__(self, problems: list[ConfigProblem]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            text = str(self.problems[0])
+        else:
+            text = f"{len(self.problems)} problems:\n" + "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(text)
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """Dotted key -> the 1-based line it is written on in YAML ``text`` (mappings only: keys of
+    nested mappings are dotted, list items are not followed); {} where ``text`` does not compose."""
+    try:
+        root = yaml.compose(text, Loader=YamlLoader)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                dotted = prefix + str(key_node.value)
+                lines[dotted] = key_node.start_mark.line + 1
+                walk(value_node, dotted + ".")
+
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+class _Problems:
+    """Collects a config's problems with their file, line and origin (the file or an override)."""
+
+    def __init__(self, where: str, lines: dict[str, int], overridden: set[str]) -> None:
+        self.where, self.lines, self.overridden = where, lines, overridden
+        self.found: list[ConfigProblem] = []
+        self.bad_keys: list[str] = []  # keys whose value was refused: dropped before the cross-field rules
+
+    def from_override(self, key: str) -> bool:
+        parts = key.split(".")
+        return any(".".join(parts[:i]) in self.overridden for i in range(1, len(parts) + 1))
+
+    def add(self, key: str, message: str, hint: str = "") -> None:
+        if self.from_override(key):
+            file, line = f"{self.where} + overrides", None
+        else:
+            file = self.where
+            parts = key.split(".")  # the key's own line, else its nearest written parent's
+            line = next((self.lines[".".join(parts[:i])] for i in range(len(parts), 0, -1)
+                         if ".".join(parts[:i]) in self.lines), None)
+        self.found.append(ConfigProblem(file=file, key=key, line=line, message=message, hint=hint))
+
+
+def _field_problems(raw: dict[str, Any], struct_type: Any, prefix: list[str], out: _Problems,
+                    root: dict[str, Any]) -> None:
+    """Check mapping ``raw`` against ``struct_type`` field by field, so that one bad field does not
+    hide another: unknown keys, each value's type and bounds, then the struct's own
+    ``__post_init__`` rules where its fields are all good."""
+    fields = field_types(struct_type)
+    before = len(out.found)
+    for name, value in raw.items():
+        path = [*prefix, str(name)]
+        key = ".".join(path)
+        if name not in fields:
+            out.add(key, f"unknown key {key!r}{did_you_mean(str(name), sorted(fields))}")
+            out.bad_keys.append(key)
+            continue
+        tp = fields[name]
+        sub = struct_in(tp)
+        if sub is not None and isinstance(value, dict):
+            _field_problems(value, sub, path, out, root)
+            continue
+        if struct_type is RunConfig and name == "stages" and isinstance(value, dict):
+            for stage, over in value.items():
+                if isinstance(over, dict):
+                    _field_problems(over, StageOverride, [*path, str(stage)], out, root)
+                else:
+                    _value_problem(over, StageOverride, [*path, str(stage)], out, root)
+            continue
+        _value_problem(value, tp, path, out, root)
+    if len(out.found) == before and prefix:  # the struct's own rules (TinyModelSpec, LossConfig)
+        try:
+            msgspec.convert(raw, struct_type)
+        except ValueError as exc:  # msgspec.ValidationError included
+            text = str(exc).partition(" - at `$")[0]
+            for cls_prefix, dotted in _PREFIXES.items():
+                text = text.replace(cls_prefix, dotted)
+            key = ".".join(prefix)
+            named = _KEY_AT_START.match(text)
+            out.add(named.group(0) if named and named.group(0).startswith(key + ".") else key,
+                    text if text.startswith(key) else f"{key}: {text}")
+            out.bad_keys.append(key)  # the whole struct: its rule may tie several of its fields
+
+
+def _value_problem(value: Any, tp: Any, path: list[str], out: _Problems, root: dict[str, Any]) -> None:
+    key = ".".join(path)
+    try:
+        msgspec.convert(value, tp)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        problem, _, inner = text.partition(" - at `$")
+        where = key + inner.rstrip("`")
+        description = field_description(tp).split(". ")[0]  # its first sentence
+        section = "stages" if path[0] == "stages" else ".".join(path[:-1]) or "top"
+        hint = f"{description} (streamrl config --help {section})" if description else ""
+        out.add(key, _explain(f"{problem} - at `$.{where}`", root), hint=hint)
+        out.bad_keys.append(key)
+
+
+_KEY_AT_START = re.compile(r"^[A-Za-z_]+(?:\.[A-Za-z_]+)*")
+_DOTTED = re.compile(r"(?<![\w.])[a-z_]+(?:\.[a-z_]+)+")
+
+
+def _rule_key(message: str, out: _Problems) -> str:
+    """The key a cross-field rule's message is about: the first one it names that the file or an
+    override sets, else the one it starts with."""
+    start = _KEY_AT_START.match(message)
+    named = ([start.group(0)] if start else []) + _DOTTED.findall(message)
+    for key in named:
+        if key in out.lines or out.from_override(key):
+            return key
+    return named[0] if named else ""
+
+
+def _mentions(message: str, key: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message) is not None
+
+
+def _drop(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    """``raw`` without dotted ``key`` (copies the mappings on its path)."""
+    parts = key.split(".")
+    out = dict(raw)
+    node = out
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            return out
+        node[part] = dict(node[part])
+        node = node[part]
+    node.pop(parts[-1], None)
+    return out
+
+
 def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list[str] | None = None) -> RunConfig:
-    """A validated RunConfig from a YAML path, a dict or a RunConfig, with ``key=value`` overrides."""
+    """A validated RunConfig from a YAML path, a dict or a RunConfig, with ``key=value`` overrides.
+
+    Raises :class:`ConfigErrors` (a ConfigError) listing every problem found: unknown keys, each
+    field's type and range, and every failing cross-field rule, each with its file, dotted key and
+    line in the file."""
+    lines: dict[str, int] = {}
     if isinstance(source, RunConfig):
         raw: dict[str, Any] = msgspec.to_builtins(source)
         where = "config"
@@ -541,24 +787,34 @@ def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list
         if not path.is_file():
             raise ConfigError(f"{where}: no such config file")
         raw = read_yaml_mapping(path, "config", "a mapping of config fields (key: value lines)")
+        lines = key_lines(path.read_text())
         raw.setdefault("config_dir", str(path.parent.resolve()))
+    overridden: set[str] = set()
     if overrides:
-        raw = _merge(raw, parse_overrides(overrides))
-        where += " + overrides"
+        parsed = parse_overrides(overrides)
+        overridden = {item.partition("=")[0] for item in overrides}
+        raw = _merge(raw, parsed)
+    out = _Problems(where, lines, overridden)
+    _field_problems(raw, RunConfig, [], out, raw)
+    good = raw
+    for key in out.bad_keys:  # the cross-field rules judge what is left (refused values take their defaults)
+        good = _drop(good, key)
     try:
-        cfg = msgspec.convert(raw, RunConfig)
-    except msgspec.ValidationError as exc:
-        raise _explain(exc, raw, where) from None
-    except ValueError as exc:  # __post_init__ checks of nested structs (TinyModelSpec, LossConfig)
-        text = str(exc)
-        for prefix, dotted in _PREFIXES.items():
-            text = text.replace(prefix, dotted)
-        raise ConfigError(f"{where}: {text}") from None
+        cfg = msgspec.convert(good, RunConfig)
+    except ValueError as exc:  # not expected after the field checks; report it rather than hide it
+        out.add("", _explain(str(exc), raw))
+        raise ConfigErrors(out.found) from None
     algo_raw = raw.get("algo") if isinstance(raw.get("algo"), dict) else {}
+    rules = _check(cfg)
     if cfg.algo.epochs is not None and "steps" in algo_raw:
-        raise ConfigError(f"{where}: algo.epochs and algo.steps both set the run's length; keep one (algo.epochs "
-                          "counts passes over the train split, algo.steps optimizer steps)")
-    _check(cfg, where)
+        rules.insert(0, "algo.epochs and algo.steps both set the run's length; keep one (algo.epochs counts "
+                        "passes over the train split, algo.steps optimizer steps)")
+    for message in rules:
+        if any(_mentions(message, key) for key in out.bad_keys):
+            continue  # it would judge a refused value's default, not what was written
+        out.add(_rule_key(message, out), message)
+    if out.found:  # in the file's order; those from overrides (no line) last
+        raise ConfigErrors(sorted(out.found, key=lambda p: (p.line is None, p.line or 0)))
     return cfg
 
 

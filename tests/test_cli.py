@@ -143,3 +143,72 @@ def test_usage_errors() -> None:
     with pytest.raises(SystemExit) as info:
         main(["frobnicate"])
     assert info.value.code == 2
+
+
+def test_validate_reports_every_problem_with_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One bad field does not hide another: a typo'd key, a wrong type and a failed range rule,
+    each with the file and the line it is on."""
+    bad = tmp_path / "three.yaml"
+    bad.write_text("pipeline: ../pipelines/grpo.yaml\n"
+                   "algo:\n"
+                   "  lrr: 0.001\n"            # line 3: unknown key
+                   "  steps: 0\n"              # line 4: range rule
+                   "output:\n"
+                   "  tensorboard: maybe\n")   # line 6: wrong type
+    code = main(["validate", str(bad)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("streamrl: config error: 3 problems:"), err
+    assert f"{bad}, line 3: unknown key 'algo.lrr' (did you mean 'lr'?)" in err
+    assert f"{bad}, line 4: algo.steps must be >= 1, got 0" in err
+    assert f"{bad}, line 6: output.tensorboard: expected `bool`, got `str`" in err
+    # the same problems, as the exception callers catch
+    from streamrl.config import ConfigError, ConfigErrors
+
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert isinstance(info.value, ConfigErrors)
+    assert [(p.key, p.line) for p in info.value.problems] == [("algo.lrr", 3), ("algo.steps", 4),
+                                                              ("output.tensorboard", 6)]
+
+
+def test_a_problem_from_an_override_names_the_override(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(DIGITS), "algo.top_k=-1", "algo.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{DIGITS} + overrides: unknown key 'algo.lrr'" in err and "algo.top_k must be >= 0" in err
+
+
+@pytest.mark.parametrize("argv", [["config", "--help", "algo.loss"], ["config", "help", "algo.loss"],
+                                  ["config", "-h", "algo.loss"]])
+def test_config_help_prints_a_section(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("algo.loss\n")
+    assert "algo.loss.kl_coef: float, default 0.0" in out
+    assert "Weight of the per-token KL penalty" in out
+
+
+def test_config_help_without_a_section_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "streamrl config show" in out
+    for name in ("algo.loss", "resources.dock", "options.train", "stages"):
+        assert f"\n  {name} " in out
+
+
+def test_config_help_of_an_unknown_section_suggests_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--help", "resorces"]) == 2
+    assert "did you mean 'resources'" in capsys.readouterr().err
+    assert main(["config", "shwo"]) == 2
+    assert "did you mean 'show'" in capsys.readouterr().err
+
+
+def test_config_show_prints_the_resolved_config_with_descriptions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", str(DIGITS), "algo.lr=3e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "  # AdamW peak learning rate (after warmup)\n  lr: 0.0003\n" in out
+    assert load_config(yaml.safe_load(out)) == load_config(DIGITS, ["algo.lr=3e-4"])
+    assert main(["config", "show"]) == 0  # no CONFIG: the defaults
+    assert load_config(yaml.safe_load(capsys.readouterr().out)) == load_config({})
+    assert main(["config", "show", "algo.steps=0"]) == 2
+    assert "algo.steps must be >= 1" in capsys.readouterr().err

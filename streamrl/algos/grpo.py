@@ -14,10 +14,11 @@ for every aggregation mode, whatever the split.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import torch
+from msgspec import Meta
 from torch import Tensor
 
 from streamrl.algos.kl import KLEstimator, kl_penalty
@@ -32,17 +33,27 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     Defaults are TRL GRPOTrainer's (loss_type "dapo" = token-mean, epsilon 0.2, beta 0).
     """
 
-    clip_low: float = 0.2  # ratio floor is 1 - clip_low (PPO epsilon)
-    clip_high: float = 0.2  # ratio ceiling is 1 + clip_high; > clip_low = DAPO "clip-higher"
-    kl_coef: float = 0.0  # weight of the per-token KL penalty against the reference policy (0 = off)
-    kl_estimator: KLEstimator = "k3"  # k1: log-ratio, k2: squared log-ratio / 2, k3: Schulman's unbiased
-    loss_agg: LossAggregation = "token-mean"  # how per-token losses become one number, see module doc
-    # Cap on the truncated importance weight exp(old - rollout) applied when the trainer recomputed
-    # old logprobs and they differ from the behaviour (rollout) ones: off-policy samples or an
-    # inference engine whose numerics differ. None = no correction.
-    tis_cap: float | None = 2.0
-    temperature: float = 1.0  # sampling temperature; logprobs are recomputed at the same one
-    compute_entropy: bool = True  # report the policy's mean entropy (costs one pass over the vocab)
+    clip_low: Annotated[float, Meta(description="The ratio's floor is 1 - clip_low (PPO epsilon), in [0, 1)")] = 0.2
+    clip_high: Annotated[float, Meta(description=(
+        "The ratio's ceiling is 1 + clip_high; above clip_low = DAPO's clip-higher"))] = 0.2
+    kl_coef: Annotated[float, Meta(description=(
+        "Weight of the per-token KL penalty against the reference policy; 0 = off (> 0 needs a pipeline with "
+        "a reference stage, e.g. pipelines/grpo_kl.yaml)"))] = 0.0
+    kl_estimator: Annotated[KLEstimator, Meta(description=(
+        "k1: log-ratio, k2: squared log-ratio / 2, k3: Schulman's unbiased estimator"))] = "k3"
+    loss_agg: Annotated[LossAggregation, Meta(description=(
+        "How per-token losses become one number per step: token-mean (mean over all its tokens), "
+        "seq-mean-token-mean (mean over sequences of each one's token mean) or seq-mean-token-sum (mean over "
+        "sequences of each one's token sum)"))] = "token-mean"
+    tis_cap: Annotated[float | None, Meta(description=(
+        "Cap on the truncated importance weight exp(old - rollout) applied when the trainer recomputed old "
+        "logprobs and they differ from the behaviour (rollout) ones: off-policy samples or an inference engine "
+        "whose numerics differ. null = no correction"))] = 2.0
+    temperature: Annotated[float, Meta(description=(
+        "Sampling temperature; logprobs are recomputed at the same one (leave it out: it must equal "
+        "algo.temperature)"))] = 1.0
+    compute_entropy: Annotated[bool, Meta(description=(
+        "Report the policy's mean entropy (costs one pass over the vocabulary)"))] = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:

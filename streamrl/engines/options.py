@@ -4,9 +4,10 @@ reads these before any worker starts, without importing vLLM."""
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 EngineName = Literal["builtin", "vllm"]
 
@@ -18,21 +19,21 @@ class EngineUnavailableError(ValueError):
 class VllmOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """vLLM engine settings (``options.vllm`` of a generate stage with ``engine: vllm``)."""
 
-    # KV cache (GiB). On CPU vLLM's default takes most of the RAM and start-up grows past a minute;
-    # 1 GiB holds ~8M float32 cache entries, far more than tiny models' batches need.
-    kv_cache_gib: float = 1.0
-    # vLLM's CPU OpenMP thread binding (VLLM_CPU_OMP_THREADS_BIND), e.g. "0-1"; None: vLLM's "auto".
-    # An explicit range beat auto on a 2-core machine.
-    cpu_threads_bind: str | None = None
-    # accelerators only: the share of device memory vLLM may take (weights + KV cache)
-    gpu_memory_utilization: float = 0.5
-    # vLLM's own tensor parallelism (GPU/NPU); the CPU build of this project runs 1
-    tensor_parallel_size: int = 1
-    # longest prompt + response (tokens) the engine admits; None: the model's max_position_embeddings.
-    # vLLM refuses to start when its KV cache cannot hold one sequence this long.
-    max_model_len: int | None = None
-    # True: no CUDA graphs / torch.compile; start-up is seconds instead of minutes (on CPU, required)
-    enforce_eager: bool = True
+    kv_cache_gib: Annotated[float, Meta(description=(
+        "KV cache size (GiB). On CPU vLLM's default takes most of the RAM and start-up grows past a minute; "
+        "1 GiB holds about 8M float32 cache entries, far more than tiny models' batches need"))] = 1.0
+    cpu_threads_bind: Annotated[str | None, Meta(description=(
+        "vLLM's CPU OpenMP thread binding (VLLM_CPU_OMP_THREADS_BIND), e.g. \"0-1\"; null: vLLM's auto. An "
+        "explicit range beats auto on a small machine"))] = None
+    gpu_memory_utilization: Annotated[float, Meta(description=(
+        "Accelerators only: the share of device memory vLLM may take (weights + KV cache), in (0, 1]"))] = 0.5
+    tensor_parallel_size: Annotated[int, Meta(description=(
+        "vLLM's own tensor parallelism (GPU/NPU); the CPU build runs 1"))] = 1
+    max_model_len: Annotated[int | None, Meta(description=(
+        "Longest prompt + response (tokens) the engine admits; null: the model's max_position_embeddings. vLLM "
+        "refuses to start when its KV cache cannot hold one sequence this long"))] = None
+    enforce_eager: Annotated[bool, Meta(description=(
+        "No CUDA graphs / torch.compile: start-up takes seconds instead of minutes (required on CPU)"))] = True
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gib > 0:
@@ -59,7 +60,8 @@ def check_engine_available(engine: EngineName) -> None:
 
 
 class GenerateOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``options`` of the generate stage (placement ``separate``)."""
+    """``options`` of the generate stage (streamrl.stages.generate:GenerateStage, placement ``separate``)."""
 
-    engine: EngineName = "builtin"  # builtin: torch, in-process, no extra install; vllm: see docs/vllm.md
-    vllm: VllmOptions = VllmOptions()  # read with engine: vllm
+    engine: Annotated[EngineName, Meta(description=(
+        "builtin: torch, in-process, no extra install; vllm: see docs/vllm.md"))] = "builtin"
+    vllm: Annotated[VllmOptions, Meta(description="vLLM engine settings (engine: vllm)")] = VllmOptions()

@@ -12,10 +12,11 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
+from msgspec import Meta
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -46,21 +47,24 @@ class TinyModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     Defaults are the baseline's workload W1 model (about 0.4 M parameters).
     """
 
-    # qwen2 = the baseline (q/k/v biases); llama = no biases; gpt2 = learned positions, GELU MLP,
-    # tied embeddings (outside the Llama family: the engines run it through the HF forward)
-    arch: Literal["qwen2", "llama", "gpt2"] = "qwen2"
-    hidden: int = 128  # model width (channels)
-    layers: int = 2  # decoder blocks
-    heads: int = 4  # attention heads; head_dim = hidden / heads
-    kv_heads: int | None = None  # key/value heads for grouped-query attention; None = heads (plain MHA)
-    intermediate: int = 256  # MLP width (channels): SwiGLU for qwen2/llama, GELU for gpt2
-    # positions the config advertises (tokens); prompt + completion must fit. qwen2/llama: RoPE;
-    # gpt2: the size of its learned position table, so a position past it cannot be run at all
-    max_positions: int = 64
-    # share input embedding and lm_head; None = the architecture's own choice, resolved at
-    # construction: untied for qwen2/llama (as the baseline), tied for gpt2 (which cannot untie)
-    tie_embeddings: bool | None = None
-    seed: int = 0  # torch seed for the random init (same seed = same weights as the baseline)
+    arch: Annotated[Literal["qwen2", "llama", "gpt2"], Meta(description=(
+        "qwen2 = the baseline (q/k/v biases); llama = no biases; gpt2 = learned positions, GELU MLP, tied "
+        "embeddings (outside the Llama family: the engines run it through the HF forward)"))] = "qwen2"
+    hidden: Annotated[int, Meta(description="Model width (channels); a multiple of heads")] = 128
+    layers: Annotated[int, Meta(description="Decoder blocks")] = 2
+    heads: Annotated[int, Meta(description="Attention heads; head_dim = hidden / heads")] = 4
+    kv_heads: Annotated[int | None, Meta(description=(
+        "Key/value heads for grouped-query attention (must divide heads); null = heads (plain MHA)"))] = None
+    intermediate: Annotated[int, Meta(description=(
+        "MLP width (channels): SwiGLU for qwen2/llama, GELU for gpt2"))] = 256
+    max_positions: Annotated[int, Meta(description=(
+        "Positions the config advertises (tokens); prompt + completion must fit. qwen2/llama: RoPE; gpt2: the "
+        "size of its learned position table, so a position past it cannot be run at all"))] = 64
+    tie_embeddings: Annotated[bool | None, Meta(description=(
+        "Share the input embedding and lm_head; null = the architecture's own choice: untied for qwen2/llama "
+        "(as the baseline), tied for gpt2 (which cannot untie)"))] = None
+    seed: Annotated[int, Meta(description=(
+        "torch seed of the random init (same seed = same weights as the baseline)"))] = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "intermediate", "max_positions"):

@@ -44,9 +44,10 @@ import inspect
 import logging
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from streamrl.config import (
     ConfigError,
@@ -473,27 +474,44 @@ class NoOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    gate_on_policy: bool = True  # wait for policy version step - max_staleness before each step's prompts
+    """``options`` of the source stage (streamrl.stages.source:SourceStage)."""
+
+    gate_on_policy: Annotated[bool, Meta(description=(
+        "Wait for policy version step - algo.max_staleness before making each step's prompts"))] = True
 
 
 class TrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # the engine: torch FSDP2 over the train stage's workers (streamrl/engines/fsdp.py)
-    tensor_parallel: int = 1  # train TP: workers per model replica (DTensor); data parallel = workers / this
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward: less memory, ~1/3 more compute
-    cpu_offload: bool = False  # sharded params, grads and AdamW moments in host memory (FSDP2 CPUOffloadPolicy)
-    # how each version reaches generation (placements colocated and disaggregated)
-    bucket_bytes: int = 64 * 2**20  # reshard bucket cap (bytes): the peak transient memory of one reshard per rank
-    swap: bool = True  # colocated: training state to host memory while generating
-    collective_timeout_s: float = 600.0  # how long a rank waits in a collective for the others
-    backend: str | None = None  # torch.distributed backend; None: gloo on CPU, nccl on CUDA, hccl on NPU
+    """``options`` of the train stage (streamrl.stages.train:TrainStage): torch FSDP2 over the
+    stage's workers (streamrl/engines/fsdp.py), and how each version reaches generation."""
+
+    tensor_parallel: Annotated[int, Meta(description=(
+        "Train tensor parallelism: workers per model replica (DTensor); data parallel = workers / this"))] = 1
+    activation_checkpointing: Annotated[bool, Meta(description=(
+        "Recompute each decoder layer in backward: less memory, about 1/3 more compute"))] = False
+    cpu_offload: Annotated[bool, Meta(description=(
+        "Keep sharded parameters, gradients and AdamW moments in host memory (FSDP2 CPUOffloadPolicy)"))] = False
+    bucket_bytes: Annotated[int, Meta(description=(
+        "Placements colocated and disaggregated: reshard bucket cap (bytes), the peak transient memory of one "
+        "reshard per rank"))] = 64 * 2**20
+    swap: Annotated[bool, Meta(description=(
+        "Placement colocated: move the training state to host memory while generating"))] = True
+    collective_timeout_s: Annotated[float, Meta(description=(
+        "Seconds a rank waits in a collective for the others"))] = 600.0
+    backend: Annotated[str | None, Meta(description=(
+        "torch.distributed backend (gloo, nccl, hccl); null: gloo on CPU, nccl on CUDA, hccl on NPU"))] = None
 
 
 class ReshardGenerateOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    tensor_parallel: int = 1  # T: workers per inference replica (the built-in engine's own TP)
-    # disaggregated only: builtin, or vllm fed by the reshard's bucket stream (T = 1; vLLM's own
-    # tensor parallelism is vllm.tensor_parallel_size). Colocated generation runs the built-in engine.
-    engine: EngineName = "builtin"
-    vllm: VllmOptions = VllmOptions()
+    """``options`` of the generate stage of placements colocated and disaggregated
+    (streamrl.stages.colocated:ColocatedGenerateStage, streamrl.stages.disaggregated:DisaggregatedGenerateStage)."""
+
+    tensor_parallel: Annotated[int, Meta(description=(
+        "T: workers per inference replica (the built-in engine's own tensor parallelism); the train stage "
+        "reads it too"))] = 1
+    engine: Annotated[EngineName, Meta(description=(
+        "Disaggregated only: builtin, or vllm fed by the reshard's bucket stream (T = 1; vLLM's own tensor "
+        "parallelism is vllm.tensor_parallel_size). Colocated generation runs the built-in engine"))] = "builtin"
+    vllm: Annotated[VllmOptions, Meta(description="vLLM engine settings (engine: vllm)")] = VllmOptions()
 
 
 _BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}

@@ -39,9 +39,10 @@ Per-server latency p50/p99, retries and timeouts go to metrics.jsonl as ``score/
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 from streamrl.rewards import InProcessRewardBackend, RewardClient, RewardConfigError, RewardSample
 from streamrl.rewards.results import RewardBackend
@@ -54,26 +55,49 @@ class ScoreOptionsError(RewardConfigError):
 
 
 class ScoreOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """The score stage's ``options`` (see the module docstring). None = not set."""
+    """``options`` of the score stage (streamrl.stages.score:ScoreStage): where rewards are computed,
+    and how a reward that is a map of named scores becomes one number (this module's docstring)."""
 
-    backend: Literal["inprocess", "zmq"] = "inprocess"
-    reward: str | None = None
-    endpoints: list[str] | None = None
-    score_key: str | None = None
-    score_weights: dict[str, float] | None = None
-    on_sample_error: Literal["fail", "default"] = "fail"
-    default_score: float | dict[str, float] | None = None
-    # RewardClient's (backend zmq only).
-    timeout_s: float | None = None
-    max_in_flight_per_server: int | None = None
-    max_batch_size: int | None = None
-    max_attempts: int | None = None
-    on_bad_reply: Literal["fail", "retry", "default"] | None = None
-    heartbeat_interval_s: float | None = None
-    heartbeat_timeout_s: float | None = None
-    no_server_timeout_s: float | None = None
-    curve_client_secret_key: str | None = None
-    curve_server_public_key: str | None = None
+    backend: Annotated[Literal["inprocess", "zmq"], Meta(description=(
+        "inprocess: the reward function runs in the score worker; zmq: external reward servers "
+        "(docs/reward-protocol.md)"))] = "inprocess"
+    reward: Annotated[str | None, Meta(description=(
+        "Backend inprocess: the reward function as module:function (f(prompt, response, **metadata) -> float | "
+        "dict, docs/reward-protocol.md §11); null: the task's own rule"))] = None
+    endpoints: Annotated[list[str] | None, Meta(description=(
+        "Backend zmq (required): reward-server addresses (tcp://host:port, ipc://path); several share the "
+        "load"))] = None
+    score_key: Annotated[str | None, Meta(description=(
+        "A reward that is a map of named scores: the entry that is the reward (not with score_weights)"))] = None
+    score_weights: Annotated[dict[str, float] | None, Meta(description=(
+        "A reward that is a map of named scores: the reward is the weighted sum of these entries {name: weight} "
+        "(not with score_key)"))] = None
+    on_sample_error: Annotated[Literal["fail", "default"], Meta(description=(
+        "A sample whose reward function failed: fail stops the run; default gives it default_score"))] = "fail"
+    default_score: Annotated[float | dict[str, float] | None, Meta(description=(
+        "The score on_sample_error: default (and on_bad_reply: default) gives; null = 0.0"))] = None
+    timeout_s: Annotated[float | None, Meta(description=(
+        "Per-request deadline (seconds), after which the batch is sent again. Backend zmq only; null = RewardClient's default (30)"))] = None
+    max_in_flight_per_server: Annotated[int | None, Meta(description=(
+        "Requests outstanding on one server at most. Backend zmq only; null = RewardClient's default (4)"))] = None
+    max_batch_size: Annotated[int | None, Meta(description=(
+        "Samples per request; larger batches are split and spread. Backend zmq only; null = RewardClient's default (64)"))] = None
+    max_attempts: Annotated[int | None, Meta(description=(
+        "Requests per batch before the run fails (refusals of a draining server do not count). Backend zmq only; null = RewardClient's default (4)"))] = None
+    on_bad_reply: Annotated[Literal["fail", "retry", "default"] | None, Meta(description=(
+        "A malformed reply: fail stops the run, retry sends the batch to another server, default scores its "
+        "samples with default_score. Backend zmq only; null = RewardClient's default (fail)"))] = None
+    heartbeat_interval_s: Annotated[float | None, Meta(description=(
+        "Ping period of each server (seconds). Backend zmq only; null = RewardClient's default (1)"))] = None
+    heartbeat_timeout_s: Annotated[float | None, Meta(description=(
+        "Silence (seconds) after which a server is presumed dead and its requests are retried. Backend zmq only; null = RewardClient's default (10)"))] = None
+    no_server_timeout_s: Annotated[float | None, Meta(description=(
+        "How long (seconds) a batch may wait with no server able to take it before the run fails. Backend zmq only; null = RewardClient's default "
+        "(120)"))] = None
+    curve_client_secret_key: Annotated[str | None, Meta(description=(
+        "CURVE: path of this client's .key_secret file. Backend zmq only; null = no encryption"))] = None
+    curve_server_public_key: Annotated[str | None, Meta(description=(
+        "CURVE: path of the servers' public .key file. Backend zmq only"))] = None
 
 
 #: ScoreOptions fields forwarded to RewardClient as keyword arguments when set.
