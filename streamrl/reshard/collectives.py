@@ -5,7 +5,8 @@ in-place all-gather (the input is this rank's slot of the output, no staging buf
 all-gather stages the whole output in a temporary buffer of the same size (resident memory
 grows by twice the gathered bytes), which would double the reshard's peak, so on gloo
 the same result is produced by a ring of point-to-point transfers straight into the output
-slots: R - 1 steps, each sending the slot received last step to the next rank.
+slots: R - 1 steps, each sending the slot received last step to the next rank (through a host
+copy when the tensor is on an accelerator: gloo's point-to-point transfers take host memory only).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def all_gather_in_place(gathered: torch.Tensor, group: dist.ProcessGroup | None)
     n = gathered.numel() // world
     if dist.get_backend(group) != "gloo":
         all_gather_flat(gathered, gathered[rank * n : (rank + 1) * n], group=group)
+        return
+    if gathered.device.type != "cpu":
+        # gloo's point-to-point transfers read and write host memory only (a CUDA pointer fails with
+        # "writev ... Bad address"): several ranks on one accelerator ring through a host copy
+        host = gathered.cpu()
+        all_gather_in_place(host, group)
+        gathered.copy_(host)
         return
     nxt = dist.get_global_rank(group, (rank + 1) % world)
     prv = dist.get_global_rank(group, (rank - 1) % world)

@@ -424,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <pid>` (the launcher does it for a stalled run) writes every thread's Python
     # stack to this worker's log: works while a thread blocks in C or the event loop is stuck
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # a crash in native code (SIGSEGV, SIGABRT...) leaves every thread's Python stack in the log too
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     code = anyio.run(run_worker, spec)
     # The process ends with os._exit (multiprocessing), which kills zmq's I/O thread at once: the
     # last Finished/Failed could still sit in its queue and never reach the launcher, which then

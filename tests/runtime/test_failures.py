@@ -116,3 +116,16 @@ def test_a_worker_process_that_dies_fails_the_run(tmp_path: Path, importable_tes
     assert not os.path.exists(f"/proc/{dead['pid']}") or Path(f"/proc/{dead['pid']}/stat").read_text().split()[2] == "Z"
     # every other process of the run (the other workers, the dock) was stopped
     assert_run_cleaned(run_dir, os.getpid(), before)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_crashes_in_native_code_leaves_its_python_stack_in_its_log(
+        tmp_path: Path, importable_tests: None) -> None:
+    """(Seen on a GPU: a worker killed by SIGSEGV inside a collective left nothing in its log but its
+    last INFO line; faulthandler now writes every thread's stack there before the process dies.)"""
+    with pytest.raises(RunFailed, match="was killed by signal 11") as info:
+        streamrl.run(_config(tmp_path, _pipeline(tmp_path, {"die_on": [10], "how": "segv"}), "processes"))
+    run_dir = only_run_dir(tmp_path / "runs")
+    log = (run_dir / "logs" / "double-0.log").read_text()
+    assert str(run_dir / "logs" / "double-0.log") in str(info.value)
+    assert "Fatal Python error: Segmentation fault" in log and "user_stages.py" in log and "in process" in log

@@ -118,7 +118,7 @@ class Recorder:
 class Doubler:
     """Writes ``y`` = 2 * ``x``; fails on samples whose ``x`` is in ``options.fail_on`` (a
     ValueError) and kills its own process on those in ``options.die_on`` (``options.how``:
-    "exit" = os._exit(3), "kill" = SIGKILL); sleeps ``options.sleep_s`` per batch. Records each batch
+    "exit" = os._exit(3), "kill" = SIGKILL, "segv" = a segmentation fault); sleeps ``options.sleep_s`` per batch. Records each batch
     it got before acting."""
 
     async def setup(self, ctx: StageContext) -> None:
@@ -139,6 +139,10 @@ class Doubler:
         if self.die_on & set(xs):
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "segv":  # as a crash in native code (a CUDA or collective library) does
+                import faulthandler
+
+                faulthandler._sigsegv()
             os._exit(3)
         return {"y": [2 * x for x in xs]}
 
