@@ -17,11 +17,7 @@ generate and train in it (busy/<stage> x wall = seconds that stage worked during
 max_staleness 1 the two overlap), and the trainer's own train_ms, step_time_s and the weight
 gather + publish time. The last line is the JSON line of ops/bench/_common.py.
 
-Measured 2026-11-25 on one H100 80GB (torch 2.11.0+cu130), defaults (256 x 512 tokens, bfloat16,
-4 steps): 52.7-62.4 s per step, generation-bound (busy/generate 0.95-1.0, about 2,100-2,500
-generated tokens/s from the built-in engine); train 7.6-10.7 s busy per step, of which 1.6-2.7 s
-gathers the 494M-parameter snapshot the separate placement publishes; set-up 22.8 s; peak GPU
-memory of the run (nvidia-smi, all processes) 37.7 GiB.
+Figures: docs/benchmarks.md §12.
 """
 
 from __future__ import annotations
