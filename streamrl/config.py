@@ -260,6 +260,9 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     checkpoint_every: int = 0
     keep_checkpoints: int = 2  # the newest N are kept; older ones are deleted once a newer one is complete
     progress: Literal["auto", "tty", "lines", "none"] = "auto"  # none: silent
+    # a live status page while the run trains: 127.0.0.1, a port from the OS, the run's token; its URL
+    # is printed and written to <run dir>/status.url (0600); `streamrl status RUN_DIR` reads it
+    status_page: bool = True
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

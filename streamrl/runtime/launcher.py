@@ -10,6 +10,7 @@ checkpoint (``resources.auto_resume``). One launch (:class:`_Launch`) puts toget
 - supervision (:mod:`streamrl.runtime.supervision`): the start barrier, the workers' events,
   restarts, stalls, SIGTERM, and stopping everything in order (Stop, wait, SIGTERM, SIGKILL);
 - the run's metrics (:mod:`streamrl.runtime.run_metrics`): step and eval rows and their sinks;
+- the live status page (:mod:`streamrl.runtime.status_page`, ``output.status_page``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from streamrl.runtime.pipeline import PipelineSpec, load_pipeline, resolve_run_l
 from streamrl.runtime.rendezvous import RendezvousServer
 from streamrl.runtime.run_metrics import RunMetrics
 from streamrl.runtime.stage import StageError
+from streamrl.runtime.status_page import StatusPage
 from streamrl.runtime.supervision import RunFailed, Supervisor
 from streamrl.runtime.worker import WorkerSpec
 
@@ -221,6 +223,7 @@ class _Launch:
         self.metrics = RunMetrics(cfg, pipeline, run_dir, self.progress, train_rows, eval_rows, resumed_at)
         self.backend: LaunchBackend | None = None
         self.supervisor: Supervisor | None = None
+        self.status: StatusPage | None = None
         self.dock_statistics: dict[str, Any] = {}
         self.warehouse_statistics: list[dict[str, Any]] = []
         self.t_end: float | None = None
@@ -255,6 +258,11 @@ class _Launch:
             # colocated and disaggregated stages join torch.distributed through FileStores here
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:
+                if cfg.output.status_page:
+                    self.status = StatusPage(cfg, self.pipeline, self.run_dir, self.metrics, sup)
+                    url = await self.status.start()
+                    self.progress.message(f"streamrl: status page {url}")
+                    tg.start_soon(self.status.board.poll_dock, dock.controller_endpoint, backend.curve)
                 for group in self.pipeline.process_groups():
                     (host, k), rest = group[0], group[1:]
                     spec = WorkerSpec(config=cfg, stage=host, worker=k, colocated=[s for s, _ in rest],
@@ -288,6 +296,8 @@ class _Launch:
                         reaping.start_soon(sup.stop_late_workers, server, stop)
                         await anyio.to_thread.run_sync(sup.reap)
                         reaping.cancel_scope.cancel()
+                if self.status is not None:
+                    await self.status.close()
                 if server is not None:
                     server.close()
                 await anyio.to_thread.run_sync(backend.close)  # the dock (ray: every actor, the placement group)
