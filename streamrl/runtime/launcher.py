@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from streamrl.config import ConfigError, RunConfig, dump_config, load_config
 from streamrl.dock.controller import ConsumerView
@@ -259,10 +260,7 @@ class _Launch:
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:
                 if cfg.output.status_page:
-                    self.status = StatusPage(cfg, self.pipeline, self.run_dir, self.metrics, sup)
-                    url = await self.status.start()
-                    self.progress.message(f"streamrl: status page {url}")
-                    tg.start_soon(self.status.board.poll_dock, dock.controller_endpoint, backend.curve)
+                    await self._start_status_page(tg, dock.controller_endpoint)
                 for group in self.pipeline.process_groups():
                     (host, k), rest = group[0], group[1:]
                     spec = WorkerSpec(config=cfg, stage=host, worker=k, colocated=[s for s, _ in rest],
@@ -309,6 +307,21 @@ class _Launch:
                 self.progress.close()
                 self.metrics.close()
         return self._result()
+
+    async def _start_status_page(self, tg: anyio.abc.TaskGroup, dock_endpoint: str) -> None:
+        """The live status page; the run goes on without it if it cannot be served."""
+        assert self.supervisor is not None and self.backend is not None
+        page = StatusPage(self.cfg, self.pipeline, self.run_dir, self.metrics, self.supervisor)
+        try:
+            url = await page.start()
+        except OSError as exc:
+            await page.close()
+            log.warning("no status page: %s", exc)
+            self.progress.message(f"streamrl: no status page ({exc}); the run goes on without it")
+            return
+        self.status = page
+        self.progress.message(f"streamrl: status page {url}")
+        tg.start_soon(page.board.poll_dock, dock_endpoint, self.backend.curve)
 
     async def _dock_statistics(self, endpoint: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The controller's and the warehouses' counters once training ended (what reached each
