@@ -137,6 +137,30 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from streamrl.runtime.run_status import render_text, snapshot
+
+    while True:
+        try:
+            snap = snapshot(args.run_dir)
+        except (OSError, ValueError) as exc:
+            print(f"streamrl: status: {exc}", file=sys.stderr)
+            return 2
+        text = json.dumps(snap) if args.json else render_text(snap)
+        if args.watch is None:
+            print(text)
+            return 0
+        if sys.stdout.isatty():
+            print("\x1b[H\x1b[2J", end="")
+        print(text, flush=True)
+        if not snap.get("live"):
+            return 0  # the run is not (or no longer) live: nothing will change
+        time.sleep(args.watch)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="streamrl", description="RL training of language models as a streaming dataflow")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -165,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", help="a run directory (holds metrics.jsonl and config.yaml)")
     r.add_argument("--out", default=None, help="where to write the report (default: RUN_DIR/report)")
     r.set_defaults(func=_cmd_report)
+    st = sub.add_parser("status", help="a run's status: live from its launcher's status page, else from its files")
+    st.add_argument("run_dir", help="a run directory (the launcher writes RUN_DIR/status.url while it runs)")
+    st.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                    help="print again every SECONDS (default 2) while the run is live")
+    st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    st.set_defaults(func=_cmd_status)
     try:  # reward servers and keys live with the rewards package
         importlib.import_module("streamrl.rewards.cli").register_commands(sub)
     except (ImportError, AttributeError):

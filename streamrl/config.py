@@ -316,6 +316,9 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     progress: Annotated[Literal["auto", "tty", "lines", "none"], Meta(description=(
         "Progress display on the terminal: auto picks tty (a live line) on a terminal, else lines; "
         "none: silent"))] = "auto"
+    status_page: Annotated[bool, Meta(description=(
+        "Serve a live status page while the run trains (127.0.0.1, a port from the OS, the run's token); its URL "
+        "is printed and written to <run dir>/status.url (mode 0600); `streamrl status RUN_DIR` reads it"))] = True
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -1,0 +1,87 @@
+"""A run's metrics as the launcher gathers them: one row per optimizer step (the trainer's
+figures, each stage's ``busy/<stage>`` fraction, the stages' own metrics, restarts), one row
+per evaluation, written to ``metrics.jsonl`` and the configured sinks (TensorBoard, W&B) and
+shown by the progress line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from streamrl.config import RunConfig
+from streamrl.metrics.progress import Progress
+from streamrl.metrics.writer import MetricsWriter
+from streamrl.runtime.pipeline import PipelineSpec
+
+
+class RunMetrics:
+    """Step and eval rows of one launch, and the stage figures they are made of.
+
+    Supervision feeds it the workers' events: ``busy`` (cumulative seconds in ``process()`` per
+    stage worker, from ``StageBusy``), ``samples`` (samples processed, same source),
+    ``stage_metrics`` (``StageMetrics``), ``restarts``, and every ``StepReport`` / ``EvalReport``
+    through :meth:`on_step` / :meth:`on_eval`.
+    """
+
+    def __init__(self, cfg: RunConfig, pipeline: PipelineSpec, run_dir: Path, progress: Progress,
+                 train_rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]],
+                 resumed_at: int | None) -> None:
+        self.cfg = cfg
+        self.pipeline = pipeline
+        self.progress = progress
+        self.train_rows = train_rows  # a resumed run's rows up to its checkpoint come first
+        self.eval_rows = eval_rows
+        self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
+                                     run_config=msgspec.to_builtins(cfg),
+                                     purge_step=resumed_at + 1 if resumed_at is not None else None)
+        self.busy: dict[tuple[str, int], float] = {}
+        self.samples: dict[tuple[str, int], int] = {}
+        self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
+        self.restarts: dict[str, int] = {}  # "<stage>-<worker>" process name -> times it was restarted
+        self.busy_at_last_step: dict[str, float] = {}
+        self.t_go = 0.0  # monotonic time of Go (training started)
+        self.t_last_step = 0.0
+        self.t_progress = 0.0  # the last optimizer step (or Go)
+        self.time_to_target: float | None = None
+
+    def go(self) -> None:
+        """Training starts now: step times and elapsed_s count from here."""
+        self.t_go = self.t_last_step = self.t_progress = time.monotonic()
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        now = time.monotonic()
+        self.t_progress = now
+        row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(now - self.t_go, 4)}
+        wall = max(now - self.t_last_step, 1e-9)
+        for s in self.pipeline.stages:
+            total = sum(b for (name, _), b in self.busy.items() if name == s.name)
+            row[f"busy/{s.name}"] = round((total - self.busy_at_last_step.get(s.name, 0.0)) / wall / s.workers, 4)
+            self.busy_at_last_step[s.name] = total
+        for (stage, k), values in sorted(self.stage_metrics.items()):
+            for name, v in values.items():
+                key = f"{stage}/{name}" if self.pipeline.stage(stage).workers == 1 else f"{stage}/{k}/{name}"
+                row[key] = v
+        for name, n in sorted(self.restarts.items()):
+            row[f"restarts/{name}"] = n
+        self.t_last_step = now
+        target = self.cfg.algo.stop_reward
+        if target is not None and self.time_to_target is None and metrics.get("reward_mean", -1e9) >= target:
+            self.time_to_target = now - self.t_go
+        self.train_rows.append(row)
+        self.metrics.write(row)
+        self.progress.update(row)
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation of policy version ``step``: a row of its own (no training figures)."""
+        row: dict[str, Any] = {"step": step, **{f"eval/{k}": v for k, v in metrics.items()},
+                               "elapsed_s": round(time.monotonic() - self.t_go, 4)}
+        self.eval_rows.append(row)
+        self.metrics.write(row)
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if "@" in k)  # mean@k, pass@k
+        self.progress.message(f"streamrl: eval of version {step}: {shown}")
+
+    def close(self) -> None:
+        self.metrics.close()
