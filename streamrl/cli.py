@@ -1,5 +1,5 @@
-"""``streamrl`` command line: run a config, validate one, report on a run, host reward servers, make
-CURVE keys."""
+"""``streamrl`` command line: run a config, validate one, report on a run, merge its timeline trace,
+host reward servers, make CURVE keys."""
 
 from __future__ import annotations
 
@@ -71,6 +71,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from streamrl.metrics.trace import TraceError, merge_trace
+
+    try:
+        path = merge_trace(args.run_dir, args.out)
+    except TraceError as exc:
+        print(f"streamrl: trace: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="streamrl", description="RL training of language models as a streaming dataflow")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -91,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", help="a run directory (holds metrics.jsonl and config.yaml)")
     r.add_argument("--out", default=None, help="where to write the report (default: RUN_DIR/report)")
     r.set_defaults(func=_cmd_report)
+    t = sub.add_parser("trace", help="merge a run's timeline (running, finished or crashed) into RUN_DIR/trace.json "
+                                     "for ui.perfetto.dev or chrome://tracing: streamrl trace runs/<run>")
+    t.add_argument("run_dir", help="a run directory (its workers write trace/<stage>-<worker>.json)")
+    t.add_argument("--out", default=None, help="where to write the merged trace (default: RUN_DIR/trace.json)")
+    t.set_defaults(func=_cmd_trace)
     try:  # reward servers and keys live with the rewards package
         importlib.import_module("streamrl.rewards.cli").register_commands(sub)
     except (ImportError, AttributeError):
