@@ -260,6 +260,9 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     checkpoint_every: int = 0
     keep_checkpoints: int = 2  # the newest N are kept; older ones are deleted once a newer one is complete
     progress: Literal["auto", "tty", "lines", "none"] = "auto"  # none: silent
+    # a timeline of every worker's batches, dock waits and policy versions: trace/<stage>-<k>.json as
+    # the run goes, merged into trace.json at its end (docs/observability.md, `streamrl trace`)
+    trace: bool = True
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -33,7 +33,9 @@ from streamrl.curve import RunKeys
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
+from streamrl.metrics.busy import BusyTracker
 from streamrl.metrics.progress import Progress
+from streamrl.metrics.trace import finish_trace
 from streamrl.metrics.writer import MetricsWriter, plot_reward_curve
 from streamrl.runtime import control as c
 from streamrl.runtime.checkpoints import (
@@ -308,7 +310,7 @@ class _Launch:
         self.resume = resume
         self.workers = [_Worker(s.name, k, restartable=s.restartable) for s in pipeline.stages
                         for k in range(s.workers)]
-        self.progress = Progress(cfg.algo.steps, cfg.output.progress)
+        self.progress = Progress(cfg.algo.steps, cfg.output.progress, stop_reward=cfg.algo.stop_reward)
         self.train_rows: list[dict[str, Any]] = []
         self.eval_rows: list[dict[str, Any]] = []
         resumed_at = resume.state.version if resume is not None else None
@@ -320,7 +322,7 @@ class _Launch:
         self.metrics = MetricsWriter(run_dir, tensorboard=cfg.output.tensorboard, wandb=cfg.output.wandb,
                                      run_config=msgspec.to_builtins(cfg),
                                      purge_step=resumed_at + 1 if resumed_at is not None else None)
-        self.busy: dict[tuple[str, int], float] = {}
+        self.busy = BusyTracker({s.name: s.workers for s in pipeline.stages})
         self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
         self.specs: dict[str, tuple[list[_Worker], WorkerSpec]] = {}  # process name -> its workers and spec
         self.restarts: dict[str, int] = {}
@@ -330,7 +332,6 @@ class _Launch:
         self.finished: set[tuple[str, int]] = set()
         self.tmp = ""  # this launcher's ipc directory
         self.shm = ""  # this launcher's shared-memory directory (= tmp where there is no /dev/shm)
-        self.busy_at_last_step: dict[str, float] = {}
         self.t_last_step = 0.0
         self.t_go = 0.0
         self.time_to_target: float | None = None
@@ -463,6 +464,7 @@ class _Launch:
                 shutil.rmtree(self.run_dir / "rendezvous", ignore_errors=True)
                 self.progress.close()
                 self.metrics.close()
+                await anyio.to_thread.run_sync(finish_trace, self.run_dir, cfg.output.trace)  # trace.json
         return self._result()
 
     def _spawn(self, members: list[_Worker], spec: WorkerSpec) -> None:
@@ -596,16 +598,16 @@ class _Launch:
                     ready.add((s, k))
                     if went:  # a restarted worker: the run is under way
                         await server.send_to((s, k), c.Go())
-                case c.StageBusy(stage=s, worker=k, busy_s=b, in_batch_s=in_batch):
-                    self.busy[(s, k)] = b
+                case c.StageBusy(stage=s, worker=k, busy_s=b, in_batch_s=in_batch, measured_at=at):
+                    self.busy.report(s, k, b, in_batch, at)
                     w = by_key[(s, k)]
                     w.heartbeat, w.in_batch_s = time.monotonic(), in_batch
                 case c.StageMetrics(stage=s, worker=k, metrics=m):
                     # merged: a stage reports different figures at different times (engine start-up once,
                     # each weight install later), and each stays in the rows until it reports it again
                     self.stage_metrics.setdefault((s, k), {}).update(m)
-                case c.StepReport(step=step, metrics=m):
-                    self._on_step(step, m)
+                case c.StepReport(step=step, metrics=m, measured_at=at):
+                    self._on_step(step, m, at)
                 case c.EvalReport(step=step, metrics=m):
                     self._on_eval(step, m)
                 case c.Failed():
@@ -762,15 +764,12 @@ class _Launch:
                 if isinstance(event, c.Failed):
                     self.failure = event
 
-    def _on_step(self, step: int, metrics: dict[str, float]) -> None:
+    def _on_step(self, step: int, metrics: dict[str, float], measured_at: float = 0.0) -> None:
         now = time.monotonic()
         self.t_progress = now
         row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(now - self.t_go, 4)}
-        wall = max(now - self.t_last_step, 1e-9)
-        for s in self.pipeline.stages:
-            total = sum(b for (name, _), b in self.busy.items() if name == s.name)
-            row[f"busy/{s.name}"] = round((total - self.busy_at_last_step.get(s.name, 0.0)) / wall / s.workers, 4)
-            self.busy_at_last_step[s.name] = total
+        wall_now = time.time()  # busy/<stage>: the fraction of the step's wall time each stage worked
+        row.update(self.busy.step(measured_at or wall_now, go=wall_now - (now - self.t_go)))
         for (stage, k), values in sorted(self.stage_metrics.items()):
             for name, v in values.items():
                 key = f"{stage}/{name}" if self.pipeline.stage(stage).workers == 1 else f"{stage}/{k}/{name}"
