@@ -285,6 +285,14 @@ class ControlServer:
             except zmq.ZMQError:
                 pass  # gone again: its death is noticed by the launcher
 
+    def pending(self, queue: anyio.abc.ObjectReceiveStream[Any] | None = None) -> bool:
+        """Events wait to be read: on the socket, or in ``queue`` (where a reader task moves them).
+        A worker that exited cleanly may have sent its last events (a StopRequest) just before."""
+        if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return True
+        stats = getattr(queue, "statistics", None)
+        return bool(stats is not None and stats().current_buffer_used)
+
     def close(self) -> None:
         self.sock.close(linger=0)
         if self.allow_list is not None:  # the context's ZAP handler served this run's keys: stop it

@@ -648,7 +648,7 @@ class _Launch:
             for w in self.workers:  # a clean exit counts as finished even if its message was lost
                 if w.proc is not None and w.proc.exitcode == 0:
                     finished.add((w.stage, w.index))
-            if finished == expected:
+            if finished == expected and not server.pending(events):  # their last events read first
                 self.stop_reason = self.stop_reason or "all stages finished"
                 return
             if stop_deadline is not None and time.monotonic() > stop_deadline:
