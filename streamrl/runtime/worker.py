@@ -106,7 +106,8 @@ class _Meter:
         if self._started is not None:
             ended = time.perf_counter()
             self.busy_s += ended - self._started
-            tracer().complete(name, "batch", self._started, ended, "batch", stage=self.stage, samples=samples, **args)
+            tracer().complete(name, "batch", self._started, ended, "batch", stage=self.stage, samples=samples,
+                              **{k: v for k, v in args.items() if v != ""})
             self._started = None
         self.batches += 1
         self.samples += samples
