@@ -1,5 +1,5 @@
-"""``streamrl`` command line: run a config, validate one, explain the config's fields, report on a
-run, host reward servers, make CURVE keys."""
+"""``streamrl`` command line: run a config, validate one, explain the config's fields, show a run's
+status, report on a run, merge its timeline trace, host reward servers, make CURVE keys."""
 
 from __future__ import annotations
 
@@ -161,6 +161,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
         time.sleep(args.watch)
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from streamrl.metrics.trace import TraceError, merge_trace
+
+    try:
+        path = merge_trace(args.run_dir, args.out)
+    except TraceError as exc:
+        print(f"streamrl: trace: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="streamrl", description="RL training of language models as a streaming dataflow")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -195,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print again every SECONDS (default 2) while the run is live")
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.set_defaults(func=_cmd_status)
+    t = sub.add_parser("trace", help="merge a run's timeline (running, finished or crashed) into RUN_DIR/trace.json "
+                                     "for ui.perfetto.dev or chrome://tracing: streamrl trace runs/<run>")
+    t.add_argument("run_dir", help="a run directory (its workers write trace/<stage>-<worker>.json)")
+    t.add_argument("--out", default=None, help="where to write the merged trace (default: RUN_DIR/trace.json)")
+    t.set_defaults(func=_cmd_trace)
     try:  # reward servers and keys live with the rewards package
         importlib.import_module("streamrl.rewards.cli").register_commands(sub)
     except (ImportError, AttributeError):

@@ -319,6 +319,9 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     status_page: Annotated[bool, Meta(description=(
         "Serve a live status page while the run trains (127.0.0.1, a port from the OS, the run's token); its URL "
         "is printed and written to <run dir>/status.url (mode 0600); `streamrl status RUN_DIR` reads it"))] = True
+    trace: Annotated[bool, Meta(description=(
+        "Record a timeline of every worker's batches, dock waits and policy versions: trace/<stage>-<k>.json as "
+        "the run goes, merged into trace.json at its end (`streamrl trace RUN_DIR`; docs/observability.md)"))] = True
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -43,6 +43,7 @@ from streamrl.dock.errors import (
     WireFormatError,
 )
 from streamrl.dock.limits import DockLimits
+from streamrl.metrics.trace import tracer
 
 _R = TypeVar("_R")
 
@@ -303,7 +304,8 @@ class DockClient:
         assert self._ctl is not None
         req = p.Reserve(self._next_id(), self.client_id, n, group_size, timeout, self.home_warehouse)
         wait = (timeout if timeout is not None else math.inf) + self.request_timeout_s
-        reply, _ = await self._request(self._ctl, req, timeout=wait)
+        with tracer().span("reserve", "dock_out", "dock", samples=n):  # waits while the dock is full
+            reply, _ = await self._request(self._ctl, req, timeout=wait)
         return list(_expect(reply, p.Reserved, "controller").indices)
 
     async def reserve_nowait(self, n: int, group_size: int = 1) -> list[int]:
@@ -345,7 +347,8 @@ class DockClient:
             )
             await self._request(self._warehouses[wid], req, frames)
 
-        await self._fan_out(send, self._split(indices))
+        with tracer().span("put", "dock_out", "dock", samples=n):
+            await self._fan_out(send, self._split(indices))
 
     async def add(
         self,
@@ -389,17 +392,19 @@ class DockClient:
         """
         deadline = time.monotonic() + (timeout if timeout is not None else math.inf)
         dropped = 0
-        while True:
-            left = deadline - time.monotonic()
-            last_poll = left <= LONG_POLL_S  # only the final poll may settle for fewer than min_n
-            lease = await self._claim_once(consumer, reads, n, min_n, whole_groups, balance_by_length,
-                                           min_version, max(0.0, min(LONG_POLL_S, left)), last_poll)
-            dropped += lease.dropped_stale
-            if lease.samples:
-                lease.dropped_stale = dropped
-                return lease
-            if time.monotonic() >= deadline:
-                raise DockTimeout(f"no sample ready for consumer {consumer!r} within {timeout} s")
+        with tracer().span("claim", "dock_in", "dock", asked=n) as span:  # the wait for samples included
+            while True:
+                left = deadline - time.monotonic()
+                last_poll = left <= LONG_POLL_S  # only the final poll may settle for fewer than min_n
+                lease = await self._claim_once(consumer, reads, n, min_n, whole_groups, balance_by_length,
+                                               min_version, max(0.0, min(LONG_POLL_S, left)), last_poll)
+                dropped += lease.dropped_stale
+                if lease.samples:
+                    lease.dropped_stale = dropped
+                    span["samples"] = len(lease.samples)
+                    return lease
+                if time.monotonic() >= deadline:
+                    raise DockTimeout(f"no sample ready for consumer {consumer!r} within {timeout} s")
 
     async def claim_nowait(
         self,
@@ -461,16 +466,18 @@ class DockClient:
                 for k, v in zip(pos, vals, strict=True):
                     col[k] = v
 
-        await self._fan_out(get, self._split(indices))
+        with tracer().span("fetch", "dock_in", "dock", samples=len(indices)):
+            await self._fan_out(get, self._split(indices))
         return out
 
     async def ack(self, lease: Lease, indices: Sequence[int] | None = None) -> None:
         """Done with (some of) the lease's samples: they are never delivered to this consumer again."""
         assert self._ctl is not None
-        await self._request(
-            self._ctl,
-            p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices is not None else None),
-        )
+        with tracer().span("ack", "dock_out", "dock", samples=len(indices) if indices is not None else len(lease)):
+            await self._request(
+                self._ctl,
+                p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices is not None else None),
+            )
         if indices is None or set(indices) >= set(lease.indices):
             self._leases.pop(lease.lease_id, None)
 
@@ -478,7 +485,8 @@ class DockClient:
         """Give the lease's unacked samples back to the pool (e.g. a stage failed on them)."""
         assert self._ctl is not None
         self._leases.pop(lease.lease_id, None)
-        await self._request(self._ctl, p.Release(self._next_id(), self.client_id, lease.lease_id))
+        with tracer().span("release", "dock_out", "dock", samples=len(lease)):
+            await self._request(self._ctl, p.Release(self._next_id(), self.client_id, lease.lease_id))
 
     async def stream(
         self,

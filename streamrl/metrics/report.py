@@ -153,9 +153,32 @@ def _lines(path: Path, title: str, ylabel: str, lines: dict[str, Series], marker
     return _finish(fig, ax, path, title, ylabel)
 
 
+def reward_band(train: list[Row]) -> tuple[list[float], list[float], list[float]]:
+    """(steps, low, high): mean ± std of each step's reward, clipped to the range its rewards took.
+
+    A ±std band of a bounded reward runs past its bounds (a mean of 0.95 with std 0.22 on 0/1
+    rewards would reach 1.17), so each step's band stays within that step's ``reward_min`` /
+    ``reward_max``. Rows without them (runs from before the trainer recorded them) are clipped to
+    the range the other rows recorded, and left as they are when no row has one."""
+    steps, mean = series(train, "reward_mean")
+    std = dict(zip(*series(train, "reward_std"), strict=True))
+    lo_by = dict(zip(*series(train, "reward_min"), strict=True))
+    hi_by = dict(zip(*series(train, "reward_max"), strict=True))
+    run_lo = min(lo_by.values(), default=-math.inf)
+    run_hi = max(hi_by.values(), default=math.inf)
+    low, high = [], []
+    for s, m in zip(steps, mean, strict=True):
+        d = std.get(s, 0.0)
+        lo, hi = lo_by.get(s, run_lo), hi_by.get(s, run_hi)
+        low.append(min(max(m - d, lo), m))  # the band always holds the mean itself
+        high.append(max(min(m + d, hi), m))
+    return steps, low, high
+
+
 def plot_reward(rows: list[Row], path: Path, title: str = "") -> Path | None:
-    """Mean reward per step with a ±std band; None when no row has a reward or matplotlib is missing
-    (this is also the launcher's ``reward_curve.png``)."""
+    """Mean reward per step with a ±std band (clipped to the step's reward range, see
+    :func:`reward_band`); None when no row has a reward or matplotlib is missing (this is also the
+    launcher's ``reward_curve.png``)."""
     train = [r for r in rows if not is_eval(r)]
     steps, mean = series(train, "reward_mean")
     if not steps:
@@ -165,13 +188,11 @@ def plot_reward(rows: list[Row], path: Path, title: str = "") -> Path | None:
     except ImportError:
         log.warning("%s skipped: pip install matplotlib", path.name)
         return None
-    std_by_step = dict(zip(*series(train, "reward_std"), strict=True))
-    std = [std_by_step.get(s, 0.0) for s in steps]
+    _, low, high = reward_band(train)
     fig = _figure()
     ax = fig.add_subplot()
     ax.plot(steps, mean, color="tab:blue", marker="o" if len(steps) == 1 else "", label="mean reward")
-    ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
-                    [m + s for m, s in zip(mean, std, strict=True)], color="tab:blue", alpha=0.15, label="± std")
+    ax.fill_between(steps, low, high, color="tab:blue", alpha=0.15, label="± std (within min..max)")
     return _finish(fig, ax, path, title or "reward per step", "reward")
 
 

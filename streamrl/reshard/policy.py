@@ -25,6 +25,7 @@ loop, and the only thing that waits for a version is whoever awaits it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Literal, Protocol
 
@@ -32,6 +33,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from streamrl.metrics.trace import tracer
 from streamrl.reshard.accounting import ReshardReport, SwapReport
 from streamrl.reshard.daemon import DaemonCall
 from streamrl.reshard.layout import LayoutError
@@ -305,11 +307,15 @@ class WeightReceiver:
                     await announce(HEADER_CLOSE, -1)
                 return None
             assert kind == HEADER_WEIGHTS
+            started = time.perf_counter()
             async with self.weights.update() as tensors:
                 if announce is not None:
                     await announce(HEADER_WEIGHTS, version)
                 report = await anyio.to_thread.run_sync(lambda: self._install(tensors, version))
                 self.weights.publish(version)
+            trace = tracer()
+            trace.complete("receive weights", "policy", started, time.perf_counter(), "policy", version=version)
+            trace.counter("policy version", version)
         self.installed += 1
         self.last_report = report
         return report

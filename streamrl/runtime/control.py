@@ -3,7 +3,8 @@
 The launcher binds a ROUTER; each stage worker connects a DEALER. Workers say ``Starting`` as
 they connect (from then on a ``Stop`` reaches them, also during a long set-up), ``Ready``
 after setup, wait for ``Go`` (so every stage starts together and start-up is timed apart from
-training), then stream ``StageBusy`` and ``StepReport`` events. A worker that fails sends
+training), then stream ``StageBusy`` (when a batch begins and ends, and every 0.5 s: also the
+heartbeat) and ``StepReport`` events. A worker that fails sends
 ``Failed`` with the stage, worker and sample indices before it exits; one that wants the run
 to end (target reached) sends ``StopRequest``. The launcher answers with ``Stop``. On SIGTERM the
 launcher sends ``Save`` first: the train stage checkpoints after its current step and stops the run.
@@ -22,6 +23,7 @@ import hmac
 import logging
 import os
 import secrets
+import time
 from typing import Annotated, Any
 
 import anyio
@@ -72,6 +74,7 @@ class StageBusy(_FromWorker, tag="busy"):
     batches: int
     samples: int
     in_batch_s: float = 0.0  # seconds the batch now in process() has run; 0 between batches
+    measured_at: float = 0.0  # the worker's time.time() when it measured these (0: unknown)
 
 
 class StageMetrics(_FromWorker, tag="stage_metrics"):
@@ -81,6 +84,7 @@ class StageMetrics(_FromWorker, tag="stage_metrics"):
 class StepReport(_Msg, tag="step"):
     step: int
     metrics: dict[str, float]
+    measured_at: float = 0.0  # the trainer's time.time() when the step ended (0: unknown)
 
 
 class EvalReport(_Msg, tag="eval"):
@@ -178,14 +182,15 @@ class ControlClient:
                 self.stop_reason = cmd.reason
                 return cmd.reason
 
-    def busy(self, busy_s: float, batches: int, samples: int, in_batch_s: float = 0.0) -> None:
-        self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples, in_batch_s))
+    def busy(self, busy_s: float, batches: int, samples: int, in_batch_s: float = 0.0,
+             measured_at: float = 0.0) -> None:
+        self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples, in_batch_s, measured_at))
 
     def stage_metrics(self, metrics: dict[str, float]) -> None:
         self._send(StageMetrics(self.stage, self.worker, {k: float(v) for k, v in metrics.items()}))
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
-        self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}))
+        self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}, time.time()))
 
     def eval_report(self, step: int, metrics: dict[str, float]) -> None:
         self._send(EvalReport(step, {k: float(v) for k, v in metrics.items()}))
@@ -279,6 +284,14 @@ class ControlServer:
                 await self.sock.send_multipart([identity, encoder.encode(msg)], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # gone again: its death is noticed by the launcher
+
+    def pending(self, queue: anyio.abc.ObjectReceiveStream[Any] | None = None) -> bool:
+        """Events wait to be read: on the socket, or in ``queue`` (where a reader task moves them).
+        A worker that exited cleanly may have sent its last events (a StopRequest) just before."""
+        if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            return True
+        stats = getattr(queue, "statistics", None)
+        return bool(stats is not None and stats().current_buffer_used)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -32,6 +32,7 @@ from streamrl.config import ConfigError, RunConfig, dump_config, load_config
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
+from streamrl.metrics.trace import finish_trace
 from streamrl.metrics.writer import plot_reward_curve
 from streamrl.runtime import control as c
 from streamrl.runtime.checkpoints import (
@@ -212,7 +213,7 @@ class _Launch:
         self.resume = resume
         self.workers = [_Worker(s.name, k, restartable=s.restartable) for s in pipeline.stages
                         for k in range(s.workers)]
-        self.progress = Progress(cfg.algo.steps, cfg.output.progress)
+        self.progress = Progress(cfg.algo.steps, cfg.output.progress, stop_reward=cfg.algo.stop_reward)
         train_rows: list[dict[str, Any]] = []
         eval_rows: list[dict[str, Any]] = []
         resumed_at = resume.state.version if resume is not None else None
@@ -306,6 +307,7 @@ class _Launch:
                 shutil.rmtree(self.run_dir / "rendezvous", ignore_errors=True)
                 self.progress.close()
                 self.metrics.close()
+                await anyio.to_thread.run_sync(finish_trace, self.run_dir, cfg.output.trace)  # trace.json
         return self._result()
 
     async def _start_status_page(self, tg: anyio.abc.TaskGroup, dock_endpoint: str) -> None:

@@ -42,6 +42,7 @@ from streamrl import wire
 from streamrl.curve import RunKeys, release_context, secure_client, secure_server
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.protocol import TensorColumn
+from streamrl.metrics.trace import tracer
 
 log = logging.getLogger("streamrl.policy")
 
@@ -241,14 +242,16 @@ class PolicySubscriber:
         if need <= self.known_version:
             return self.known_version
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else math.inf)
-        while True:
-            wait = min(self.poll_s, max(0.0, deadline - time.monotonic()))
-            reply, _ = await self._ask(-1, need, False, wait)
-            if reply.version >= need:
-                return reply.version
-            if time.monotonic() >= deadline:
-                raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
-                                    f"(newest: {reply.version}; is the trainer running?)")
+        with tracer().span("wait version", "policy", "policy", need=need) as span:
+            while True:
+                wait = min(self.poll_s, max(0.0, deadline - time.monotonic()))
+                reply, _ = await self._ask(-1, need, False, wait)
+                if reply.version >= need:
+                    span["version"] = reply.version
+                    return reply.version
+                if time.monotonic() >= deadline:
+                    raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
+                                        f"(newest: {reply.version}; is the trainer running?)")
 
     async def fetch(
         self, have: int, need: int, timeout_s: float | None = None
@@ -262,22 +265,30 @@ class PolicySubscriber:
             # pipeline may have no trainer), and after a silence do not ask again for a while.
             if time.monotonic() < self._quiet_until:
                 return have, None
+            started = time.perf_counter()
             try:
                 reply, frames = await self._ask(have, need, True, 0.0, reply_timeout_s=1.0)
             except PolicyTimeout:
                 self._quiet_until = time.monotonic() + 10.0
                 self.close()  # drop the unanswered request with its socket
                 return have, None
-            return self._unpack(have, reply, frames)
+            got = self._unpack(have, reply, frames)
+            if got[1] is not None:  # a newer version came: a span (the mere checks are not)
+                tracer().complete("fetch weights", "policy", started, time.perf_counter(), "policy", have=have,
+                                  need=need, version=reply.version, bytes=sum(len(f) for f in frames))
+            return got
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else math.inf)
-        while True:
-            wait = min(self.poll_s, max(0.0, deadline - time.monotonic()))
-            reply, frames = await self._ask(have, need, True, wait)
-            if reply.version >= need:
-                return self._unpack(have, reply, frames)
-            if time.monotonic() >= deadline:
-                raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
-                                    f"(newest: {reply.version}; is the trainer running?)")
+        with tracer().span("fetch weights", "policy", "policy", have=have, need=need) as span:
+            while True:
+                wait = min(self.poll_s, max(0.0, deadline - time.monotonic()))
+                reply, frames = await self._ask(have, need, True, wait)
+                if reply.version >= need:
+                    span["version"] = reply.version
+                    span["bytes"] = sum(len(f) for f in frames)
+                    return self._unpack(have, reply, frames)
+                if time.monotonic() >= deadline:
+                    raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
+                                        f"(newest: {reply.version}; is the trainer running?)")
 
     def _unpack(self, have: int, reply: WeightsReply, frames: list[zmq.Frame]
                 ) -> tuple[int, dict[str, torch.Tensor] | None]:

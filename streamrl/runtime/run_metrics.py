@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from streamrl.config import RunConfig
+from streamrl.metrics.busy import BusyTracker
 from streamrl.metrics.progress import Progress
 from streamrl.metrics.writer import MetricsWriter
 from streamrl.runtime.pipeline import PipelineSpec
@@ -21,7 +22,9 @@ class RunMetrics:
     """Step and eval rows of one launch, and the stage figures they are made of.
 
     Supervision feeds it the workers' events: ``busy`` (cumulative seconds in ``process()`` per
-    stage worker, from ``StageBusy``), ``samples`` (samples processed, same source),
+    stage worker, from ``StageBusy``, for the status page's rates) and ``busy_tracker`` (the same
+    reports with when they were measured, from which each row's ``busy/<stage>`` is computed),
+    ``samples`` (samples processed, same source),
     ``stage_metrics`` (``StageMetrics``), ``restarts``, and every ``StepReport`` / ``EvalReport``
     through :meth:`on_step` / :meth:`on_eval`.
     """
@@ -41,7 +44,7 @@ class RunMetrics:
         self.samples: dict[tuple[str, int], int] = {}
         self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
         self.restarts: dict[str, int] = {}  # "<stage>-<worker>" process name -> times it was restarted
-        self.busy_at_last_step: dict[str, float] = {}
+        self.busy_tracker = BusyTracker({s.name: s.workers for s in pipeline.stages})
         self.t_go = 0.0  # monotonic time of Go (training started)
         self.t_last_step = 0.0
         self.t_progress = 0.0  # the last optimizer step (or Go)
@@ -51,15 +54,12 @@ class RunMetrics:
         """Training starts now: step times and elapsed_s count from here."""
         self.t_go = self.t_last_step = self.t_progress = time.monotonic()
 
-    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+    def on_step(self, step: int, metrics: dict[str, float], measured_at: float = 0.0) -> None:
         now = time.monotonic()
         self.t_progress = now
         row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(now - self.t_go, 4)}
-        wall = max(now - self.t_last_step, 1e-9)
-        for s in self.pipeline.stages:
-            total = sum(b for (name, _), b in self.busy.items() if name == s.name)
-            row[f"busy/{s.name}"] = round((total - self.busy_at_last_step.get(s.name, 0.0)) / wall / s.workers, 4)
-            self.busy_at_last_step[s.name] = total
+        wall_now = time.time()  # busy/<stage>: the fraction of the step's wall time each stage worked
+        row.update(self.busy_tracker.step(measured_at or wall_now, go=wall_now - (now - self.t_go)))
         for (stage, k), values in sorted(self.stage_metrics.items()):
             for name, v in values.items():
                 key = f"{stage}/{name}" if self.pipeline.stage(stage).workers == 1 else f"{stage}/{k}/{name}"

@@ -100,8 +100,9 @@ class Supervisor:
                     ready.add((s, k))
                     if went:  # a restarted worker: the run is under way
                         await server.send_to((s, k), c.Go())
-                case c.StageBusy(stage=s, worker=k, busy_s=b, samples=n, in_batch_s=in_batch):
+                case c.StageBusy(stage=s, worker=k, busy_s=b, samples=n, in_batch_s=in_batch, measured_at=at):
                     self.metrics.busy[(s, k)] = b
+                    self.metrics.busy_tracker.report(s, k, b, in_batch, at)
                     self.metrics.samples[(s, k)] = n
                     w = by_key[(s, k)]
                     w.heartbeat, w.in_batch_s = time.monotonic(), in_batch
@@ -109,8 +110,8 @@ class Supervisor:
                     # merged: a stage reports different figures at different times (engine start-up once,
                     # each weight install later), and each stays in the rows until it reports it again
                     self.metrics.stage_metrics.setdefault((s, k), {}).update(m)
-                case c.StepReport(step=step, metrics=m):
-                    self.metrics.on_step(step, m)
+                case c.StepReport(step=step, metrics=m, measured_at=at):
+                    self.metrics.on_step(step, m, at)
                 case c.EvalReport(step=step, metrics=m):
                     self.metrics.on_eval(step, m)
                 case c.Failed():
@@ -155,7 +156,7 @@ class Supervisor:
             for w in self.workers:  # a clean exit counts as finished even if its message was lost
                 if w.proc is not None and w.proc.exitcode == 0:
                     finished.add((w.stage, w.index))
-            if finished == expected:
+            if finished == expected and not server.pending(events):  # their last events read first
                 self.stop_reason = self.stop_reason or "all stages finished"
                 return
             if stop_deadline is not None and time.monotonic() > stop_deadline:

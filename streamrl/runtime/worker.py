@@ -34,6 +34,7 @@ from streamrl.config import RunConfig
 from streamrl.curve import RunKeys
 from streamrl.dock.client import DockClient, Lease
 from streamrl.dock.errors import DockError, EndOfStream, RemoteError
+from streamrl.metrics.trace import Tracer, open_tracer, reset_tracer, tracer, use_tracer
 from streamrl.runtime.checkpoints import ResumeFrom
 from streamrl.runtime.control import ControlClient
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
@@ -84,12 +85,14 @@ def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
 
 
 class _Meter:
-    """A worker's busy time, counted while each batch runs (not when it ends): a batch that spans
-    several optimizer steps is shared among them, so ``busy/<stage>`` stays a fraction of each
-    step's wall time even when one batch takes minutes."""
+    """A worker's busy time: the seconds inside ``process()`` / ``produce()``. It tells the launcher
+    its total when a batch begins, when it ends, and every ``BUSY_REPORT_S`` (the in-flight batch
+    included, with the moment it measured), from which the launcher derives ``busy/<stage>`` for
+    each step (:mod:`streamrl.metrics.busy`). Each batch is also a span of the worker's trace."""
 
-    def __init__(self, control: ControlClient) -> None:
+    def __init__(self, control: ControlClient, stage: str = "") -> None:
         self.control = control
+        self.stage = stage
         self.busy_s = 0.0  # finished batches
         self.batches = 0
         self.samples = 0
@@ -97,28 +100,42 @@ class _Meter:
 
     def begin(self) -> None:
         self._started = time.perf_counter()
+        self.flush()
 
-    def end(self, samples: int) -> None:
+    def end(self, samples: int, name: str = "process", **args: Any) -> None:
         if self._started is not None:
-            self.busy_s += time.perf_counter() - self._started
+            ended = time.perf_counter()
+            self.busy_s += ended - self._started
+            tracer().complete(name, "batch", self._started, ended, "batch", stage=self.stage, samples=samples,
+                              **{k: v for k, v in args.items() if v != ""})
             self._started = None
         self.batches += 1
         self.samples += samples
+        self.flush()
 
     def busy_now(self) -> float:
         running = time.perf_counter() - self._started if self._started is not None else 0.0
         return self.busy_s + running
 
     def flush(self) -> None:
-        in_batch = time.perf_counter() - self._started if self._started is not None else 0.0
-        self.control.busy(self.busy_now(), self.batches, self.samples, in_batch)
+        # a running batch reports a positive in_batch_s even at its first instant
+        in_batch = max(time.perf_counter() - self._started, 1e-9) if self._started is not None else 0.0
+        self.control.busy(self.busy_now(), self.batches, self.samples, in_batch, time.time())
 
     async def report_every(self, interval_s: float) -> None:
         """Tell the launcher the busy time so far, in flight included, until cancelled. Sent even
         when idle: it is also the heartbeat by which the launcher tells a blocked worker."""
         while True:
-            await anyio.sleep(interval_s)
             self.flush()
+            await anyio.sleep(interval_s)
+
+
+def _versions(versions: list[int] | None) -> str:
+    """A batch's policy versions for its trace span: "3", or "2..3" when they differ."""
+    if not versions:
+        return ""
+    lo, hi = min(versions), max(versions)
+    return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
 async def run_worker(spec: WorkerSpec) -> int:
@@ -146,6 +163,8 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
     device = sspec.device or cfg.resources.device
     indices: list[int] = []
     stage: Any = None
+    trace = _open_trace(spec, sspec)
+    trace_token = use_tracer(trace)  # this stage worker's tasks record into its own file
     try:
         cls = import_object(sspec.cls, "stage class")
         stage = cls()
@@ -159,7 +178,9 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
                 tg.start_soon(_watch_parent, spec.parent_pid, tg)
-            if not await _setup_unless_stopped(stage, ctx, control, sspec, spec.worker):
+            with trace.span("setup", "batch", "setup"):
+                set_up = await _setup_unless_stopped(stage, ctx, control, sspec, spec.worker)
+            if not set_up:
                 tg.cancel_scope.cancel()
                 await stage.close()
                 return 0
@@ -178,7 +199,7 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                 loop_scope.cancel()
 
             tg.start_soon(stop_watch)
-            meter = _Meter(control)
+            meter = _Meter(control, sspec.name)
             tg.start_soon(meter.report_every, BUSY_REPORT_S)
             async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
                                   lease_ttl_s=cfg.resources.dock.lease_ttl_s,
@@ -218,6 +239,20 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
     finally:
         policy.close()
         control.close()
+        reset_tracer(trace_token)
+        trace.close()
+
+
+def _open_trace(spec: WorkerSpec, sspec: StageSpec) -> Tracer:
+    """This stage worker's trace file (``output.trace``), or a tracer that records nothing."""
+    if not spec.config.output.trace:
+        return Tracer()
+    stages = [s.name for s in spec.pipeline.stages] if spec.pipeline is not None else None
+    try:
+        return open_tracer(Path(spec.run_dir), sspec.name, spec.worker, workers=sspec.workers, stages=stages)
+    except OSError as exc:  # a diagnostic: the run goes on without it
+        log.warning("%s[%d]: no trace (%s)", sspec.name, spec.worker, exc)
+        return Tracer()
 
 
 async def _setup_unless_stopped(stage: Any, ctx: StageContext, control: ControlClient, sspec: StageSpec,
@@ -303,7 +338,10 @@ async def _source_loop(stage: Any, dock: DockClient, meter: _Meter) -> None:
             await wait_ready()
         meter.begin()
         out = await stage.produce()
-        meter.end(0 if out is None else len(next(iter(out.columns.values()))))
+        if out is None:
+            meter.end(0, "produce")
+        else:
+            meter.end(len(next(iter(out.columns.values()))), "produce", version=_versions(out.versions))
         if out is None:
             await dock.close_input()
             return
@@ -390,13 +428,16 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
     if columns is None:
         columns = await dock.fetch(lease.indices, spec.reads)
     meter.begin()
+    result: Any = None
     try:
         result = await stage.process(Batch(lease.samples, columns))
     except StopRun:
         await dock.ack(lease)  # the stage consumed these before deciding to stop
         raise
     finally:
-        meter.end(len(lease))
+        out_versions = getattr(result, "versions", None) if isinstance(result, Output) else None
+        meter.end(len(lease), version=_versions(lease.versions), **({"out_version": _versions(out_versions)}
+                                                                    if out_versions else {}))
     out = _as_output(result, spec, len(lease))
     if out.columns:
         try:

@@ -32,6 +32,7 @@ import time
 import torch
 
 from streamrl.engines.rollout import TorchRolloutEngine
+from streamrl.metrics.trace import tracer
 from streamrl.models.build import load_model, read_export_version
 from streamrl.runtime.pipeline import NoOptions
 from streamrl.runtime.stage import StageContext
@@ -109,9 +110,10 @@ class EvalStage:
             await self._evaluate_and_report(self.version)
 
     async def _evaluate_and_report(self, version: int) -> None:
-        t0 = time.perf_counter()
-        metrics = await self.ctx.run_sync(self.evaluate)
-        metrics["eval_s"] = time.perf_counter() - t0
+        with tracer().span("evaluate", "batch", "eval", version=version):
+            t0 = time.perf_counter()
+            metrics = await self.ctx.run_sync(self.evaluate)
+            metrics["eval_s"] = time.perf_counter() - t0
         self.evaluated.add(version)
         self.ctx.report_eval(version, metrics)
 

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from streamrl.engines.options import GenerateOptions, check_engine_available
+from streamrl.metrics.trace import tracer
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy, open_rollout_engine, seed_for_batch, worker_generator
 from streamrl.stages.view_rollout import generation_output, version_needed
@@ -57,7 +58,10 @@ class GenerateStage:
             started = time.perf_counter()
             await self.ctx.run_sync(self.engine.load_weights, state.items())
             self.version = version
-            self.ctx.report_metrics({"weight_install_s": time.perf_counter() - started})
+            ended = time.perf_counter()
+            self.ctx.report_metrics({"weight_install_s": ended - started})
+            tracer().complete("install weights", "policy", started, ended, "policy", version=version)
+            tracer().counter("policy version", version)
         seed_for_batch(self.generator, self.ctx.config.seed, batch)
         prompts = batch.columns["prompt_ids"]
         gens = await self.ctx.run_sync(

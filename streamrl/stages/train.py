@@ -38,6 +38,7 @@ from streamrl.engines.checkpoint import load_checkpoint, save_checkpoint
 from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
 from streamrl.engines.samples import samples_from_columns
 from streamrl.engines.schedule import lr_scheduler
+from streamrl.metrics.trace import tracer
 from streamrl.reshard import DaemonCall
 from streamrl.runtime.checkpoints import (
     ResumeFrom,
@@ -257,8 +258,9 @@ class TrainStage:
                                float(sum(tally.staleness))])
         # a save asked for (SIGTERM) reaches the ranks at different moments: agree on it here
         asked = 1.0 if self.ctx.control.save_reason is not None else 0.0
-        (st_max, save_asked) = await self.ctx.run_sync(
-            self._all_reduce, [float(max(tally.staleness, default=0)), asked], dist.ReduceOp.MAX)
+        r_max, r_min = (max(r), min(r)) if r else (-math.inf, math.inf)
+        (st_max, save_asked, r_max, neg_r_min) = await self.ctx.run_sync(
+            self._all_reduce, [float(max(tally.staleness, default=0)), asked, r_max, -r_min], dist.ReduceOp.MAX)
         t_barrier = time.perf_counter()
         before = await self.hand_over.before_train()
         t_ready = time.perf_counter()
@@ -278,11 +280,14 @@ class TrainStage:
             # every rank is here together, with the training state on its device: export (collective)
             await self.ctx.run_sync(self.engine.export_pretrained, self.ctx.run_dir / "checkpoint", self.tokenizer)
         t_save = time.perf_counter()
-        if save_asked or (out.checkpoint_every and self.version % out.checkpoint_every == 0):
+        saves = bool(save_asked or (out.checkpoint_every and self.version % out.checkpoint_every == 0))
+        if saves:
             await self.ctx.run_sync(self._save, "sigterm" if save_asked else "periodic")
         save_s = time.perf_counter() - t_save
+        t_publish = time.perf_counter()
         weight_metrics = await self.hand_over.publish(self.version)
         t_end = time.perf_counter()
+        self._trace_step(t0, t_barrier, t_ready, t_train, t_save if saves else None, save_s, t_publish, t_end)
         now = time.monotonic()
         wall = max(now - self.t_step, 1e-9)
         self.t_step = now
@@ -293,6 +298,8 @@ class TrainStage:
         metrics = {
             "reward_mean": mean,
             "reward_std": math.sqrt(max(var, 0.0)),
+            # the range of the step's rewards (what bounds the report's ±std band)
+            **({"reward_min": -neg_r_min, "reward_max": r_max} if math.isfinite(r_max) else {}),
             "loss": stats["loss"],
             "kl": stats.get("kl", stats["approx_kl"]),
             "clip_fraction": stats["clip_fraction"],
@@ -325,6 +332,24 @@ class TrainStage:
         if reason is not None:  # every rank sees the same global figures, so every rank stops here
             self.stopped = True
             raise StopRun(reason)
+
+    def _trace_step(self, t0: float, t_barrier: float, t_ready: float, t_train: float, t_save: float | None,
+                    save_s: float, t_publish: float, t_end: float) -> None:
+        """The step just taken as spans of this worker's trace, and its new policy version."""
+        trace = tracer()
+        if not trace.enabled:
+            return
+        v = self.version
+        trace.complete("optimizer step", "batch", t0, t_end, "train", version=v)
+        if self.R > 1:
+            trace.complete("wait other ranks", "batch", t0, t_barrier, "train")
+        if not self.hand_over.trains_on_arrival:  # colocated: the training state swapped in
+            trace.complete("before train", "batch", t_barrier, t_ready, "train")
+        trace.complete("train", "batch", t_ready, t_train, "train", version=v)
+        if t_save is not None:
+            trace.complete("checkpoint", "batch", t_save, t_save + save_s, "train", version=v)
+        trace.complete("publish", "batch", t_publish, t_end, "policy", version=v)
+        trace.counter("policy version", v)
 
     def _stop_reason(self, reward_mean: float) -> str | None:
         a = self.ctx.config.algo

@@ -1,4 +1,6 @@
-"""End to end, real processes: GRPO on digits-max learns, and the run dir holds every documented output.
+"""End to end, real processes: GRPO on digits-max learns, and the run dir holds every documented output:
+metrics whose keys are all in docs/observability.md's table, busy fractions within [0, 1], and a
+timeline trace that agrees with them.
 
 configs/grpo_digits.yaml unchanged but for the step count: a random-init tiny Qwen2 on a CPU.
 Chance is about 0.1 (the first steps' mean reward is 0.03-0.12). The run is deterministic here
@@ -12,6 +14,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +22,8 @@ import yaml
 
 import streamrl
 from streamrl.config import load_config
+from tests.metrics.documented import undocumented
+from tests.metrics.test_trace import assert_spans_nest
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,9 +63,14 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
             assert isinstance(row[k], float | int) and math.isfinite(row[k]), (k, row[k])
         assert row["samples_per_s"] > 0 and row["tokens_per_s"] >= row["samples_per_s"]
         assert row["staleness_mean"] == 0  # max_staleness 0: on-policy
-        assert all(row[f"busy/{s}"] >= 0 for s in STAGES)
+        assert all(0 <= row[f"busy/{s}"] <= 1 for s in STAGES), row  # a fraction of the step's wall time
+        assert row["reward_min"] <= row["reward_mean"] <= row["reward_max"]
     assert sum(row["busy/train"] for row in lines) > 0 and sum(row["busy/generate"] for row in lines) > 0
     assert lines == result.metrics
+    # every key it wrote is in the metrics table of docs/observability.md
+    assert not undocumented(k for row in lines for k in row)
+
+    _check_trace(run_dir, lines)
 
     # TensorBoard event files with the same scalars
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -95,3 +105,38 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     assert set(result.worker_logs) == {f"{s}-0" for s in STAGES}
     assert all(p.is_file() for p in result.worker_logs.values())
     assert_run_cleaned(run_dir, os.getpid(), before)
+
+
+def _check_trace(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """trace.json: a Chrome trace with batch spans of every stage, whose durations add up to the
+    busy time the metrics rows say each stage worked (within 5% + 50 ms)."""
+    trace = json.loads((run_dir / "trace.json").read_text())
+    assert trace["displayTimeUnit"] == "ms" and trace["otherData"]["skipped_lines"] == 0
+    events = trace["traceEvents"]
+    assert_spans_nest(events)
+    stage_of = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(stage_of.values()) == sorted(STAGES)
+    spans = [e for e in events if e["ph"] == "X"]
+    steps = [e for e in spans if e["name"] == "optimizer step"]
+    assert [e["args"]["version"] for e in steps] == list(range(1, STEPS + 1))
+    names = {(stage_of[e["pid"]], e["name"]) for e in spans}
+    assert {("source", "produce"), ("generate", "process"), ("score", "process"), ("advantage", "process"),
+            ("train", "process"), ("train", "publish"), ("generate", "fetch weights"), ("generate", "install weights"),
+            ("source", "wait version"), ("source", "reserve"), ("train", "claim"), ("score", "put")} <= names
+    versions = [e["args"]["value"] for e in events if e["ph"] == "C" and stage_of[e["pid"]] == "train"]
+    assert versions == list(range(1, STEPS + 1))
+
+    end = steps[-1]["ts"] + steps[-1]["dur"]  # the rows end with the last step
+    in_spans = {s: 0.0 for s in STAGES}
+    for e in spans:
+        if e.get("cat") == "batch" and e["ts"] < end:
+            in_spans[stage_of[e["pid"]]] += (min(e["ts"] + e["dur"], end) - e["ts"]) / 1e6
+    in_rows = dict.fromkeys(STAGES, 0.0)
+    before = 0.0
+    for row in rows:
+        wall, before = row["elapsed_s"] - before, row["elapsed_s"]
+        for s in STAGES:
+            in_rows[s] += row[f"busy/{s}"] * wall
+    for s in STAGES:
+        assert abs(in_spans[s] - in_rows[s]) <= 0.05 * in_spans[s] + 0.05, (s, in_spans, in_rows)
+    assert in_spans["train"] > 0.1 and in_spans["generate"] > 0.1

@@ -167,3 +167,25 @@ def test_cli_errors_exit_2_with_a_clear_message(tmp_path: Path, capsys: pytest.C
     assert not (run_dir / "report").exists()
     with pytest.raises(ReportError, match=re.escape(expected)):
         write_report(run_dir)
+
+
+def test_the_reward_band_stays_within_the_rewards_range() -> None:
+    """mean ± std of 0/1 rewards runs past 1 near the top: each step's band is clipped to the range
+    its rewards took (reward_min / reward_max), rows without one to the range the others recorded."""
+    from streamrl.metrics.report import reward_band
+
+    rows = [
+        {"step": 1, "reward_mean": 0.95, "reward_std": 0.22, "reward_min": 0.0, "reward_max": 1.0},
+        {"step": 2, "reward_mean": 0.05, "reward_std": 0.22, "reward_min": 0.0, "reward_max": 1.0},
+        {"step": 3, "reward_mean": 1.0, "reward_std": 0.0, "reward_min": 1.0, "reward_max": 1.0},
+        {"step": 4, "reward_mean": 0.5, "reward_std": 0.1, "reward_min": 0.4, "reward_max": 0.55},
+        {"step": 5, "reward_mean": 0.9, "reward_std": 0.3},  # an older row: the run's recorded range
+        {"step": 6, "reward_mean": 0.5, "reward_std": 0.1},  # well inside: unchanged
+    ]
+    steps, low, high = reward_band(rows)
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert low == pytest.approx([0.73, 0.0, 1.0, 0.4, 0.6, 0.4])
+    assert high == pytest.approx([1.0, 0.27, 1.0, 0.55, 1.0, 0.6])
+    # no row with a range (a run from before they were recorded): mean ± std as it is
+    _, low, high = reward_band([{"step": 1, "reward_mean": 0.9, "reward_std": 0.3}])
+    assert (low, high) == (pytest.approx([0.6]), pytest.approx([1.2]))

@@ -93,3 +93,19 @@ def test_progress_modes() -> None:
     p.close()
     text = tty.getvalue()
     assert text.count("\r\x1b[2K") == 2 and "\nnote\n" in text and text.endswith("\n")
+
+
+def test_the_eta_says_what_it_is_toward() -> None:
+    """To the step cap, from training time (a row's elapsed_s: set-up is not a step); with a reward
+    stop the run may end sooner, which cannot be foreseen, so the cap's ETA is an upper bound."""
+    capped = io.StringIO()
+    p = Progress(100, "lines", stream=capped)
+    p.update({"step": 10, "reward_mean": 0.2, "elapsed_s": 20.0})  # 2 s per step: 90 steps to go
+    assert "elapsed 0:20  ETA 3:00 (step cap)" in capped.getvalue()
+    assert p.eta(100, 200.0) == "ETA 0:00 (step cap)"
+
+    bounded = io.StringIO()
+    p = Progress(100, "lines", stream=bounded, stop_reward=0.9)
+    p.update({"step": 10, "reward_mean": 0.2, "elapsed_s": 20.0})
+    assert "ETA ≤ 3:00 (step cap)" in bounded.getvalue()
+    assert p.eta(0, 0.0) == "ETA ≤ ? (step cap)"  # no step yet: nothing to go by

@@ -19,6 +19,7 @@ import streamrl
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime.pipeline import load_pipeline
 from streamrl.runtime.stage import StageError
+from tests.metrics.documented import undocumented
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs, only_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,6 +120,8 @@ def test_colocated_grpo_with_two_ranks_learns_digits_like_the_single_process_run
         # on a CPU the training state already lives in host memory: the swap moves nothing (0 bytes)
         assert row["swap_bytes"] == 0 and row["swap_out_ms"] >= 0 and row["swap_in_ms"] >= 0
         assert row["micro_batches"] == 2 and row["response_tokens"] > 0 and row["staleness_max"] == 0
+        assert all(0 <= row[f"busy/{s}"] <= 1 for s in ("generate", "train"))
+    assert not undocumented(k for row in rows for k in row)  # docs/observability.md's metrics table
     # rank 0's checkpoint is the last version, loadable as a Hugging Face directory
     assert (colocated.run_dir / "checkpoint" / "config.json").is_file()
     assert not (colocated.run_dir / "rendezvous").exists()

@@ -24,6 +24,7 @@ from streamrl.config import ConfigError, load_config
 from streamrl.runtime.launcher import RunFailed
 from streamrl.runtime.pipeline import load_pipeline
 from streamrl.runtime.stage import StageError
+from tests.metrics.documented import undocumented
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs, only_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,6 +110,8 @@ def test_disaggregated_grpo_learns_digits_with_weights_sent_bucket_by_bucket(tmp
         # train rank 0 feeds generation worker 0 a whole fp32 copy of the 1.3 MB policy every step
         assert row["reshard_sent_bytes"] > 1.0e6
         assert row["micro_batches"] == 4 and row["staleness_max"] == 0
+        assert all(0 <= row[f"busy/{s}"] <= 1 for s in ("generate", "train"))
+    assert not undocumented(k for row in rows for k in row)  # docs/observability.md's metrics table
     assert (result.run_dir / "checkpoint" / "config.json").is_file()
     assert not (result.run_dir / "rendezvous").exists()
     logs = {p.name: p.read_text() for p in (result.run_dir / "logs").glob("*.log")}

@@ -119,10 +119,12 @@ def test_a_stalled_stage_is_reported_with_its_stack_and_the_run_stops(tmp_path: 
     path = grpo_with_stage(tmp_path, "advantage", "tests.runtime.stalling_stages:HangsOnThirdBatch")
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
+    # the stage says when its batch begins, then blocks its event loop: past SILENT_WORKER_S (5 s) of
+    # silence, while the other workers still send heartbeats, the launcher names it as blocked
     with pytest.raises(RunFailed) as failed:
-        run(_config(tmp_path, str(path), resources={"stall_timeout_s": 4.0}), run_dir=run_dir)
+        run(_config(tmp_path, str(path), resources={"stall_timeout_s": 6.0}), run_dir=run_dir)
     message = str(failed.value)
-    assert "no optimizer step for" in message and "resources.stall_timeout_s=4" in message
+    assert "no optimizer step for" in message and "resources.stall_timeout_s=6" in message
     assert "stage 'advantage' worker 0 sent nothing for" in message  # its event loop is blocked
     assert re.search(r"stalling_stages\.py\", line \d+ in process", message), message  # faulthandler's stack
     assert time.monotonic() - t0 < 100  # stopped by the launcher, not by the sleep ending

@@ -13,6 +13,7 @@ import pytest
 import streamrl
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime.pipeline import load_pipeline
+from tests.metrics.documented import undocumented
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,6 +40,7 @@ def test_eval_rows_at_every_and_at_the_end(tmp_path: Path) -> None:
         assert not any(k.startswith("busy/") or k == "reward_mean" for k in r)  # eval rows stay apart
     assert result.eval_metrics == evals and result.metrics == train
     assert result.final_reward == train[-1]["reward_mean"]
+    assert not undocumented(k for r in rows for k in r)  # docs/observability.md's metrics table has them all
     assert_run_cleaned(result.run_dir, os.getpid(), before)
 
 
