@@ -877,9 +877,10 @@ def resolve_model_dir(cfg: RunConfig) -> Path:
         return Path(snapshot_download(text, local_files_only=True))
     except Exception as exc:  # not cached (LocalEntryNotFoundError), or an id the hub library refuses
         raise ConfigError(
-            f"model.path {text!r}: not a local directory (looked at {tried}) and not in the Hugging Face cache "
-            f"({HF_HUB_CACHE}: {type(exc).__name__}); streamrl does not download models: run "
-            f"`hf download {text} --local-dir models/{text.rsplit('/', 1)[-1]}` and set model.path to that directory"
+            f"model.path {text!r}: not a local directory (looked at {tried}), nor, read as a hub id, in the "
+            f"Hugging Face cache ({HF_HUB_CACHE}: {type(exc).__name__}); streamrl does not download models. "
+            f"If {text!r} is the directory to load from, download the model into it: `hf download OWNER/NAME "
+            f"--local-dir {text}`; if it is a hub id: `hf download {text}`"
         ) from None
 
 

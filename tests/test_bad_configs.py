@@ -114,7 +114,7 @@ CASES: dict[str, Case] = {
                                         files={"c.yaml": "model: {path: models/mine}\npipeline: " + str(GRPO) + "\n"},
                                         source="c.yaml"),
     "model-hub-id-not-cached": Case(("model.path", "'streamrl-tests/no-such-model'", "Hugging Face cache",
-                                     "hf download streamrl-tests/no-such-model"),
+                                     "`hf download streamrl-tests/no-such-model`"),
                                     config={"model": {"path": "streamrl-tests/no-such-model"}}),
     "model-path-is-a-file": Case(("model.path", "{tmp}/weights.bin", "is a file"),
                                  files={"weights.bin": "x"}, config={"model": {"path": "{tmp}/weights.bin"}}),

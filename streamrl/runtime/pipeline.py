@@ -43,6 +43,7 @@ import importlib
 import inspect
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -238,8 +239,10 @@ def resolve_run_length(cfg: RunConfig) -> RunConfig:
     if a.epochs is not None:
         try:
             task = get_task(cfg.task.name, **task_options(cfg))
-        except (UnknownTaskError, TaskOptionError, ValueError, TypeError) as exc:
-            raise ConfigError(f"run config: task: {exc}") from None
+        except (UnknownTaskError, TaskOptionError, ValueError, TypeError):
+            # the run length stays unresolved: check_run's task check reports why the task does not load,
+            # together with every other problem, and the run never starts
+            return cfg
         size = getattr(task, "train_size", None)
         if not callable(size):
             raise ConfigError(f"run config: algo.epochs needs a task with a train split of fixed size (a dataset); "
@@ -611,19 +614,40 @@ def check_run(spec: PipelineSpec, cfg: RunConfig) -> None:
     batching each stage class needs, the reshard worlds, the task and its options or prompt file,
     the model directory, and that prompt + completion fit the model's positions."""
     where = spec.path or f"pipeline {spec.name!r}"
+    problems: list[str] = []  # the independent checks all run; every problem is reported at once
+
+    def attempt(check: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return check(*args)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            return None
+
     if cfg.resources.launch == "ray":
-        _check_ray(spec, cfg)
+        attempt(_check_ray, spec, cfg)
     classes = {s.name: _import_quietly(s.cls) for s in spec.stages}
-    _check_batching(spec, cfg, classes, where)
+    attempt(_check_batching, spec, cfg, classes, where)
     keys = {_class_key(c) for c in classes.values() if c is not None}
-    if not any(k.startswith("streamrl.stages.") for k in keys):
-        return  # only a user's own stages: the model and the task are theirs to use or not
-    tokenizer, model_config, positions_key = _check_model(cfg)
-    max_positions = model_config.get("max_positions")
-    generates = any(k.startswith("streamrl.stages.") and "Generate" in k for k in keys)
-    _check_task(cfg, tokenizer, max_positions if generates else None, positions_key)
-    if spec.placement != "separate":
-        _check_reshard_model(spec, cfg, model_config, where)
+    if any(k.startswith("streamrl.stages.") for k in keys):  # else: the model and the task are the user's stages'
+        model = attempt(_check_model, cfg)
+        generates = any(k.startswith("streamrl.stages.") and "Generate" in k for k in keys)
+        if model is not None:
+            tokenizer, model_config, positions_key = model
+            max_positions = model_config.get("max_positions")
+            attempt(_check_task, cfg, tokenizer, max_positions if generates else None, positions_key)
+            if spec.placement != "separate":
+                attempt(_check_reshard_model, spec, cfg, model_config, where)
+        else:  # no tokenizer to render prompts with: still check that the task and its rows load
+            try:
+                _check_task(cfg, None, None, "")
+            except ConfigError as exc:
+                problems.append(str(exc))
+            except Exception:
+                pass
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def _check_ray(spec: PipelineSpec, cfg: RunConfig) -> None:

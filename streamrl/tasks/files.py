@@ -68,8 +68,8 @@ def _read(source: str, split: str, where: str, config: str | None, limit: int | 
     if path.exists():
         raise PromptDatasetError(f"{str(path)!r} is neither a file nor a directory")
     if path.suffix.lower() in SUFFIXES or not _HUB_NAME.fullmatch(source):
-        raise PromptDatasetError(f"{str(path)!r} does not exist (relative paths resolve against the current "
-                                 "directory); check the path")
+        raise PromptDatasetError(f"{str(path)!r} does not exist (a relative path is looked for beside the run "
+                                 "config, then in the current directory); check the path")
     return _hub_rows(source, split, config, limit)
 
 

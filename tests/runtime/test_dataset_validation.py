@@ -129,3 +129,20 @@ def test_a_row_fn_that_cannot_be_imported_names_the_option(tmp_path: Path) -> No
     path = _parquet(tmp_path / "train.parquet", ROWS)
     message = _error(_config(tmp_path, {"path": path, "row_fn": "no_such_module_xyz:f"}))
     assert message.startswith("run config: task.options.row_fn 'no_such_module_xyz:f': cannot import module")
+
+
+def test_a_missing_model_and_a_missing_dataset_are_reported_together(tmp_path: Path) -> None:
+    """A first run of a recipe before anything was downloaded: both problems at once, each with its
+    key, and the model's hint naming the path as a --local-dir rather than as a hub id to fetch."""
+    from streamrl.runtime.pipeline import resolve_run_length
+
+    cfg = load_config({"pipeline": str(GRPO), "model": {"path": "models/not-downloaded"},
+                       "algo": {"epochs": 1, "group_size": 2},
+                       "task": {"name": "dataset", "options": {"path": str(tmp_path / "data" / "train.parquet"),
+                                                               "reward": "digits-reverse"}}})
+    with pytest.raises(ConfigError) as info:
+        load_pipeline(resolve_run_length(cfg))
+    message = str(info.value)
+    assert message.startswith("2 problems:"), message
+    assert "model.path 'models/not-downloaded'" in message and "--local-dir models/not-downloaded" in message
+    assert "task.options.path" in message and "train.parquet" in message and "does not exist" in message
