@@ -54,6 +54,9 @@ class RunFailed(RuntimeError):
 
 
 class Supervisor:
+    """One launch's supervision: :meth:`supervise` runs until the run ends and leaves why in
+    ``stop_reason`` / ``failure`` / ``death``; the launcher then stops everything through it."""
+
     def __init__(self, cfg: RunConfig, pipeline: PipelineSpec, run_dir: Path, t_launch: float,
                  workers: list[_Worker], backend: LaunchBackend, metrics: RunMetrics, progress: Progress) -> None:
         self.cfg = cfg
