@@ -46,13 +46,12 @@ class RunMetrics:
         self.restarts: dict[str, int] = {}  # "<stage>-<worker>" process name -> times it was restarted
         self.busy_tracker = BusyTracker({s.name: s.workers for s in pipeline.stages})
         self.t_go = 0.0  # monotonic time of Go (training started)
-        self.t_last_step = 0.0
         self.t_progress = 0.0  # the last optimizer step (or Go)
         self.time_to_target: float | None = None
 
     def go(self) -> None:
         """Training starts now: step times and elapsed_s count from here."""
-        self.t_go = self.t_last_step = self.t_progress = time.monotonic()
+        self.t_go = self.t_progress = time.monotonic()
 
     def on_step(self, step: int, metrics: dict[str, float], measured_at: float = 0.0) -> None:
         now = time.monotonic()
@@ -66,7 +65,6 @@ class RunMetrics:
                 row[key] = v
         for name, n in sorted(self.restarts.items()):
             row[f"restarts/{name}"] = n
-        self.t_last_step = now
         target = self.cfg.algo.stop_reward
         if target is not None and self.time_to_target is None and metrics.get("reward_mean", -1e9) >= target:
             self.time_to_target = now - self.t_go
