@@ -617,7 +617,8 @@ def _explain(text: str, raw: dict[str, Any]) -> str:
 class ConfigProblem:
     """One thing wrong in a config: where (the file, the dotted key and its line) and what to do."""
 
-    file: str  # the config file ("config" for a dict), "+ overrides" when the key came from key=value
+    file: str  # the config file ("config" for a dict), "+ overrides" when the key came from key=value;
+    # "" where the message names its source itself (the pre-run checks' "run config: ...")
     key: str  # the dotted key ("" for the config as a whole)
     line: int | None  # 1-based line of the key in the file; None: not written in the file
     message: str  # what is wrong, naming the key; most say what to write instead
@@ -625,7 +626,7 @@ class ConfigProblem:
 
     def __str__(self) -> str:
         at = f"{self.file}, line {self.line}" if self.line is not None else self.file
-        return f"{at}: {self.message}" + (f"; {self.hint}" if self.hint else "")
+        return (f"{at}: " if at else "") + self.message + (f"; {self.hint}" if self.hint else "")
 
 
 class ConfigErrors(ConfigError):

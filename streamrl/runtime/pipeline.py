@@ -52,6 +52,8 @@ from msgspec import Meta
 
 from streamrl.config import (
     ConfigError,
+    ConfigErrors,
+    ConfigProblem,
     RunConfig,
     StageOverride,
     did_you_mean,
@@ -644,10 +646,8 @@ def check_run(spec: PipelineSpec, cfg: RunConfig) -> None:
                 problems.append(str(exc))
             except Exception:
                 pass
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
     if problems:
-        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
+        raise ConfigErrors([ConfigProblem("", "", None, message) for message in problems])
 
 
 def _check_ray(spec: PipelineSpec, cfg: RunConfig) -> None:
