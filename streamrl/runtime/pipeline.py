@@ -234,16 +234,13 @@ def resolve_run_length(cfg: RunConfig) -> RunConfig:
     (the lr schedule's length). The launcher calls it before anything starts."""
     import math
 
-    from streamrl.config import task_options
-    from streamrl.tasks.registry import TaskOptionError, UnknownTaskError, get_task
-
     a = cfg.algo
     if a.epochs is not None:
         try:
-            task = get_task(cfg.task.name, **task_options(cfg))
-        except (UnknownTaskError, TaskOptionError, ValueError, TypeError):
-            # the run length stays unresolved: check_run's task check reports why the task does not load,
-            # together with every other problem, and the run never starts
+            task = _epoch_task(cfg)
+        except ConfigError:
+            # the run length stays unresolved: check_run reports why the task does not load, together
+            # with every other problem (and this error itself if no other check catches it)
             return cfg
         size = getattr(task, "train_size", None)
         if not callable(size):
@@ -264,6 +261,17 @@ def resolve_run_length(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"run config: algo.warmup_steps={a.warmup_steps} is longer than the run's {a.steps} "
                           "steps: the lr would never reach algo.lr; lower it")
     return cfg
+
+
+def _epoch_task(cfg: RunConfig) -> Any:
+    """The task whose train split ``algo.epochs`` counts passes over (ConfigError where it does not load)."""
+    from streamrl.config import task_options
+    from streamrl.tasks.registry import TaskOptionError, UnknownTaskError, get_task
+
+    try:
+        return get_task(cfg.task.name, **task_options(cfg))
+    except (UnknownTaskError, TaskOptionError, ValueError, TypeError) as exc:
+        raise ConfigError(f"run config: task: {exc}") from None
 
 
 def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: bool = True) -> None:
@@ -646,6 +654,8 @@ def check_run(spec: PipelineSpec, cfg: RunConfig) -> None:
                 problems.append(str(exc))
             except Exception:
                 pass
+    if cfg.algo.epochs is not None and not problems:  # resolve_run_length could not load the task: say why
+        attempt(_epoch_task, cfg)
     if problems:
         raise ConfigErrors([ConfigProblem("", "", None, message) for message in problems])
 
