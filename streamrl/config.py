@@ -243,6 +243,11 @@ class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "stages run as tasks in this process (dock servers in threads), for debugging. ray: every process is "
         "placed on a Ray cluster (resources.ray); the dock runs over tcp, every socket with CURVE and the run's "
         "keys (docs/ray.md)"))] = "processes"
+    encryption: Annotated[Literal["auto", "off", "curve"], Meta(description=(
+        "Every ZeroMQ socket of the run admits only the run's own processes, in every launch mode. off: "
+        "authentication without encryption (ZAP PLAIN, a password per role), for links that never leave the "
+        "host; curve: CURVE, every connection encrypted and authenticated, for links across machines; auto: "
+        "curve with launch: ray, off otherwise (docs/guide.md, Security)"))] = "auto"
     ray: Annotated[RayConfig, Meta(description="Placement on a Ray cluster (launch: ray)")] = (
         msgspec.field(default_factory=RayConfig))
     device: Annotated[str, Meta(description=(

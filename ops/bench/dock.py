@@ -49,12 +49,17 @@ controller/warehouse, raw ROUTERs) and client workers are separate processes.
    96-client event loops. Baseline: the same layout, pacing and probe on raw ``zmq.asyncio``
    DEALERs against an echo ROUTER.
 
-4. **CURVE** (``--curve``, or ``curve`` in ``--phases``): the dock's tcp figures with and without
-   CURVE, both in the same run, repetitions interleaved (plaintext, curve, curve, plaintext, ...):
-   put+fetch MB/s per size (as in 1, dock side only) and sample-claims/s, end to end (as in 2)
-   and controller-bound (pipelined, as in 2). Two ``LocalDock`` instances over tcp, one started with
-   fresh :class:`streamrl.curve.RunKeys`, whose clients hold the keys. Reported: each side's
-   median [min, max] and curve/plaintext (the ratio of medians).
+4. **Security** (``--security``, ``--curve``, or ``security`` in ``--phases``): the dock's tcp figures
+   three ways in the same run, repetitions interleaved (the side order rotates every repetition):
+   *plaintext* (no authentication), *auth-only* (ZAP PLAIN, what ``processes`` and ``inprocess``
+   runs use) and *CURVE* (``ray``'s default). Put+fetch MB/s at 4 MiB and 64 MiB (as in 1, dock
+   side only) and sample-claims/s, end to end and controller-bound (as in 2). Three ``LocalDock``
+   instances over tcp, two started with fresh :class:`streamrl.security.RunCredentials`, whose
+   clients present role ``stage:bench``'s. CURVE variants, bandwidth only: the warehouse's and the
+   client's zmq context with 2 I/O threads (``curve_io2``), and that with two DockClients moving
+   the payloads in parallel, two connections (``curve_io2_2conn``). Reported: each side's median
+   [min, max] and its ratio to plaintext (of medians); targets: auth-only >= 0.95 of plaintext's
+   4 MiB bandwidth and >= 0.90 of its claim rates.
 
 On a machine of few cores shared with other work every figure is noisy and the client processes
 compete with the servers for CPU: the table prints CPU shares and run-queue waits so a reader can
@@ -88,11 +93,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from streamrl.curve import RunKeys, secure_client
 from streamrl.dock import protocol as p
 from streamrl.dock.client import DockClient
 from streamrl.dock.errors import NothingToClaim
 from streamrl.dock.launch import LocalDock, Transport
+from streamrl.security import CLIENT_ENV, ClientAuth, RunCredentials, secure_client
 
 try:
     from ops.bench._common import fmt_spread, percentile, print_json_line, print_table, spread
@@ -296,9 +301,9 @@ async def _claim_loop_job(conn: Connection, job: dict[str, Any]) -> dict[str, An
 
     async with contextlib.AsyncExitStack() as stack:
         if system == "dock":
-            keys = _job_keys(job)
+            auth = _job_auth(job)
             clients: list[Any] = [
-                await stack.enter_async_context(DockClient(job["endpoint"], request_timeout_s=30.0, curve=keys))
+                await stack.enter_async_context(DockClient(job["endpoint"], request_timeout_s=30.0, auth=auth))
                 for _ in range(n_clients)
             ]
             task: Callable[[Any], Any] = dock_task
@@ -369,19 +374,19 @@ async def _claim_fetch_job(conn: Connection, job: dict[str, Any]) -> dict[str, A
     return {"lat": lat, "empty": empty}
 
 
-def _job_keys(job: dict[str, Any]) -> RunKeys | None:
-    """The run's CURVE keys a job was handed (the CURVE phase), or None."""
-    text = job.get("curve")
-    return RunKeys.from_env({"STREAMRL_CURVE_KEYS": text}) if text else None
+def _job_auth(job: dict[str, Any]) -> ClientAuth | None:
+    """The role credentials a job was handed (the security phase), or None."""
+    text = job.get("auth")
+    return ClientAuth.from_env({CLIENT_ENV: text}) if text else None
 
 
-def _sync_dealer(endpoint: str, keys: RunKeys | None = None) -> tuple[zmq.Context, zmq.Socket]:
+def _sync_dealer(endpoint: str, auth: ClientAuth | None = None) -> tuple[zmq.Context, zmq.Socket]:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 30_000)  # every wait has a timeout
     sock.setsockopt(zmq.SNDTIMEO, 30_000)
-    secure_client(sock, keys)
+    secure_client(sock, auth)
     sock.connect(endpoint)
     return ctx, sock
 
@@ -406,7 +411,7 @@ async def _claim_pipe_job(conn: Connection, job: dict[str, Any]) -> dict[str, An
     """
     system, quota, depth = job["system"], job["claims"], job["depth"]
     client_id = f"pipe-{os.getpid()}"
-    ctx, sock = _sync_dealer(job["endpoint"], _job_keys(job))
+    ctx, sock = _sync_dealer(job["endpoint"], _job_auth(job))
     empty = 0
     samples = 0
     try:
@@ -699,7 +704,7 @@ async def bench_bandwidth(
 
 # ====================================================================== 2/3. claims
 async def _preload(endpoint: str, n: int, tensors: bool = False, timeout_s: float = 60.0,
-                   keys: RunKeys | None = None) -> None:
+                   auth: ClientAuth | None = None) -> None:
     """Add ``n`` samples with a ``tokens`` column; wait until the controller has all live samples ready.
 
     ``tensors``: int64[256] per sample (for runs that fetch); else a small int per sample, which
@@ -710,7 +715,7 @@ async def _preload(endpoint: str, n: int, tensors: bool = False, timeout_s: floa
     view (and no ready count) yet; for them the claim loops count ``NothingToClaim`` as ``empty``.
     """
     tokens = torch.arange(TOKENS_PER_SAMPLE, dtype=torch.int64)
-    async with DockClient(endpoint, request_timeout_s=60.0, curve=keys) as dock:
+    async with DockClient(endpoint, request_timeout_s=60.0, auth=auth) as dock:
         left = n
         while left > 0:
             k = min(4096, left)
@@ -859,40 +864,90 @@ def bench_scale(
     return out
 
 
-CURVE_SIDES = ("plaintext", "curve")
+SEC_SIDES = ("plaintext", "plain", "curve")  # no authentication, auth-only (ZAP PLAIN), CURVE
+CURVE_VARIANTS = ("curve_io2", "curve_io2_2conn")  # bandwidth only: what makes CURVE faster
+SEC_SIZES = ("4MiB", "64MiB")
+BENCH_ROLE = "stage:bench"
 
 
-async def _curve_bandwidth(endpoints: dict[str, str], keys: RunKeys, reps: int, sizes: dict[str, int],
-                           scale: float) -> dict[str, dict[str, list[float]]]:
-    """Dock put+fetch MB/s per size over tcp, with and without CURVE, repetitions interleaved."""
-    out: dict[str, dict[str, list[float]]] = {side: {k: [] for k in sizes} for side in CURVE_SIDES}
-    async with (DockClient(endpoints["plaintext"], request_timeout_s=60.0) as plain,
-                DockClient(endpoints["curve"], request_timeout_s=60.0, curve=keys) as secured):
-        clients = {"plaintext": plain, "curve": secured}
-        payloads = {k: torch.full((n,), 7, dtype=torch.uint8) for k, n in sizes.items()}
-        for payload in payloads.values():  # warm-up, byte-exact on both sides
-            for c in clients.values():
-                await _dock_put_fetch(c, payload, check=True)
-        for rep in range(reps):
-            for label, payload in payloads.items():
-                iters = max(3, min(200, round(scale * BYTES_PER_MEASURE / payload.numel())))
-                for side in CURVE_SIDES if rep % 2 == 0 else CURVE_SIDES[::-1]:
-                    total = 0.0
-                    for _ in range(iters):
-                        total += await _dock_put_fetch(clients[side], payload)
-                    out[side][label].append(2 * payload.numel() * iters / total / MB)
+def _rotated(sides: Sequence[str], rep: int) -> list[str]:
+    """Every side first once in a while: a side's figures never all come right after the same other."""
+    k = rep % len(sides)
+    return [*sides[k:], *sides[:k]]
+
+
+async def _security_bandwidth(endpoints: dict[str, str], auth: dict[str, ClientAuth | None], reps: int,
+                              sizes: dict[str, int], scale: float) -> dict[str, dict[str, list[float]]]:
+    """Dock put+fetch MB/s per size over tcp, per side, repetitions interleaved."""
+    sides = (*SEC_SIDES, *CURVE_VARIANTS)
+    out: dict[str, dict[str, list[float]]] = {side: {k: [] for k in sizes} for side in sides}
+    io2 = zmq.asyncio.Context(io_threads=2)  # CURVE encrypts in the I/O threads: one per connection at most
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            clients: dict[str, list[DockClient]] = {}
+            for side in sides:
+                base = side.split("_")[0]
+                n, ctx = (2, io2) if side.endswith("2conn") else (1, io2 if side != base else None)
+                clients[side] = [await stack.enter_async_context(
+                    DockClient(endpoints[side], request_timeout_s=60.0, auth=auth[base], context=ctx))
+                    for _ in range(n)]
+            payloads = {k: torch.full((n,), 7, dtype=torch.uint8) for k, n in sizes.items()}
+            for payload in payloads.values():  # warm-up, byte-exact on every side
+                for cs in clients.values():
+                    for c in cs:
+                        await _dock_put_fetch(c, payload, check=True)
+            for rep in range(reps):
+                for label, payload in payloads.items():
+                    iters = max(4, min(200, round(scale * BYTES_PER_MEASURE / payload.numel())))
+                    for side in _rotated(sides, rep):
+                        cs = clients[side]
+                        if len(cs) == 1:  # as phase 1: the put+fetch parts only
+                            total = 0.0
+                            for _ in range(iters):
+                                total += await _dock_put_fetch(cs[0], payload)
+                            out[side][label].append(2 * payload.numel() * iters / total / MB)
+                            continue
+                        t0 = time.perf_counter()
+                        async with anyio.create_task_group() as tg:  # the connections in parallel
+                            for c in cs:
+                                tg.start_soon(_put_fetch_n, c, payload, iters // len(cs))
+                        # wall time, which includes each iteration's untimed reserve, claim and ack
+                        # (the parts overlap): a lower bound, comparable to the others at 4 MiB and up
+                        wall = time.perf_counter() - t0
+                        moved = 2 * payload.numel() * (iters // len(cs)) * len(cs)
+                        out[side][label].append(moved / wall / MB)
+    finally:
+        io2.term()
     return out
 
 
-def bench_curve(pool: WorkerPool, args: argparse.Namespace, sizes: dict[str, int],
-                bw_scale: float) -> dict[str, dict[str, list[float]]]:
-    """Phase 4: the tcp bandwidth and claim-rate figures of two docks, plaintext and CURVE."""
-    keys = RunKeys.generate()
-    side_keys: dict[str, RunKeys | None] = {"plaintext": None, "curve": keys}
-    with (LocalDock(["bench"], capacity=64, n_warehouses=1, transport="tcp") as plain,
-          LocalDock(["bench"], capacity=64, n_warehouses=1, transport="tcp", curve=keys) as secured):
-        endpoints = {"plaintext": plain.controller_endpoint, "curve": secured.controller_endpoint}
-        bw = asyncio.run(_curve_bandwidth(endpoints, keys, args.reps, sizes, bw_scale))
+async def _put_fetch_n(dock: DockClient, payload: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        await _dock_put_fetch(dock, payload)
+
+
+def bench_security(pool: WorkerPool, args: argparse.Namespace, sizes: dict[str, int],
+                   bw_scale: float) -> dict[str, dict[str, list[float]]]:
+    """Phase 4: the tcp bandwidth and claim-rate figures of docks without authentication, with
+    auth-only (PLAIN) and with CURVE."""
+    creds = {"plaintext": None, "plain": RunCredentials.generate("plain", [BENCH_ROLE]),
+             "curve": RunCredentials.generate("curve", [BENCH_ROLE])}
+    auth = {side: c.client(BENCH_ROLE) if c is not None else None for side, c in creds.items()}
+    bw_sizes = {k: v for k, v in sizes.items() if k in SEC_SIZES}
+    with contextlib.ExitStack() as stack:
+        docks = {side: stack.enter_context(LocalDock(["bench"], capacity=64, n_warehouses=1, transport="tcp",
+                                                     auth=c)) for side, c in creds.items()}
+        # the CURVE variants' dock: its warehouse's context has 2 I/O threads (the environment
+        # variable the servers read; streamrl.dock.warehouse)
+        os.environ["STREAMRL_ZMQ_IO_THREADS"] = "2"
+        try:
+            docks["curve_io2"] = stack.enter_context(LocalDock(["bench"], capacity=64, n_warehouses=1,
+                                                               transport="tcp", auth=creds["curve"]))
+        finally:
+            del os.environ["STREAMRL_ZMQ_IO_THREADS"]
+        endpoints = {side: d.controller_endpoint for side, d in docks.items()}
+        endpoints["curve_io2_2conn"] = endpoints["curve_io2"]
+        bw = asyncio.run(_security_bandwidth(endpoints, auth, args.reps, bw_sizes, bw_scale))
     out: dict[str, dict[str, list[float]]] = {
         side: {f"bw_{label}": v for label, v in res.items()} | {"samples_per_s": [], "pipe_samples_per_s": []}
         for side, res in bw.items()
@@ -902,22 +957,22 @@ def bench_curve(pool: WorkerPool, args: argparse.Namespace, sizes: dict[str, int
     n_samples = per_task * n_tasks * MICRO_BATCH
     per_proc = args.pipe_factor * n_samples // (args.claim_procs * MICRO_BATCH)
     capacity = args.pipe_factor * n_samples + 64
-    with (LocalDock(["train"], capacity=capacity, n_warehouses=1, transport="tcp") as plain,
-          LocalDock(["train"], capacity=capacity, n_warehouses=1, transport="tcp", curve=keys) as secured):
-        endpoints = {"plaintext": plain.controller_endpoint, "curve": secured.controller_endpoint}
+    with contextlib.ExitStack() as stack:
+        docks = {side: stack.enter_context(LocalDock(["train"], capacity=capacity, n_warehouses=1, transport="tcp",
+                                                     auth=c)) for side, c in creds.items()}
         for rep in range(args.reps):
-            for side in CURVE_SIDES if rep % 2 == 0 else CURVE_SIDES[::-1]:
-                ep, k = endpoints[side], side_keys[side]
-                secret = k.to_env() if k is not None else None  # to our own worker processes only
-                asyncio.run(_preload(ep, n_samples, keys=k))
+            for side in _rotated(SEC_SIDES, rep):
+                ep, a = docks[side].controller_endpoint, auth[side]
+                secret = a.to_env() if a is not None else None  # to our own worker processes only
+                asyncio.run(_preload(ep, n_samples, auth=a))
                 jobs = [{"kind": "claim_loop", "system": "dock", "endpoint": ep, "n_clients": args.claim_clients,
                          "claims_per_task": per_task, "think_s": 0.0, "consumer": "train", "seed": rep * 100 + j,
-                         "curve": secret} for j in range(args.claim_procs)]
+                         "auth": secret} for j in range(args.claim_procs)]
                 results, _, _ = pool.run(jobs)
                 out[side]["samples_per_s"].append(_rate(results))
-                asyncio.run(_preload(ep, per_proc * args.claim_procs * MICRO_BATCH, keys=k))
+                asyncio.run(_preload(ep, per_proc * args.claim_procs * MICRO_BATCH, auth=a))
                 jobs = [{"kind": "claim_pipe", "system": "dock", "endpoint": ep, "claims": per_proc,
-                         "depth": args.pipe_depth, "consumer": "train", "curve": secret}
+                         "depth": args.pipe_depth, "consumer": "train", "auth": secret}
                         for _ in range(args.claim_procs)]
                 results, _, _ = pool.run(jobs)
                 out[side]["pipe_samples_per_s"].append(_rate(results))
@@ -955,9 +1010,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer iterations and samples (about 1 minute)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every figure (median and min/max)")
     ap.add_argument("--phases", default="bandwidth,claims,scale", help="comma-separated subset to run "
-                    "(also: curve)")
-    ap.add_argument("--curve", action="store_true", help="add phase 4: the dock's tcp bandwidth and claim "
-                    "rates with and without CURVE, in the same run")
+                    "(also: security)")
+    ap.add_argument("--security", "--curve", action="store_true", help="add phase 4: the dock's tcp bandwidth "
+                    "and claim rates without authentication, with auth-only (PLAIN) and with CURVE, in the same run")
     ap.add_argument("--transports", default="tcp,ipc", help="bandwidth transports")
     ap.add_argument("--claim-transport", default="tcp", choices=["tcp", "ipc"], help="transport of phases 2-3")
     ap.add_argument("--claim-procs", type=int, default=2, help="client processes of the throughput phase")
@@ -986,10 +1041,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.scale_consumers < 1 or args.scale_procs % args.scale_consumers:
         ap.error("--scale-procs must be a multiple of --scale-consumers (each name gets the same workers)")
     phases = set(args.phases.split(","))
-    if phases - {"bandwidth", "claims", "scale", "curve"}:
-        ap.error(f"unknown phase in --phases {args.phases!r}: use bandwidth, claims, scale, curve")
-    if args.curve:
-        phases.add("curve")
+    phases = {"security" if ph == "curve" else ph for ph in phases}  # its name before auth-only joined it
+    if phases - {"bandwidth", "claims", "scale", "security"}:
+        ap.error(f"unknown phase in --phases {args.phases!r}: use bandwidth, claims, scale, security")
+    if args.security:
+        phases.add("security")
     if args.quick:
         args.claim_samples = min(args.claim_samples, 16_000)
         args.fetch_iters = min(args.fetch_iters, 150)
@@ -1021,8 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
             for tr in transports:
                 bw[tr] = asyncio.run(bench_bandwidth(tr, raw_data.endpoints[tr], args.reps, SIZES, bw_scale))
                 print(f"  bandwidth over {tr} done ({time.monotonic() - t_start:.0f} s)", flush=True)
-        if phases & {"claims", "scale", "curve"}:
-            pool = WorkerPool(max(args.claim_procs if phases & {"claims", "curve"} else 1,
+        if phases & {"claims", "scale", "security"}:
+            pool = WorkerPool(max(args.claim_procs if phases & {"claims", "security"} else 1,
                                   args.scale_procs + 1 if "scale" in phases else 1))
         if "claims" in phases:
             assert pool is not None
@@ -1032,10 +1088,10 @@ def main(argv: list[str] | None = None) -> int:
             assert pool is not None
             sc = bench_scale(pool, raw_ctl, args.claim_transport, args)
             print(f"  scale done ({time.monotonic() - t_start:.0f} s)", flush=True)
-        if "curve" in phases:
+        if "security" in phases:
             assert pool is not None
-            cv = bench_curve(pool, args, SIZES, bw_scale)
-            print(f"  curve done ({time.monotonic() - t_start:.0f} s)", flush=True)
+            cv = bench_security(pool, args, SIZES, bw_scale)
+            print(f"  security done ({time.monotonic() - t_start:.0f} s)", flush=True)
     finally:
         if pool is not None:
             pool.close()
@@ -1128,21 +1184,36 @@ def main(argv: list[str] | None = None) -> int:
         target["scale_p99_ms_workers"] = {"max": hi, "median": p99, "met": p99 < hi}
         p99 = figures["scale"]["probe_p99_ms"]["median"]
         target["scale_p99_ms_probe"] = {"max": hi, "median": p99, "met": p99 < hi}
-    # ------------------------------------------------------------------ CURVE table
+    # ------------------------------------------------------------------ security table
     if cv is not None:
-        names = {f"bw_{label}": (f"put+fetch {label} (MB/s)", 0) for label in SIZES}
+        names = {f"bw_{label}": (f"put+fetch {label} (MB/s)", 0) for label in SEC_SIZES}
         names |= {"samples_per_s": ("sample-claims/s, DockClients (claim 8 + ack)", 0),
                   "pipe_samples_per_s": ("pipelined sample-claims/s (controller-bound)", 0)}
         rows = []
-        figures["curve"], baseline["curve_plaintext"], ratios["curve_over_plaintext"] = {}, {}, {}
+        figures["security"], baseline["security_plaintext"], ratios["security_over_plaintext"] = {}, {}, {}
+        shown = (*SEC_SIDES[1:], *CURVE_VARIANTS)
         for key, (title, digits) in names.items():
-            c, pl = _sp(cv["curve"][key]), _sp(cv["plaintext"][key])
-            figures["curve"][key], baseline["curve_plaintext"][key] = c, pl
-            ratios["curve_over_plaintext"][key] = r = c["median"] / pl["median"] if pl["median"] else math.nan
-            rows.append([title, fmt_spread(pl, digits), fmt_spread(c, digits), f"{r:.2f}"])
-        print(f"\n4. CURVE: the dock over tcp without and with CURVE, {args.claim_procs} procs x "
-              f"{args.claim_clients} clients for claims (median [min, max])")
-        print_table(["figure", "plaintext", "CURVE", "curve/plaintext"], rows)
+            pl = _sp(cv["plaintext"][key])
+            baseline["security_plaintext"][key] = pl
+            row = [title, fmt_spread(pl, digits)]
+            for side in shown:
+                if not cv[side].get(key):
+                    row.append("")
+                    continue
+                f = _sp(cv[side][key])
+                figures["security"].setdefault(side, {})[key] = f
+                r = f["median"] / pl["median"] if pl["median"] else math.nan
+                ratios["security_over_plaintext"].setdefault(side, {})[key] = r
+                row.append(f"{fmt_spread(f, digits)} ({r:.2f})")
+            rows.append(row)
+        print(f"\n4. Security: the dock over tcp, {args.claim_procs} procs x {args.claim_clients} clients for claims "
+              "(median [min, max], (ratio to plaintext))")
+        print_table(["figure", "plaintext", "auth-only (PLAIN)", "CURVE", "CURVE, io_threads 2",
+                     "CURVE, io_threads 2, 2 connections"], rows)
+        plain = ratios["security_over_plaintext"]["plain"]
+        target["auth_only_bandwidth_4MiB"] = {"min": 0.95, "ratio": plain["bw_4MiB"], "met": plain["bw_4MiB"] >= 0.95}
+        for key in ("samples_per_s", "pipe_samples_per_s"):
+            target[f"auth_only_{key}"] = {"min": 0.90, "ratio": plain[key], "met": plain[key] >= 0.90}
     # ------------------------------------------------------------------ verdict + JSON
     print("\nTargets:", ", ".join(f"{k}: {'met' if v['met'] else 'NOT met'}" for k, v in target.items()))
     wall = time.monotonic() - t_start

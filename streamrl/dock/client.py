@@ -30,7 +30,6 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from streamrl.curve import RunKeys, secure_client
 from streamrl.dock import protocol as p
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.errors import (
@@ -44,6 +43,7 @@ from streamrl.dock.errors import (
 )
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.trace import tracer
+from streamrl.security import ClientAuth, secure_client
 
 _R = TypeVar("_R")
 
@@ -120,11 +120,11 @@ class DockClient:
         max_in_flight: int = 64,
         max_message_mib: int = DockLimits.max_message_mib,
         context: zmq.asyncio.Context | None = None,
-        curve: RunKeys | None = None,
+        auth: ClientAuth | None = None,
         home_warehouse: int | None = None,
     ) -> None:
-        """``curve``: the run's CURVE keys (a dock bound beyond loopback); every socket this client
-        opens is then a CURVE client of the run's servers. ``home_warehouse``: the warehouse on this
+        """``auth``: the credentials of the role this client acts as (streamrl.security); every
+        socket it opens presents them, and a launched run's dock admits no socket without them. ``home_warehouse``: the warehouse on this
         client's node; reserves allocate samples it owns (when the dock's block > 1) and the
         controller counts claims of samples stored elsewhere as remote."""
         if home_warehouse is not None and not 0 <= home_warehouse <= 65_535:
@@ -140,7 +140,7 @@ class DockClient:
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_in_flight = max_in_flight
-        self.curve = curve
+        self.auth = auth
         self.home_warehouse = home_warehouse
         self.block = 1  # the dock's ownership block, from hello_reply
         self._ctx = context or zmq.asyncio.Context.instance()
@@ -207,7 +207,7 @@ class DockClient:
         sock.setsockopt(zmq.RCVHWM, 1000)
         # a server (or impostor) announcing a frame beyond this is disconnected before we allocate it
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        secure_client(sock, self.curve)  # no-op without keys (loopback runs)
+        secure_client(sock, self.auth)  # no-op without credentials (a bare dock of a test or benchmark)
         sock.connect(endpoint)
         conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight))
         self._conns.append(conn)

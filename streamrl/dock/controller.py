@@ -41,11 +41,11 @@ import msgspec
 import zmq
 
 from streamrl import wire
-from streamrl.curve import CurveAllowList, RunKeys, secure_server
 from streamrl.dock import protocol as p
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.state import ConsumerView, ControllerState, ProtocolViolation
 from streamrl.dock.watch import ParentWatch
+from streamrl.security import RoleAuthenticator, ServerAuth, secure_server
 
 __all__ = ["ConsumerView", "ControllerServer", "ControllerState", "ProtocolViolation", "main", "parse_views"]
 
@@ -97,7 +97,7 @@ class ControllerServer:
         views: Mapping[str, ConsumerView] | None = None,
         context: zmq.Context | None = None,
         hwm: int = 100_000,
-        curve: RunKeys | None = None,
+        auth: ServerAuth | None = None,
         block: int = 1,
     ) -> None:
         if not secret:
@@ -117,8 +117,8 @@ class ControllerServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, never blocks
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of workers connect at once at start-up
-        # CURVE (keys given: a run beyond loopback): only the run's client key pair completes a handshake
-        self.zap: CurveAllowList | None = secure_server(self.sock, curve)
+        # a launched run: only the run's roles complete a handshake (streamrl.security)
+        self.zap: RoleAuthenticator | None = secure_server(self.sock, auth)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.warehouses: dict[int, tuple[bytes, str]] = {}  # warehouse id -> (routing id, endpoint)
@@ -342,8 +342,8 @@ class ControllerServer:
                 stats["clients"] = len(self.client_seen)
                 stats["refused"] = dict(self.refused)
                 stats["warehouses_registered"] = len(self.warehouses)
-                if self.zap is not None:  # CURVE handshakes admitted / refused by the allow-list
-                    stats["curve"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
+                if self.zap is not None:  # handshakes this process's ZAP handler admitted / refused
+                    stats["auth"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
                 self._send(identity, p.Stats(rid, stats))
 
     def _register_warehouse(self, identity: bytes, msg: p.WarehouseHello) -> None:
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             args.bind, [c for c in args.consumers.split(",") if c], args.capacity, args.warehouses,
             secret=secret_from_env(),  # from the environment, never argv (readable by any local user)
             limits=DockLimits.from_args(args), views=parse_views(args.views) if args.views else None,
-            curve=RunKeys.from_env(),  # CURVE keys, like the secret: from the environment, never argv
+            auth=ServerAuth.from_env(),  # like the secret: from the environment, never argv
             block=args.block,
         )
     except (ValueError, zmq.ZMQError, msgspec.DecodeError) as exc:

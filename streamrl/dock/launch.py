@@ -10,10 +10,12 @@ Each dock gets a fresh secret (:func:`streamrl.dock.limits.new_secret`), handed 
 controller and its warehouses in the environment (not argv, which any local user can read):
 only warehouses that know it can register, so no other peer can pose as one.
 
-A dock that binds beyond loopback (``host`` a routable address) is given the run's CURVE keys
-(``curve``, :class:`streamrl.curve.RunKeys`): they reach the servers in the environment too
-(``STREAMRL_CURVE_KEYS``), every server socket admits only the run's client key pair, and every
-client of the dock needs the same keys (``DockClient(curve=...)``).
+A launched run gives its dock the run's credentials (``auth``,
+:class:`streamrl.security.RunCredentials`): the servers get what verifies every role, and the
+warehouses role ``dock``'s own credentials for their link to the controller, in the environment
+too (``STREAMRL_SERVER_AUTH``, ``STREAMRL_CLIENT_AUTH``); every server socket then admits only
+the run's roles, so each client needs its role's credentials (``DockClient(auth=...)``). A dock
+bound beyond loopback (``host`` a routable address) must use CURVE.
 """
 
 from __future__ import annotations
@@ -35,10 +37,18 @@ from typing import IO, TYPE_CHECKING, Literal
 import msgspec
 import zmq
 
-from streamrl.curve import CURVE_ENV, RunKeys, release_context
 from streamrl.dock.controller import ControllerServer
 from streamrl.dock.limits import SECRET_ENV, DockLimits, new_secret
 from streamrl.dock.state import ConsumerView
+from streamrl.security import (
+    CLIENT_ENV,
+    DOCK,
+    SERVER_ENV,
+    ClientAuth,
+    RunCredentials,
+    ServerAuth,
+    release_context,
+)
 
 if TYPE_CHECKING:
     from streamrl.dock.warehouse import WarehouseServer
@@ -89,8 +99,9 @@ class LocalDock:
     # each consumer's reads/whole_groups, fixed at start (the launcher passes the pipeline's);
     # None: each consumer's first claim fixes its view (tests, benchmarks)
     views: dict[str, ConsumerView] | None = None
-    # the run's CURVE keys: required when ``host`` is not loopback (None: plaintext, loopback runs)
-    curve: RunKeys | None = None
+    # the run's credentials (a launched run always passes them; None: no authentication, for tests
+    # and benchmarks of the bare protocol); CURVE ones are required when ``host`` is not loopback
+    auth: RunCredentials | None = None
     host: str = "127.0.0.1"  # tcp binds: tcp://{host}:0 (a node's routable address for a multi-node run)
     block: int = 1  # samples per ownership block: sample k lives on warehouse (k // block) % n_warehouses
     controller_endpoint: str = ""
@@ -107,9 +118,11 @@ class LocalDock:
 
     def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
         env = {**os.environ, "STREAMRL_LOG": self.log_level, "PYTHONUNBUFFERED": "1", SECRET_ENV: self._secret}
-        env.pop(CURVE_ENV, None)  # only this dock's own keys, never ones this process inherited
-        if self.curve is not None:
-            env[CURVE_ENV] = self.curve.to_env()  # the environment, never argv
+        env.pop(SERVER_ENV, None)  # only this dock's own credentials, never ones this process inherited
+        env.pop(CLIENT_ENV, None)
+        if self.auth is not None:  # the environment, never argv
+            env[SERVER_ENV] = self.auth.server().to_env()
+            env[CLIENT_ENV] = self.auth.client(DOCK).to_env()
         # stderr to a temp file, not a pipe: a chatty server must never block on a full pipe
         log = tempfile.TemporaryFile(mode="w+", prefix="streamrl-dock-")  # noqa: SIM115 - closed in stop()
         # own session: a Ctrl-C at the terminal reaches the launcher, which then stops us in order
@@ -124,9 +137,11 @@ class LocalDock:
     def start(self) -> LocalDock:
         if self.transport not in ("tcp", "ipc"):
             raise ValueError(f"dock transport must be 'tcp' or 'ipc', got {self.transport!r}")
-        if self.transport == "tcp" and self.curve is None and not is_loopback(self.host):
-            raise ValueError(f"a dock bound beyond loopback (host {self.host!r}) needs the run's CURVE keys: "
-                             "LocalDock(curve=RunKeys.generate(), ...), and the same keys for every DockClient")
+        if (self.transport == "tcp" and not is_loopback(self.host)
+                and (self.auth is None or self.auth.mechanism != "curve")):
+            raise ValueError(f"a dock bound beyond loopback (host {self.host!r}) needs the run's CURVE credentials: "
+                             "LocalDock(auth=RunCredentials.generate('curve', roles), ...), and each DockClient "
+                             "its role's (auth=credentials.client(role))")
         if self.transport == "ipc":
             # short path: ipc socket paths are limited to ~100 bytes
             self._ipc_dir = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
@@ -221,9 +236,9 @@ class ThreadDock:
     limits: DockLimits = field(default_factory=DockLimits)
     views: dict[str, ConsumerView] | None = None
     start_timeout_s: float = 60.0
-    # CURVE keys (see LocalDock). A keyed ThreadDock runs its servers on a zmq context of its own
-    # (a context's ZAP handler serves one run's keys), stopped with the dock
-    curve: RunKeys | None = None
+    # the run's credentials (see LocalDock). A ThreadDock given them runs its servers on a zmq
+    # context of its own (a context's ZAP handler serves one run), stopped with the dock
+    auth: RunCredentials | None = None
     block: int = 1
     controller_endpoint: str = ""
     warehouse_endpoints: list[str] = field(default_factory=list)
@@ -235,17 +250,21 @@ class ThreadDock:
         from streamrl.dock.warehouse import WarehouseServer  # torch: only when a ThreadDock starts
 
         secret = new_secret()
-        if self.curve is not None:
+        server_auth: ServerAuth | None = None
+        dock_auth: ClientAuth | None = None
+        if self.auth is not None:
             self._context = zmq.Context()
+            server_auth, dock_auth = self.auth.server(), self.auth.client(DOCK)
         ctl = ControllerServer("tcp://127.0.0.1:0", self.consumers, self.capacity, self.n_warehouses,
-                               secret=secret, limits=self.limits, views=self.views, curve=self.curve,
+                               secret=secret, limits=self.limits, views=self.views, auth=server_auth,
                                block=self.block, context=self._context)
         self.controller_endpoint = ctl.endpoint
         self._run(ctl)  # serving before the warehouses register: they wait for its answer
         try:
             for w in range(self.n_warehouses):
                 wh = WarehouseServer("tcp://127.0.0.1:0", ctl.endpoint, w, self.n_warehouses, secret=secret,
-                                     limits=self.limits, curve=self.curve, block=self.block,
+                                     limits=self.limits, auth=server_auth, dock_auth=dock_auth,
+                                     block=self.block,
                                      context=self._context)
                 try:
                     wh.register(self.start_timeout_s)

@@ -27,12 +27,12 @@ import torch
 import zmq
 
 from streamrl import wire
-from streamrl.curve import CurveAllowList, RunKeys, secure_client, secure_server
 from streamrl.dock import protocol as p
 from streamrl.dock.codec import decode_put, encode_columns
 from streamrl.dock.errors import WireFormatError
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.watch import ParentWatch
+from streamrl.security import ClientAuth, RoleAuthenticator, ServerAuth, secure_client, secure_server
 
 log = logging.getLogger("streamrl.dock.warehouse")
 
@@ -154,7 +154,8 @@ class WarehouseServer:
         limits: DockLimits | None = None,
         context: zmq.Context | None = None,
         hwm: int = 1000,
-        curve: RunKeys | None = None,
+        auth: ServerAuth | None = None,
+        dock_auth: ClientAuth | None = None,
         block: int = 1,
     ) -> None:
         self.limits = limits or DockLimits()
@@ -168,14 +169,14 @@ class WarehouseServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of clients connect at once at start-up
-        # CURVE (keys given): only the run's client key pair reads or writes here
-        self.zap: CurveAllowList | None = secure_server(self.sock, curve)
+        # a launched run: only the run's roles read or write here (streamrl.security)
+        self.zap: RoleAuthenticator | None = secure_server(self.sock, auth)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes)  # the controller sends headers only
-        secure_client(self.ctl, curve)
+        secure_client(self.ctl, dock_auth)  # to the controller as role `dock`
         self.ctl.connect(controller)
         self.registered = False
         self.ctl.send(p.encoder.encode(
@@ -316,8 +317,8 @@ class WarehouseServer:
                 self._reply(identity, p.Fetched(rid, idx, cols), frames)
             case p.StatsRequest(req_id=rid):
                 stats = st.statistics()
-                if self.zap is not None:  # CURVE handshakes admitted / refused by this process's allow-list
-                    stats["curve"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
+                if self.zap is not None:  # handshakes this process's ZAP handler admitted / refused
+                    stats["auth"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
                 self._reply(identity, p.Stats(rid, stats))
             case p.Free():
                 raise ValueError("free is the controller's message; clients release via the controller")
@@ -337,9 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
     try:
-        # the secret comes from the environment (never argv: any local user can read a command line)
+        # I/O threads of the warehouse's context: CURVE encrypts and decrypts in them, one thread
+        # per connection, so more help only a warehouse serving several busy clients
+        io_threads = int(os.environ.get("STREAMRL_ZMQ_IO_THREADS", "1") or 1)
+        context = zmq.Context(io_threads=io_threads) if io_threads > 1 else None
+        # the secret and the credentials come from the environment (never argv: any local user
+        # can read a command line)
         server = WarehouseServer(args.bind, args.controller, args.id, args.warehouses, secret=secret_from_env(),
-                                 limits=DockLimits.from_args(args), curve=RunKeys.from_env(), block=args.block)
+                                 limits=DockLimits.from_args(args), auth=ServerAuth.from_env(),
+                                 dock_auth=ClientAuth.from_env(), block=args.block, context=context)
         server.register(args.register_timeout)  # READY only once the controller accepted us
     except (ValueError, zmq.ZMQError, RegistrationError, msgspec.DecodeError) as exc:
         print(f"warehouse: {exc}", file=sys.stderr)

@@ -26,7 +26,6 @@ import msgspec
 import zmq
 
 from streamrl import __version__, wire
-from streamrl.curve import CurveAllowList
 from streamrl.rewards import keys
 from streamrl.rewards.function import RewardFunction
 from streamrl.rewards.latency import LatencyWindow
@@ -47,6 +46,7 @@ from streamrl.rewards.protocol import (
 )
 from streamrl.rewards.results import RewardConfigError
 from streamrl.rewards.zmqio import AsyncSocket
+from streamrl.security import CurveAllowList
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from streamrl import wire
-from streamrl.curve import RunKeys, release_context, secure_client, secure_server
+from streamrl.security import ClientAuth, ServerAuth, release_context, secure_client, secure_server
 
 log = logging.getLogger("streamrl.control")
 
@@ -134,14 +134,14 @@ class ControlClient:
     """A worker's end. Sends are fire-and-forget from the event loop thread."""
 
     def __init__(self, endpoint: str, stage: str, worker: int, context: zmq.asyncio.Context | None = None,
-                 *, token: str = "", curve: RunKeys | None = None) -> None:
+                 *, token: str = "", auth: ClientAuth | None = None) -> None:
         self.stage = stage
         self.worker = worker
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)  # let the final Failed/Finished reach the launcher
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)  # commands are tiny; the limit keeps it so
-        secure_client(self.sock, curve)  # a run beyond one host: the launcher's key pair (streamrl.curve)
+        secure_client(self.sock, auth)  # the worker's role (streamrl.security), before the token is even read
         self.sock.connect(endpoint)
         self.stop_reason: str | None = None
         self.save_reason: str | None = None  # a Save arrived: checkpoint after this step, then stop
@@ -214,15 +214,15 @@ class ControlServer:
     """The launcher's end: events from the workers it started, commands to them."""
 
     def __init__(self, bind: str, context: zmq.asyncio.Context | None = None, *, token: str = "",
-                 workers: set[tuple[str, int]] | None = None, curve: RunKeys | None = None) -> None:
+                 workers: set[tuple[str, int]] | None = None, auth: ServerAuth | None = None) -> None:
         """``token``: what every worker's ``Starting`` must carry. ``workers``: the (stage, worker)
         pairs that may register; None accepts any (tests that drive the channel by hand)."""
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)
-        # beyond one host: only the run's own key pair completes a handshake (the token is checked too)
-        self.allow_list = secure_server(self.sock, curve)
+        # only the run's roles complete a handshake (the token is checked too, inside it)
+        self.allow_list = secure_server(self.sock, auth)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.token = token
@@ -295,5 +295,5 @@ class ControlServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-        if self.allow_list is not None:  # the context's ZAP handler served this run's keys: stop it
+        if self.allow_list is not None:  # the context's ZAP handler served this run: stop it
             release_context(self.ctx)

@@ -24,14 +24,13 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
 import msgspec
 
 from streamrl.config import RunConfig
-from streamrl.curve import RunKeys
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
@@ -39,6 +38,7 @@ from streamrl.metrics.progress import Progress
 from streamrl.runtime.pipeline import PipelineSpec, _import_quietly, _is_trainer
 from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess, free_port
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
+from streamrl.security import RunCredentials, stage_role
 
 # Idle OpenMP threads of one stage must not spin while another stage computes: with the
 # default (active) policy, generate and train on 2 cores slowed each other 5-50x here. Set
@@ -142,8 +142,17 @@ class LaunchBackend(abc.ABC):
         self.tmp = tmp  # this launcher's ipc directory
         self.shm = shm  # its shared-memory directory (= tmp where there is no /dev/shm)
         self.dock: Dock | None = None
-        self.curve: RunKeys | None = None  # the run's CURVE keys (ray: every socket leaves the host)
+        # the run's credentials, every launch mode: each server socket admits only the run's roles
+        self.auth = RunCredentials.generate(self.mechanism(cfg), [stage_role(s.name) for s in pipeline.stages])
         self.processes: dict[str, tuple[list[_Worker], WorkerSpec]] = {}
+
+    @staticmethod
+    def mechanism(cfg: RunConfig) -> Literal["plain", "curve"]:
+        """``resources.encryption``: auto is CURVE where sockets leave the host (ray), PLAIN otherwise."""
+        enc = cfg.resources.encryption
+        if enc == "auto":
+            return "curve" if cfg.resources.launch == "ray" else "plain"
+        return "curve" if enc == "curve" else "plain"
 
     @abc.abstractmethod
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
@@ -207,7 +216,8 @@ class LocalProcesses(LaunchBackend):
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
         dc = self.cfg.resources.dock
         self.dock = LocalDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, dc.transport,
-                              start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views)
+                              start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views,
+                              auth=self.auth)
         self.dock.start()
         return self.dock
 
@@ -238,7 +248,7 @@ class InProcessThreads(LaunchBackend):
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
         dc = self.cfg.resources.dock
         self.dock = ThreadDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, limits=limits,
-                               views=views)
+                               views=views, auth=self.auth)
         self.dock.start()
         return self.dock
 
@@ -260,11 +270,10 @@ class RayLaunch(LaunchBackend):
         self.ray = RayPlacement(rc, self.run_dir.name, cfg.resources.start_timeout_s)
         self.ray.connect()
         self.ray.place(self.pipeline, cfg.resources.device)
-        self.curve = RunKeys.generate()
         where = ", ".join(f"{name} on {node.describe()}" for name, (_, node) in self.ray.worker_hosts.items())
         self.progress.message(f"streamrl: Ray placed {len(self.ray.worker_hosts)} worker processes on "
                               f"{len(self.ray.nodes)} node(s): {where}")
-        self.dock = RayDock(self.ray, self.pipeline.consumers, cfg.dock_capacity, views, limits, self.curve,
+        self.dock = RayDock(self.ray, self.pipeline.consumers, cfg.dock_capacity, views, limits, self.auth,
                             self.run_dir / "logs", block=rc.dock_block, per_node=rc.warehouse_per_node,
                             start_timeout_s=cfg.resources.start_timeout_s)
         self.dock.start()

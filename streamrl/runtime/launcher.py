@@ -44,13 +44,20 @@ from streamrl.runtime.checkpoints import (
     resume_from,
 )
 from streamrl.runtime.launch_backends import BACKENDS, SHM_DIR, LaunchBackend, _Worker
-from streamrl.runtime.pipeline import PipelineSpec, load_pipeline, resolve_run_length
+from streamrl.runtime.pipeline import (
+    PipelineSpec,
+    _import_quietly,
+    _is_trainer,
+    load_pipeline,
+    resolve_run_length,
+)
 from streamrl.runtime.rendezvous import RendezvousServer
 from streamrl.runtime.run_metrics import RunMetrics
 from streamrl.runtime.stage import StageError
 from streamrl.runtime.status_page import StatusPage
 from streamrl.runtime.supervision import RunFailed, Supervisor
 from streamrl.runtime.worker import WorkerSpec
+from streamrl.security import LAUNCHER, stage_role
 
 __all__ = ["ResumeError", "RunFailed", "RunResult", "arun", "run", "truncate_metrics"]
 
@@ -255,8 +262,10 @@ class _Launch:
             if rendezvous_host is not None:
                 rendezvous = RendezvousServer(rendezvous_host, timeout_s=cfg.resources.start_timeout_s)
             backend.started()
+            server_auth = backend.auth.server()
             server = c.ControlServer(control, token=token, workers={(w.stage, w.index) for w in self.workers},
-                                     curve=backend.curve)
+                                     auth=server_auth)
+            trainers = {s.name for s in self.pipeline.stages if _is_trainer(_import_quietly(s.cls))}
             # colocated and disaggregated stages join torch.distributed through FileStores here
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:
@@ -264,11 +273,15 @@ class _Launch:
                     await self._start_status_page(tg, dock.controller_endpoint)
                 for group in self.pipeline.process_groups():
                     (host, k), rest = group[0], group[1:]
+                    # each stage's own role, nothing more; a trainer's worker 0 serves the policy channel
+                    auth = {s.name: backend.auth.client(stage_role(s.name)) for s, _ in group}
+                    serves = any(s.name in trainers and i == 0 for s, i in group)
                     spec = WorkerSpec(config=cfg, stage=host, worker=k, colocated=[s for s, _ in rest],
                                       dock_endpoint=dock.controller_endpoint, control_endpoint=server.endpoint,
                                       weights_endpoint=weights, run_dir=str(self.run_dir), pipeline=self.pipeline,
                                       token=token, resume=self.resume, scratch_dir=tmp, shm_dir=shm,
-                                      parent_pid=backend.parent_pid, curve=backend.curve,
+                                      parent_pid=backend.parent_pid, auth=auth,
+                                      server_auth=server_auth if serves else None,
                                       rendezvous_endpoint=rendezvous.endpoint if rendezvous is not None else "")
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     await backend.start(members, spec, tg)
@@ -323,7 +336,7 @@ class _Launch:
             return
         self.status = page
         self.progress.message(f"streamrl: status page {url}")
-        tg.start_soon(page.board.poll_dock, dock_endpoint, self.backend.curve)
+        tg.start_soon(page.board.poll_dock, dock_endpoint, self.backend.auth.client(LAUNCHER))
 
     async def _dock_statistics(self, endpoint: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The controller's and the warehouses' counters once training ended (what reached each
@@ -333,7 +346,8 @@ class _Launch:
         try:
             with anyio.fail_after(3):
                 async with DockClient(endpoint, client_id="launcher-stats", connect_timeout_s=2,
-                                      request_timeout_s=2, curve=self.backend.curve if self.backend else None) as dock:
+                                      request_timeout_s=2,
+                                      auth=self.backend.auth.client(LAUNCHER) if self.backend else None) as dock:
                     stats = await dock.server_statistics()
             return dict(stats["controller"]), list(stats.get("warehouses", []))
         except Exception as exc:  # the dock died (that is reported on its own): no figures

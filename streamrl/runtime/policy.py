@@ -39,10 +39,10 @@ import zmq
 import zmq.asyncio
 
 from streamrl import wire
-from streamrl.curve import RunKeys, release_context, secure_client, secure_server
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.protocol import TensorColumn
 from streamrl.metrics.trace import tracer
+from streamrl.security import ClientAuth, ServerAuth, release_context, secure_client, secure_server
 
 log = logging.getLogger("streamrl.policy")
 
@@ -91,13 +91,13 @@ class PolicyPublisher:
     """Serves the newest policy version from the trainer's process."""
 
     def __init__(self, bind: str, context: zmq.asyncio.Context | None = None, *,
-                 curve: RunKeys | None = None) -> None:
+                 auth: ServerAuth | None = None) -> None:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.limit_socket(self.sock, MAX_REQUEST_BYTES)
-        # beyond one host: the weights go only to processes holding the run's key pair
-        self.allow_list = secure_server(self.sock, curve)
+        # the weights go only to processes that prove one of the run's roles
+        self.allow_list = secure_server(self.sock, auth)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.version = 0
@@ -188,7 +188,7 @@ class PolicyPublisher:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-        if self.allow_list is not None:  # the context's ZAP handler served this run's keys: stop it
+        if self.allow_list is not None:  # the context's ZAP handler served this run: stop it
             release_context(self.ctx)
 
 
@@ -197,9 +197,9 @@ class PolicySubscriber:
     which every stage builds itself from the config, so waiting for it costs nothing."""
 
     def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None,
-                 poll_s: float = 1.0, *, curve: RunKeys | None = None) -> None:
+                 poll_s: float = 1.0, *, auth: ClientAuth | None = None) -> None:
         self.endpoint = endpoint
-        self.curve = curve
+        self.auth = auth
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock: zmq.asyncio.Socket | None = None
         self.poll_s = poll_s
@@ -212,7 +212,7 @@ class PolicySubscriber:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
-            secure_client(self.sock, self.curve)
+            secure_client(self.sock, self.auth)
             self.sock.connect(self.endpoint)
         return self.sock
 

@@ -385,7 +385,7 @@ class RayDock:
     capacity: int
     views: dict[str, Any]
     limits: Any  # streamrl.dock.limits.DockLimits
-    curve: Any  # streamrl.curve.RunKeys
+    auth: Any  # streamrl.security.RunCredentials (CURVE, the default on Ray, or PLAIN)
     log_dir: Path
     block: int = 4096
     per_node: bool = True
@@ -398,15 +398,16 @@ class RayDock:
     def start(self) -> RayDock:
         import msgspec
 
-        from streamrl.curve import CURVE_ENV
         from streamrl.dock.limits import SECRET_ENV, new_secret
+        from streamrl.security import CLIENT_ENV, DOCK, SERVER_ENV
 
         pl = self.placement
         assert pl.driver_node is not None
         nodes = list(pl.nodes.values()) if self.per_node else [pl.driver_node]
         for w, node in enumerate(nodes):
             node.warehouse = w
-        env = {SECRET_ENV: new_secret(), CURVE_ENV: self.curve.to_env(), "STREAMRL_LOG": self.log_level,
+        env = {SECRET_ENV: new_secret(), SERVER_ENV: self.auth.server().to_env(),
+               CLIENT_ENV: self.auth.client(DOCK).to_env(), "STREAMRL_LOG": self.log_level,
                "PYTHONUNBUFFERED": "1"}
         views = ["--views", msgspec.json.encode(self.views).decode()] if self.views else []
         host = pl.dock_host(pl.driver_node)

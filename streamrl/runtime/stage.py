@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import anyio.to_thread
 
-from streamrl.curve import RunKeys
 from streamrl.dock.client import SampleList
 from streamrl.dock.protocol import SampleInfo
+from streamrl.security import ClientAuth, ServerAuth
 
 if TYPE_CHECKING:
     from streamrl.config import RunConfig
@@ -122,9 +122,12 @@ class StageContext:
     # by the launcher when the run ends even if this worker is killed; None: not in a launched run
     scratch_dir: Path | None = None
     shm_dir: Path | None = None
-    # a run across hosts: the run's CURVE keys (a stage that serves a socket secures it with them),
-    # and the launcher's torch.distributed store, HOST:PORT ("" = a FileStore in run_dir)
-    curve: RunKeys | None = None
+    # this stage's role credentials (every socket it opens to the run's servers presents them), and
+    # what verifies the run's roles where this worker serves a socket itself (the trainer's worker 0
+    # serves the policy channel); None: not in a launched run (streamrl.security)
+    auth: ClientAuth | None = None
+    server_auth: ServerAuth | None = None
+    # a run across hosts: the launcher's torch.distributed store, HOST:PORT ("" = a FileStore in run_dir)
     rendezvous_endpoint: str = ""
 
     @property

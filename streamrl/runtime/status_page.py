@@ -32,7 +32,6 @@ import anyio
 from aiohttp import web
 
 from streamrl.config import RunConfig
-from streamrl.curve import RunKeys
 from streamrl.runtime.pipeline import PipelineSpec
 from streamrl.runtime.run_metrics import RunMetrics
 from streamrl.runtime.run_status import (
@@ -45,6 +44,7 @@ from streamrl.runtime.run_status import (
     pipeline_graph,
 )
 from streamrl.runtime.supervision import Supervisor
+from streamrl.security import ClientAuth
 
 log = logging.getLogger("streamrl.status")
 
@@ -78,7 +78,7 @@ class StatusBoard:
             done[stage] = done.get(stage, 0) + n
         self.history.append((time.monotonic(), busy, done))
 
-    async def poll_dock(self, endpoint: str, curve: RunKeys | None) -> None:
+    async def poll_dock(self, endpoint: str, auth: ClientAuth | None) -> None:
         """Read the dock controller's statistics every POLL_S until cancelled (a dock that does not
         answer is retried; the page says so)."""
         from streamrl.dock.client import DockClient
@@ -86,7 +86,7 @@ class StatusBoard:
         while True:
             try:
                 async with DockClient(endpoint, client_id="launcher-status", connect_timeout_s=2,
-                                      request_timeout_s=2, curve=curve) as dock:
+                                      request_timeout_s=2, auth=auth) as dock:
                     while True:
                         with anyio.fail_after(5):
                             stats = await dock.server_statistics()

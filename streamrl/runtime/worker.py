@@ -31,7 +31,6 @@ import torch
 import zmq.asyncio
 
 from streamrl.config import RunConfig
-from streamrl.curve import RunKeys
 from streamrl.dock.client import DockClient, Lease
 from streamrl.dock.errors import DockError, EndOfStream, RemoteError
 from streamrl.metrics.trace import Tracer, open_tracer, reset_tracer, tracer, use_tracer
@@ -40,6 +39,7 @@ from streamrl.runtime.control import ControlClient
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
 from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun
+from streamrl.security import ClientAuth, ServerAuth
 
 log = logging.getLogger("streamrl.worker")
 
@@ -63,10 +63,14 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     # launcher removes them when the run ends, also after a killed worker that could not clean up
     scratch_dir: str = ""
     shm_dir: str = ""
-    # a run across hosts (resources.launch: ray): the run's CURVE keys for every socket, the dock
-    # warehouse on this worker's node (new samples are written there), and the launcher's
-    # torch.distributed store, HOST:PORT (streamrl.runtime.rendezvous) instead of a FileStore
-    curve: RunKeys | None = None
+    # the credentials of each stage this process hosts, by stage name: its role `stage:<name>` and
+    # nothing more (streamrl.security); the run's servers admit no socket without them. A process
+    # that hosts a trainer's worker 0 also serves the policy channel: server_auth verifies the roles
+    auth: dict[str, ClientAuth] = msgspec.field(default_factory=dict)
+    server_auth: ServerAuth | None = None
+    # a run across hosts (resources.launch: ray): the dock warehouse on this worker's node (new
+    # samples are written there), and the launcher's torch.distributed store, HOST:PORT
+    # (streamrl.runtime.rendezvous) instead of a FileStore
     home_warehouse: int | None = None
     rendezvous_endpoint: str = ""
 
@@ -158,8 +162,9 @@ async def run_worker(spec: WorkerSpec) -> int:
 
 async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str, Any]) -> int:
     cfg = spec.config
-    control = ControlClient(spec.control_endpoint, sspec.name, spec.worker, token=spec.token, curve=spec.curve)
-    policy = PolicySubscriber(spec.weights_endpoint, curve=spec.curve)
+    auth = spec.auth.get(sspec.name)  # this stage's role only, even where colocated stages share the process
+    control = ControlClient(spec.control_endpoint, sspec.name, spec.worker, token=spec.token, auth=auth)
+    policy = PolicySubscriber(spec.weights_endpoint, auth=auth)
     device = sspec.device or cfg.resources.device
     indices: list[int] = []
     stage: Any = None
@@ -174,7 +179,8 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                                shared=shared, pipeline=spec.pipeline, resume=spec.resume,
                                scratch_dir=Path(spec.scratch_dir) if spec.scratch_dir else None,
                                shm_dir=Path(spec.shm_dir) if spec.shm_dir else None,
-                               curve=spec.curve, rendezvous_endpoint=spec.rendezvous_endpoint)
+                               auth=auth, server_auth=spec.server_auth,
+                               rendezvous_endpoint=spec.rendezvous_endpoint)
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
                 tg.start_soon(_watch_parent, spec.parent_pid, tg)
@@ -204,7 +210,7 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
             async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
                                   lease_ttl_s=cfg.resources.dock.lease_ttl_s,
                                   max_message_mib=cfg.resources.dock.max_message_mib,
-                                  curve=spec.curve, home_warehouse=spec.home_warehouse) as dock:
+                                  auth=auth, home_warehouse=spec.home_warehouse) as dock:
                 with loop_scope:
                     try:
                         if sspec.is_source:
@@ -476,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_spec(spec: WorkerSpec, path: Path) -> None:
-    """Write the spec readable by its owner only: it holds the run's control token."""
+    """Write the spec readable by its owner only: it holds the run's control token and the
+    process's role credentials."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a spec left by an earlier launch of this run dir keeps its mode otherwise
     with os.fdopen(fd, "wb") as f:
         f.write(msgspec.json.encode(spec))
 

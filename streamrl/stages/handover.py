@@ -118,7 +118,7 @@ class _VersionNumbers:
         self.ctx = ctx
         self.publisher: PolicyPublisher | None = None
         if ctx.worker == 0:
-            self.publisher = PolicyPublisher(ctx.weights_endpoint, curve=ctx.curve)
+            self.publisher = PolicyPublisher(ctx.weights_endpoint, auth=ctx.server_auth)
             ctx.tasks.start_soon(self.publisher.serve)  # type: ignore[attr-defined]
 
     async def announce(self, version: int) -> None:

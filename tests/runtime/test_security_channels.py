@@ -1,6 +1,7 @@
-"""The launcher's control channel and the trainer's policy channel with the run's CURVE keys
-(``resources.launch: ray`` binds them beyond loopback): the run's processes talk, a stranger —
-without keys, or with keys of its own that know the server's public key — gets nothing through."""
+"""The launcher's control channel and the trainer's policy channel with the run's credentials,
+both mechanisms (every launch mode secures them): the run's processes talk, and the server sees
+each one's role; a stranger — no credentials, a wrong password, a key pair that is not the role's,
+another run's credentials — gets nothing through."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ import pytest
 import torch
 import zmq.asyncio
 
-from streamrl.curve import RunKeys
 from streamrl.runtime import control as c
 from streamrl.runtime.policy import PolicyPublisher, PolicySubscriber, PolicyTimeout
+from streamrl.security import ClientAuth, RunCredentials, release_context, stage_role
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+GEN = stage_role("generate")
 
 
-def _strangers(keys: RunKeys) -> list[RunKeys | None]:
-    other = RunKeys.generate()
-    # the server's public key is no secret; the run's client key pair is
-    return [None, other, RunKeys(keys.server_public, other.server_secret, other.client_public, other.client_secret)]
+def _strangers(creds: RunCredentials) -> list[ClientAuth | None]:
+    other = RunCredentials.generate(creds.mechanism, [GEN])
+    if creds.mechanism == "plain":
+        forged = ClientAuth("plain", GEN, password="guess")
+    else:  # the server's public key is no secret; the role's key pair is
+        mine = other.client(GEN)
+        forged = ClientAuth("curve", GEN, public=mine.public, secret=mine.secret, server_public=creds.server_public)
+    return [None, other.client(GEN), forged]
 
 
 async def _next_event(server: c.ControlServer, timeout_s: float) -> c.WorkerEvent | None:
@@ -31,19 +37,21 @@ async def _next_event(server: c.ControlServer, timeout_s: float) -> c.WorkerEven
     return None
 
 
-async def test_control_channel_takes_only_the_runs_workers() -> None:
-    keys = RunKeys.generate()
+@pytest.mark.parametrize("mechanism", ["plain", "curve"])
+async def test_control_channel_takes_only_the_runs_workers(mechanism: str) -> None:
+    creds = RunCredentials.generate(mechanism, [GEN])  # type: ignore[arg-type]
     ctx = zmq.asyncio.Context()
-    server = c.ControlServer("tcp://127.0.0.1:0", ctx, token="t0k", workers={("generate", 0)}, curve=keys)
+    server = c.ControlServer("tcp://127.0.0.1:0", ctx, token="t0k", workers={("generate", 0)},
+                             auth=creds.server())
     clients: list[c.ControlClient] = []
     try:
-        for stranger in _strangers(keys):
+        for stranger in _strangers(creds):
             # right token, right worker name: still refused, the handshake never completes
-            clients.append(c.ControlClient(server.endpoint, "generate", 0, ctx, token="t0k", curve=stranger))
+            clients.append(c.ControlClient(server.endpoint, "generate", 0, ctx, token="t0k", auth=stranger))
             clients[-1].ready()
             assert await _next_event(server, 1.0) is None
         assert server.allow_list is not None and server.allow_list.refused >= 1
-        insider = c.ControlClient(server.endpoint, "generate", 0, ctx, token="t0k", curve=keys)
+        insider = c.ControlClient(server.endpoint, "generate", 0, ctx, token="t0k", auth=creds.client(GEN))
         clients.append(insider)
         assert isinstance(await _next_event(server, 10.0), c.Starting)
         insider.ready()
@@ -54,29 +62,28 @@ async def test_control_channel_takes_only_the_runs_workers() -> None:
         for client in clients:
             client.close()
         server.close()
-        from streamrl.curve import release_context
-
         release_context(ctx)
         ctx.term()
 
 
-async def test_policy_channel_serves_only_the_runs_processes() -> None:
-    keys = RunKeys.generate()
+@pytest.mark.parametrize("mechanism", ["plain", "curve"])
+async def test_policy_channel_serves_only_the_runs_processes(mechanism: str) -> None:
+    creds = RunCredentials.generate(mechanism, [GEN])  # type: ignore[arg-type]
     ctx = zmq.asyncio.Context()
-    publisher = PolicyPublisher("tcp://127.0.0.1:0", ctx, curve=keys)
+    publisher = PolicyPublisher("tcp://127.0.0.1:0", ctx, auth=creds.server())
     subscribers: list[PolicySubscriber] = []
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(publisher.serve)
             await publisher.publish(1, {"w": torch.arange(4.0)})
-            for stranger in _strangers(keys):
-                sub = PolicySubscriber(publisher.endpoint, ctx, curve=stranger)
+            for stranger in _strangers(creds):
+                sub = PolicySubscriber(publisher.endpoint, ctx, auth=stranger)
                 subscribers.append(sub)
                 with pytest.raises(PolicyTimeout):
                     await sub._ask(0, 1, True, 0.0, reply_timeout_s=1.0)
             assert publisher.allow_list is not None and publisher.allow_list.refused >= 1
             assert publisher.bytes_sent == 0
-            insider = PolicySubscriber(publisher.endpoint, ctx, curve=keys)
+            insider = PolicySubscriber(publisher.endpoint, ctx, auth=creds.client(GEN))
             subscribers.append(insider)
             version, state = await insider.fetch(0, 1, timeout_s=10)
             assert version == 1 and state is not None and torch.equal(state["w"], torch.arange(4.0))
@@ -85,7 +92,5 @@ async def test_policy_channel_serves_only_the_runs_processes() -> None:
         for sub in subscribers:
             sub.close()
         publisher.close()
-        from streamrl.curve import release_context
-
         release_context(ctx)
         ctx.term()
