@@ -22,6 +22,7 @@ import yaml
 
 import streamrl
 from streamrl.config import load_config
+from streamrl.runtime.launcher import RunResult
 from tests.metrics.documented import undocumented
 from tests.metrics.test_trace import assert_spans_nest
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
@@ -52,6 +53,8 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
 
     # config.yaml: the resolved config, loadable as is
     assert load_config(yaml.safe_load((run_dir / "config.yaml").read_text())) == load_config(DIGITS, overrides)
+
+    _check_credentials(result)
 
     # metrics.jsonl: one line per step with the documented fields
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -140,3 +143,28 @@ def _check_trace(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     for s in STAGES:
         assert abs(in_spans[s] - in_rows[s]) <= 0.05 * in_spans[s] + 0.05, (s, in_spans, in_rows)
     assert in_spans["train"] > 0.1 and in_spans["generate"] > 0.1
+
+
+def _check_credentials(result: RunResult) -> None:
+    """Every socket authenticated (auth-only on one host): each worker's spec file is 0600 and
+    holds its own stage's role only, the trainer's worker 0 alone what verifies the roles, and
+    no log shows a password."""
+    logs = result.run_dir / "logs"
+    specs = sorted(logs.glob("*.spec.json"))
+    assert len(specs) == len(STAGES)
+    passwords = []
+    for path in specs:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+        spec = json.loads(path.read_text())
+        stage = path.name.split("-")[0]
+        assert {name: a["role"] for name, a in spec["auth"].items()} == {stage: f"stage:{stage}"}
+        assert all(a["mechanism"] == "plain" and a["password"] for a in spec["auth"].values())
+        assert (spec["server_auth"] is not None) == (stage == "train"), path
+        passwords += [a["password"] for a in spec["auth"].values()]
+    assert len(set(passwords)) == len(passwords)  # a role's password is its own
+    for log in logs.glob("*.log"):
+        text = log.read_text(errors="replace")
+        assert not any(pw in text for pw in passwords), log
+    # the launcher's statistics client got through as role launcher; no handshake was refused
+    assert result.dock_statistics["auth"]["accepted"] >= len(STAGES) + 1
+    assert result.dock_statistics["auth"]["refused"] == 0

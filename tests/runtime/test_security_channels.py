@@ -5,6 +5,8 @@ another run's credentials — gets nothing through."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
 import pytest
 import torch
@@ -94,3 +96,50 @@ async def test_policy_channel_serves_only_the_runs_processes(mechanism: str) -> 
         publisher.close()
         release_context(ctx)
         ctx.term()
+
+
+@pytest.mark.parametrize(("launch", "encryption", "mechanism"), [
+    ("processes", "auto", "plain"), ("inprocess", "auto", "plain"), ("ray", "auto", "curve"),
+    ("processes", "curve", "curve"), ("ray", "off", "plain"),
+])
+async def test_every_launch_mode_makes_credentials(launch: str, encryption: str, mechanism: str) -> None:
+    from streamrl.config import load_config
+    from streamrl.runtime.launch_backends import LaunchBackend
+
+    cfg = load_config({"resources": {"launch": launch, "encryption": encryption}})
+    assert LaunchBackend.mechanism(cfg) == mechanism
+
+
+async def test_a_real_processes_dock_refuses_strangers(tmp_path: Path) -> None:
+    """The dock the `processes` backend starts (its real launch path) admits each stage's role and
+    the launcher's, and refuses a stranger at the handshake."""
+    from streamrl.config import load_config
+    from streamrl.dock.client import DockClient
+    from streamrl.dock.errors import DockTimeout
+    from streamrl.dock.limits import DockLimits
+    from streamrl.metrics.progress import Progress
+    from streamrl.runtime.launch_backends import LocalProcesses
+    from streamrl.runtime.pipeline import load_pipeline
+    from streamrl.security import LAUNCHER
+
+    cfg = load_config({"resources": {"launch": "processes"}})
+    pipeline = load_pipeline(cfg)
+    backend = LocalProcesses(cfg, pipeline, tmp_path, Progress(1, "none"), str(tmp_path), str(tmp_path))
+    assert backend.auth.mechanism == "plain"
+    assert set(backend.auth.roles) == {LAUNCHER, "dock", *(stage_role(s.name) for s in pipeline.stages)}
+    dock = await anyio.to_thread.run_sync(backend.start_dock, {}, DockLimits())
+    try:
+        for role in (LAUNCHER, stage_role(pipeline.stages[0].name)):
+            async with DockClient(dock.controller_endpoint, auth=backend.auth.client(role), connect_timeout_s=20,
+                                  request_timeout_s=10) as client:
+                stats = await client.server_statistics()
+        for stranger in (None, ClientAuth("plain", LAUNCHER, password="guess")):
+            with pytest.raises(DockTimeout):
+                async with DockClient(dock.controller_endpoint, auth=stranger, connect_timeout_s=1.0,
+                                      request_timeout_s=1.0):
+                    pass
+        async with DockClient(dock.controller_endpoint, auth=backend.auth.client(LAUNCHER)) as client:
+            after = await client.server_statistics()
+        assert after["controller"]["auth"]["refused"] > stats["controller"]["auth"]["refused"]
+    finally:
+        await anyio.to_thread.run_sync(backend.close)
