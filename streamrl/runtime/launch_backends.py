@@ -32,6 +32,7 @@ import msgspec
 
 from streamrl.config import RunConfig
 from streamrl.curve import RunKeys
+from streamrl.dock.authz import DockPolicy
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
@@ -149,6 +150,10 @@ class LaunchBackend(abc.ABC):
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
         """Create and start the dock's controller and warehouses (blocking: call it in a thread)."""
 
+    def dock_policy(self) -> DockPolicy:
+        """What each role may do in the dock, from the pipeline's stages (streamrl.dock.authz)."""
+        return DockPolicy.from_stages(self.pipeline.stages)
+
     def endpoints(self) -> tuple[str, str, str | None]:
         """Where the launcher's control channel binds, the trainer's policy channel, and the host
         a rendezvous store serves torch.distributed worlds on (None: FileStores in the run dir)."""
@@ -207,7 +212,8 @@ class LocalProcesses(LaunchBackend):
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
         dc = self.cfg.resources.dock
         self.dock = LocalDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, dc.transport,
-                              start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views)
+                              start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views,
+                              policy=self.dock_policy())
         self.dock.start()
         return self.dock
 
@@ -238,7 +244,7 @@ class InProcessThreads(LaunchBackend):
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
         dc = self.cfg.resources.dock
         self.dock = ThreadDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, limits=limits,
-                               views=views)
+                               views=views, policy=self.dock_policy())
         self.dock.start()
         return self.dock
 
@@ -266,7 +272,7 @@ class RayLaunch(LaunchBackend):
                               f"{len(self.ray.nodes)} node(s): {where}")
         self.dock = RayDock(self.ray, self.pipeline.consumers, cfg.dock_capacity, views, limits, self.curve,
                             self.run_dir / "logs", block=rc.dock_block, per_node=rc.warehouse_per_node,
-                            start_timeout_s=cfg.resources.start_timeout_s)
+                            start_timeout_s=cfg.resources.start_timeout_s, policy=self.dock_policy())
         self.dock.start()
         return self.dock
 
