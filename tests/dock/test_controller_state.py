@@ -243,3 +243,99 @@ def test_distinct_column_names_are_bounded() -> None:
         state.columns_ready(idx, ["one_too_many"], None, None)
     assert exc.value.code == "too_many_columns"
     state.columns_ready(idx, ["c0"], None, None)  # known names stay fine
+
+
+# ---------------------------------------------------------------- authorization (issue 25)
+def _policy_state(reserve_ttl_s: float | None = 5.0) -> ControllerState:
+    from streamrl.dock.authz import DockPolicy
+    from streamrl.dock.state import ConsumerView
+
+    policy = DockPolicy(columns={"x": "src", "y": "gen"}, stage_reads={"src": [], "gen": ["x"], "train": ["x", "y"]},
+                        producers=["src"], clients={"stage:src": 2, "stage:gen": 2, "stage:train": 2, "launcher": 1})
+    views = {"gen": ConsumerView(["x"]), "train": ConsumerView(["x", "y"])}
+    return ControllerState(["gen", "train"], capacity=8, n_warehouses=1, views=views, policy=policy,
+                           reserve_ttl_s=reserve_ttl_s)
+
+
+def test_policy_column_names_are_declared_up_front_and_no_message_adds_one() -> None:
+    state = _policy_state()
+    (i,), _ = state.reserve(1, 1, role="stage:src")
+    with pytest.raises(ProtocolViolation) as exc:
+        state.columns_ready([i], ["junk"], None, None, "stage:src")
+    assert exc.value.code == "unknown_column" and "'junk'" in str(exc.value)
+    assert sorted(state.column_bits) == ["x", "y"]
+
+
+def test_policy_only_the_owner_marks_a_column_written() -> None:
+    state = _policy_state()
+    (i,), _ = state.reserve(1, 1, role="stage:src")
+    for role in ("stage:gen", "stage:train", "launcher"):
+        with pytest.raises(ProtocolViolation) as exc:
+            state.columns_ready([i], ["x"], None, None, role)
+        assert exc.value.code == "forbidden" and role in str(exc.value) and "'src'" in str(exc.value)
+    assert state.samples[i].ready == 0
+    state.columns_ready([i], ["x"], None, None, "stage:src")
+    assert state.samples[i].ready
+
+
+def test_policy_claims_acks_and_releases_only_as_the_roles_own_consumer() -> None:
+    state = _policy_state()
+    idx, _ = state.reserve(2, 1, role="stage:src")
+    state.columns_ready(idx, ["x"], None, None, "stage:src")
+    req = p.Claim(1, "t1", "gen", ["x"], 2)
+    for role in ("stage:train", "launcher", "stage:src"):
+        with pytest.raises(ProtocolViolation) as exc:
+            state.validate_claim(req, role)
+        assert exc.value.code == "forbidden"
+    view = state.validate_claim(req, "stage:gen")
+    reply = state.try_claim(req, view, force=True)
+    assert reply is not None and len(reply.samples) == 2
+    with pytest.raises(ProtocolViolation) as exc:
+        state.ack("t1", reply.lease_id, None, role="stage:train")
+    assert exc.value.code == "forbidden"
+    with pytest.raises(ProtocolViolation) as exc:
+        state.release("t1", reply.lease_id, role="stage:train")
+    assert exc.value.code == "forbidden"
+    assert state.ack("t1", reply.lease_id, None, role="stage:gen") == 0
+
+
+def test_policy_only_producers_reserve_and_close_the_input() -> None:
+    state = _policy_state()
+    for role in ("stage:gen", "stage:train", "launcher"):
+        with pytest.raises(ProtocolViolation) as exc:
+            state.reserve(1, 1, role=role)
+        assert exc.value.code == "forbidden"
+        with pytest.raises(ProtocolViolation):
+            state.close_input(role)
+    assert state.free_slots == 8 and not state.input_closed
+    state.close_input("stage:src")
+    assert state.input_closed
+
+
+def test_reserved_samples_expire_unless_their_creators_columns_are_written() -> None:
+    state = _policy_state(reserve_ttl_s=5.0)
+    written, _ = state.reserve(2, 1, role="stage:src", now=100.0)
+    lost, _ = state.reserve(6, 1, role="stage:src", now=101.0)
+    assert state.free_slots == 0
+    state.columns_ready(written, ["x"], None, None, "stage:src")
+    assert state.expire_reservations(104.9) == []
+    assert state.expire_reservations(105.0) == []  # the first reserve's samples were written
+    assert sorted(state.expire_reservations(106.0)) == lost
+    assert state.free_slots == 6 and sorted(state.take_freed()) == lost
+    assert state.statistics()["reservations_expired"] == 6
+    # the consumers' end of stream counts the expired ones as never made
+    state.close_input("stage:src")
+    view = state.validate_claim(p.Claim(1, "g", "gen", ["x"], 8), "stage:gen")
+    reply = state.try_claim(p.Claim(1, "g", "gen", ["x"], 8), view, force=True)
+    assert reply is not None and sorted(s.index for s in reply.samples) == written
+    state.ack("g", reply.lease_id, None, role="stage:gen")
+    assert state.at_end(0) and not state.at_end(1)
+
+
+def test_reserve_expiry_without_a_policy_counts_any_column_as_written() -> None:
+    state = ControllerState(CONSUMERS, capacity=4, n_warehouses=1, reserve_ttl_s=1.0)
+    idx, _ = state.reserve(4, 1, now=0.0)
+    state.columns_ready(idx[:1], ["x"], None, None)  # written
+    claim(state, "gen", 1)  # fixes gen's view to reads ["x"]
+    assert sorted(state.expire_reservations(2.0)) == idx[1:]
+    assert sorted(state.samples) == idx[:1]
