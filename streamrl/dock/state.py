@@ -272,9 +272,21 @@ class ControllerState:
                 del self.samples[i]
                 self.to_free.append(i)
                 expired.append(i)
+                self._requeue_group(s)
         self.n_expired += len(expired)
         self.counters["reservations_expired"] += len(expired)
         return expired
+
+    def _requeue_group(self, gone: _Sample) -> None:
+        """``gone`` left its group unclaimed (expired): whole-group views count it as done, so the
+        rest of its group may be claimable now; nothing else would queue it (no column event)."""
+        if gone.group_size == 1:
+            return
+        rest = [self.samples[i] for i in range(gone.group_start, gone.group_start + gone.group_size)
+                if i in self.samples]
+        for view in self.views:
+            if view is not None and view.whole_groups and rest:
+                self._enqueue(view, rest[0], front=False)
 
     def _block_starts(self, warehouse: int, n_groups: int, group_size: int) -> list[int]:
         """Starts of ``n_groups`` contiguous groups inside the blocks ``warehouse`` owns, from its cursor;

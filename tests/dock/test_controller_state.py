@@ -339,3 +339,16 @@ def test_reserve_expiry_without_a_policy_counts_any_column_as_written() -> None:
     claim(state, "gen", 1)  # fixes gen's view to reads ["x"]
     assert sorted(state.expire_reservations(2.0)) == idx[1:]
     assert sorted(state.samples) == idx[:1]
+
+
+def test_an_expired_member_does_not_hold_back_the_rest_of_its_group_for_a_whole_group_consumer() -> None:
+    from streamrl.dock.state import ConsumerView
+
+    state = ControllerState(["adv"], capacity=4, n_warehouses=1, views={"adv": ConsumerView(["x"], True)},
+                            reserve_ttl_s=1.0)
+    idx, _ = state.reserve(4, 4, now=0.0)
+    state.columns_ready(idx[:3], ["x"], None, None)  # one member is never written
+    assert state.expire_reservations(2.0) == idx[3:]
+    req = p.Claim(1, "a", "adv", ["x"], 4, whole_groups=True)
+    reply = state.try_claim(req, state.validate_claim(req), force=False)
+    assert reply is not None and sorted(s.index for s in reply.samples) == idx[:3]
