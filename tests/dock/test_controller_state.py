@@ -18,12 +18,19 @@ def claim(state: ControllerState, consumer: str, n: int, client: str = "c1", **k
     return state.try_claim(req, view, force=True)
 
 
+@pytest.mark.parametrize("reserve_ttl_s", [None, 2.0])
 @settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_none(data: st.DataObject) -> None:
+@given(data=st.data())
+def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_none(
+    data: st.DataObject, reserve_ttl_s: float | None
+) -> None:
+    """With reserve expiry (a clock that ticks), every sample is acked by each consumer or expired
+    unwritten: never both, never twice, never neither."""
     group_size = data.draw(st.sampled_from([1, 2, 4]), label="group_size")
     whole = {c: data.draw(st.booleans(), label=f"whole_groups[{c}]") for c in CONSUMERS}
-    state = ControllerState(CONSUMERS, capacity=16, n_warehouses=2)
+    state = ControllerState(CONSUMERS, capacity=16, n_warehouses=2, reserve_ttl_s=reserve_ttl_s)
+    now = 0.0
+    expired: list[int] = []
     acked: dict[str, list[int]] = {c: [] for c in CONSUMERS}
     leases: dict[int, tuple[str, str, set[int]]] = {}  # lease -> (consumer, client, indices)
 
@@ -37,14 +44,17 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
             if whole[consumer]:
                 starts = {s.index - s.index % group_size for s in reply.samples}
                 for g in starts:  # whole groups: every still-pending member comes together
-                    members = {i for i in range(g, g + group_size) if i not in acked[consumer]}
+                    members = {i for i in range(g, g + group_size) if i not in acked[consumer] and i not in expired}
                     assert members <= got
             leases[reply.lease_id] = (consumer, client, got)
 
     for _ in range(data.draw(st.integers(5, 60), label="steps")):
-        op = data.draw(st.sampled_from(["reserve", "ready", "claim", "ack", "release", "expire"]))
+        op = data.draw(st.sampled_from(["reserve", "ready", "claim", "ack", "release", "expire", "tick"]))
         if op == "reserve" and state.free_slots >= group_size * 2:
-            state.reserve(group_size * data.draw(st.integers(1, 2)), group_size)
+            state.reserve(group_size * data.draw(st.integers(1, 2)), group_size, now=now)
+        elif op == "tick":
+            now += data.draw(st.floats(0.0, 3.0))
+            expired.extend(state.expire_reservations(now))
         elif op == "ready" and state.samples:
             live = sorted(state.samples)
             chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
@@ -79,7 +89,7 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
             acked[consumer].extend(s.index for s in reply.samples)
         assert reply is not None and reply.end
     for consumer in CONSUMERS:
-        assert sorted(acked[consumer]) == list(range(state.next_index)), f"{consumer}: lost or duplicated"
+        assert sorted(acked[consumer] + expired) == list(range(state.next_index)), f"{consumer}: lost or duplicated"
     assert not state.samples and state.free_slots == state.capacity
 
 
