@@ -285,8 +285,9 @@ class WarehouseServer:
             if error is not None:
                 self._error(identity, error.req_id, error.code, error.message)
             return
-        # the sender's role (ZAP User-Id) from a frame the peer sent: the routing id is the ROUTER's own
-        role = _peer_role(frames[1]) if self.policy is not None else None
+        # the sender's role (ZAP User-Id) from a frame the peer sent: the routing id is the ROUTER's own.
+        # Only on an authenticated dock: elsewhere a User-Id is no role (CURVE's is the client key)
+        role = _peer_role(frames[1]) if self.policy is not None and self.policy.authenticated else None
         try:
             self._authorize(msg, role)
             self._dispatch(identity, msg, frames[2:], role)
