@@ -363,7 +363,8 @@ class Suite:
         self.drain()
         got, _ = self.warehouses[0].ask({"type": "get", "req_id": rid(), "indices": [len(self.warehouses) * 10**12],
                                          "columns": ["nope"]})
-        expect_error(got, "bad_request")
+        # a dock with declared columns refuses the undeclared name first (§6.2)
+        expect_error(got, "unknown_column" if self.args.declared_columns else "bad_request")
 
     def c_i_put_owner_and_frames(self) -> None:
         idx = self.reserve(1)["indices"]
@@ -454,6 +455,19 @@ class Suite:
         finally:
             conn.close()
 
+    def c_n_declared_columns(self) -> str | None:
+        if not self.args.declared_columns:
+            return "no --declared-columns given: the dock was started without a pipeline's column names"
+        k = self.reserve(1)["indices"][0]
+        junk = [{"kind": "object", "name": f"conformance_junk{j}", "values": [j]} for j in range(256)]
+        reply, _ = self.owner(k).ask({"type": "put", "req_id": rid(), "indices": [k], "columns": junk})
+        expect_error(reply, "unknown_column")
+        expect("conformance_junk0" in reply.get("message", ""), f"unknown_column does not name the column: {reply}")
+        expect("conformance_junk0" not in self.stats()["columns"], "an undeclared column reached the controller")
+        self.put_reads([k])  # nothing was stored: the declared columns still go in
+        self.drain()
+        return None
+
     def t_close(self) -> str | None:
         if not self.args.allow_close:
             return "needs --allow-close (the dock takes no new samples afterwards)"
@@ -481,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reads", default="", help="the consumer's declared reads, comma-separated")
     ap.add_argument("--whole-groups", action="store_true", help="the consumer is declared with whole_groups")
     ap.add_argument("--allow-close", action="store_true", help="also check close_input (ends the dock's input)")
+    ap.add_argument("--declared-columns", action="store_true", help="the dock was started with a pipeline's "
+                    "column names (a policy): check that others are refused (unknown_column)")
     ap.add_argument("--max-clients", type=int, default=0, help="the dock's client limit, to check it (small only)")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for any one reply")
     return Suite(ap.parse_args(argv)).run()

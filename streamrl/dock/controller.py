@@ -42,10 +42,11 @@ import zmq
 
 from streamrl import wire
 from streamrl.dock import protocol as p
+from streamrl.dock.authz import AccessDenied, DockPolicy, parse_policy
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.state import ConsumerView, ControllerState, ProtocolViolation
 from streamrl.dock.watch import ParentWatch
-from streamrl.security import RoleAuthenticator, ServerAuth, secure_server
+from streamrl.security import RoleAuthenticator, ServerAuth, peer_role, secure_server
 
 __all__ = ["ConsumerView", "ControllerServer", "ControllerState", "ProtocolViolation", "main", "parse_views"]
 
@@ -64,6 +65,7 @@ class _PendingReserve:
     identity: bytes
     req: p.Reserve
     deadline: float
+    role: str | None = None  # the reserving client's role: what makes its samples written (state.reserve)
 
 
 DEFAULT_TTL_S = 10.0  # lease TTL of a client that never sent hello
@@ -99,13 +101,23 @@ class ControllerServer:
         hwm: int = 100_000,
         auth: ServerAuth | None = None,
         block: int = 1,
+        policy: DockPolicy | None = None,
     ) -> None:
+        """``policy``: the pipeline's declarations, enforced per message on the sender's ZAP role
+        (docs/dock-protocol.md §6.2); None: no authorization (tests, benchmarks)."""
         if not secret:
             raise ValueError("the controller needs a non-empty warehouse secret (the launcher generates one per run)")
         if not 1 <= n_warehouses <= 65_536:
             raise ValueError(f"n_warehouses must be in [1, 65536], got {n_warehouses}")
-        self.state = ControllerState(consumers, capacity, n_warehouses, views, block)
         self.limits = limits or DockLimits()
+        self.policy = policy
+        self.state = ControllerState(consumers, capacity, n_warehouses, views, block, policy=policy,
+                                     reserve_ttl_s=self.limits.reserve_ttl_s)
+        # roles come from each message's ZAP metadata (a zero-copy receive) only on an authenticated
+        # dock: the plain receive stays the fast path everywhere else
+        self.read_roles = policy is not None and policy.authenticated
+        self.client_role: dict[str, str] = {}  # client id -> the role that first used it (bound)
+        self.role_clients: dict[str, int] = {}  # role -> client ids known for it now
         self._secret = secret.encode()
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -131,7 +143,7 @@ class ControllerServer:
         self.seq = itertools.count()
         self.client_ttl: dict[str, float] = {}
         self.client_seen: dict[str, float] = {}
-        self.refused = dict.fromkeys(("warehouse_hello", "columns_ready", "clients"), 0)
+        self.refused = dict.fromkeys(("warehouse_hello", "columns_ready", "clients", "forbidden"), 0)
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
         self._next_expiry_scan = 0.0
@@ -165,6 +177,11 @@ class ControllerServer:
                 # drain what is queued before doing timer work: batches messages under load
                 for _ in range(1000):
                     try:
+                        if self.read_roles:
+                            msg = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                            # frames[-1]: a frame from the peer (the routing id is the ROUTER's own)
+                            self.handle([f.bytes for f in msg], peer_role(msg[-1]))
+                            continue
                         frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
@@ -180,8 +197,9 @@ class ControllerServer:
             nxt = min(nxt, self.deadlines[0][0])  # deadlines are finite: timeouts are bounded on the wire
         return max(0, int((nxt - now) * 1000) + 1)
 
-    def handle(self, frames: list[bytes]) -> None:
-        """One message: every request goes through this decode-and-validate path."""
+    def handle(self, frames: list[bytes], role: str | None = None) -> None:
+        """One message: every request goes through this decode-and-validate path. ``role``: the
+        sender's ZAP User-Id (None: the connection has none)."""
         if len(frames) < 2:
             self._warn("frames", "dropping message with %d frames (need routing id + header)", len(frames))
             return
@@ -199,17 +217,25 @@ class ControllerServer:
                 self._error(identity, error.req_id, error.code, error.message)
             return
         try:
-            self._dispatch(identity, msg)
+            self._authorize(msg, role)
+            self._dispatch(identity, msg, role)
         except ProtocolViolation as exc:
+            if isinstance(exc, AccessDenied):
+                self.refused["forbidden"] += 1
+                self._warn("forbidden", "refused %s from role %r: %s", type(msg).__name__, role, exc)
             self._error(identity, getattr(msg, "req_id", -1), exc.code, str(exc))
         except Exception as exc:  # a bug must not take the controller down for everyone
             log.exception("internal error handling %s", type(msg).__name__)
             self._error(identity, getattr(msg, "req_id", -1), "internal", f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ clients
-    def _touch(self, client_id: str) -> None:
-        """Client ``client_id`` is alive (renews its leases); a new one counts against max_clients."""
+    def _touch(self, client_id: str, role: str | None = None) -> None:
+        """Client ``client_id`` is alive (renews its leases); a new one counts against its role's client
+        limit (a role of the policy) or max_clients (no role), and is bound to ``role``."""
         seen = self.client_seen
+        if role is not None and self.policy is not None:
+            self._touch_role(client_id, role)
+            return
         if client_id not in seen and len(seen) >= self.limits.max_clients:
             now = time.monotonic()
             if now >= self._next_forget:
@@ -225,6 +251,42 @@ class ControllerServer:
                 )
         seen[client_id] = time.monotonic()
 
+    def _touch_role(self, client_id: str, role: str) -> None:
+        """Per-role client slots: a role that fills its own (squatting ids with a long TTL) never
+        refuses another role's clients, and a client id is its first role's: no other role can
+        renew, ack or release with it."""
+        assert self.policy is not None
+        seen = self.client_seen
+        bound = self.client_role.get(client_id)
+        if bound is not None and bound != role:
+            raise AccessDenied("forbidden", f"client id {client_id!r} belongs to role {bound!r}, not {role!r}: "
+                               "each worker uses its own client id")
+        if client_id not in seen:
+            limit = self.policy.clients.get(role, 0)
+            if self.role_clients.get(role, 0) >= limit:
+                now = time.monotonic()
+                if now >= self._next_forget:
+                    self._forget_idle(now)
+                if self.role_clients.get(role, 0) >= limit:
+                    self.refused["clients"] += 1
+                    raise ProtocolViolation(
+                        "too_many_clients",
+                        f"role {role!r} already has {self.role_clients.get(role, 0)} client ids, its limit (its "
+                        f"workers + margin, from the pipeline): client {client_id!r} refused. A client holding "
+                        "no lease is forgotten once silent for its lease TTL; other roles are not affected.")
+            self.client_role[client_id] = role
+            self.role_clients[role] = self.role_clients.get(role, 0) + 1
+        seen[client_id] = time.monotonic()
+
+    def _forget(self, client_id: str) -> None:
+        del self.client_seen[client_id]
+        self.client_ttl.pop(client_id, None)
+        self.pending_hellos.pop(client_id, None)
+        self.state.client_home.pop(client_id, None)
+        role = self.client_role.pop(client_id, None)
+        if role is not None:
+            self.role_clients[role] -= 1
+
     def _forget_idle(self, now: float) -> None:
         """Drop the state of clients that hold no lease and were silent longer than their TTL."""
         self._next_forget = now + FORGET_AT_MOST_EVERY_S
@@ -233,10 +295,7 @@ class ControllerServer:
         idle = [cid for cid, seen in self.client_seen.items()
                 if cid not in holding and now - seen > ttl.get(cid, DEFAULT_TTL_S)]
         for cid in idle:
-            del self.client_seen[cid]
-            ttl.pop(cid, None)
-            self.pending_hellos.pop(cid, None)
-            self.state.client_home.pop(cid, None)
+            self._forget(cid)
 
     def _granted(self, client_id: str) -> None:
         """A parked claim was granted: its lease's TTL runs from now, even if the (possibly idle)
@@ -262,15 +321,28 @@ class ControllerServer:
             self.stale_deadlines = 0
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch(self, identity: bytes, msg: p.ControllerRequest) -> None:
+    def _authorize(self, msg: p.ControllerRequest, role: str | None) -> None:
+        """What a role may send at all (docs §6.2); the per-consumer, per-column and producer rules
+        are the state's (it is given the role). Refusals are AccessDenied: an ErrorReply."""
+        if self.policy is None:
+            return
+        what = type(msg).__name__
+        self.policy.require_role(role, what)
+        if isinstance(msg, p.WarehouseHello | p.ColumnsReady):
+            self.policy.check_dock(role, what)
+        elif not isinstance(msg, p.StatsRequest):
+            self.policy.check_not_dock(role, what)
+
+    def _dispatch(self, identity: bytes, msg: p.ControllerRequest, role: str | None = None) -> None:
         st = self.state
         match msg:
             case p.Heartbeat(client_id=cid):
-                if cid in self.client_seen:  # no reply, and an unknown client has nothing to renew
+                # no reply, and an unknown client has nothing to renew; nor has another role's client
+                if cid in self.client_seen and (role is None or self.client_role.get(cid, role) == role):
                     self.client_seen[cid] = time.monotonic()
             case p.Claim():
-                self._touch(msg.client_id)
-                view = st.validate_claim(msg)
+                view = st.validate_claim(msg, role)  # before _touch: a refused role takes no client slot
+                self._touch(msg.client_id, role)
                 reply = st.try_claim(msg, view, force=False)
                 if reply is not None:
                     self._send(identity, reply)
@@ -281,8 +353,8 @@ class ControllerServer:
                     self._park(item)
                     self.pending_claims.setdefault(view.consumer, []).append(item)
             case p.Ack(client_id=cid, lease_id=lid, indices=idx):
-                self._touch(cid)
-                consumer = st.ack(cid, lid, idx)
+                self._touch(cid, role)
+                consumer = st.ack(cid, lid, idx, role)
                 self._send(identity, p.Ok(msg.req_id))
                 self._serve_reserves()
                 self._serve_claims(consumer)  # this ack may be the one that ends the stream
@@ -296,17 +368,22 @@ class ControllerServer:
                 n = len(idx)
                 if (vers is not None and len(vers) != n) or (lens is not None and len(lens) != n):
                     raise ProtocolViolation("bad_field", f"columns_ready: versions/lengths need {n} entries")
-                touched, unknown = st.columns_ready(idx, cols, vers, lens)
+                writer = msg.writer
+                if writer is None and self.read_roles:
+                    raise AccessDenied("forbidden", "columns_ready without a writer on an authenticated dock: "
+                                       "the warehouse names the role of the put's client")
+                touched, unknown = st.columns_ready(idx, cols, vers, lens, writer)
                 if unknown:
                     self._send(identity, p.Free(unknown))  # data for dead indices: drop it
                 for consumer in touched:
                     self._serve_claims(consumer)
             case p.Reserve():
-                self._touch(msg.client_id)
-                self._reserve(identity, msg)
+                st.check_producer(role)
+                self._touch(msg.client_id, role)
+                self._reserve(identity, msg, role)
             case p.Release(client_id=cid, lease_id=lid):
-                self._touch(cid)
-                consumer = st.release(cid, lid)
+                self._touch(cid, role)
+                consumer = st.release(cid, lid, role)
                 self._send(identity, p.Ok(msg.req_id))
                 self._serve_claims(consumer)
             case p.Hello(client_id=cid):
@@ -319,7 +396,7 @@ class ControllerServer:
                 if home is not None and home >= st.n_warehouses:
                     raise ProtocolViolation("bad_field", f"hello home_warehouse={home} outside [0, "
                                             f"{st.n_warehouses}): this dock has that many warehouses")
-                self._touch(cid)
+                self._touch(cid, role)
                 self.client_ttl[cid] = msg.lease_ttl_s  # bounds checked by the decoder (Ttl)
                 if home is None:
                     st.client_home.pop(cid, None)
@@ -330,8 +407,9 @@ class ControllerServer:
             case p.WarehouseHello():
                 self._register_warehouse(identity, msg)
             case p.CloseInput(client_id=cid):
-                self._touch(cid)
-                st.input_closed = True
+                st.check_producer(role, "close_input")
+                self._touch(cid, role)
+                st.close_input(role)
                 self._send(identity, p.Ok(msg.req_id))
                 for consumer in range(len(st.consumers)):
                     self._serve_claims(consumer)
@@ -340,6 +418,8 @@ class ControllerServer:
                 stats["pending_claims"] = sum(len(v) for v in self.pending_claims.values())
                 stats["pending_reserves"] = len(self.pending_reserves)
                 stats["clients"] = len(self.client_seen)
+                if self.policy is not None:
+                    stats["clients_per_role"] = {r: n for r, n in self.role_clients.items() if n}
                 stats["refused"] = dict(self.refused)
                 stats["warehouses_registered"] = len(self.warehouses)
                 if self.zap is not None:  # handshakes this process's ZAP handler admitted / refused
@@ -386,11 +466,11 @@ class ControllerServer:
                                               st.block))
         self.pending_hellos.clear()
 
-    def _reserve(self, identity: bytes, msg: p.Reserve) -> None:
+    def _reserve(self, identity: bytes, msg: p.Reserve, role: str | None = None) -> None:
         st = self.state
         st.check_reserve(msg.n, msg.group_size, msg.warehouse)
         if not self.pending_reserves and st.free_slots >= msg.n:
-            indices, groups = st.reserve(msg.n, msg.group_size, msg.warehouse)
+            indices, groups = st.reserve(msg.n, msg.group_size, msg.warehouse, role=role, now=time.monotonic())
             self._send(identity, p.Reserved(msg.req_id, indices, groups))
             return
         if msg.timeout_s is not None and msg.timeout_s <= 0:
@@ -398,7 +478,7 @@ class ControllerServer:
             return
         # backpressure: the producer waits, FIFO, until consumers free enough samples
         deadline = time.monotonic() + (msg.timeout_s if msg.timeout_s is not None else 1e9)
-        item = _PendingReserve(identity, msg, deadline)
+        item = _PendingReserve(identity, msg, deadline, role)
         self._park(item)
         self.pending_reserves.append(item)
 
@@ -408,7 +488,8 @@ class ControllerServer:
             item = self.pending_reserves.popleft()
             self._answered(item)
             try:
-                indices, groups = st.reserve(item.req.n, item.req.group_size, item.req.warehouse)
+                indices, groups = st.reserve(item.req.n, item.req.group_size, item.req.warehouse, role=item.role,
+                                             now=time.monotonic())
             except ProtocolViolation as exc:
                 self._error(item.identity, item.req.req_id, exc.code, str(exc))
                 continue
@@ -455,6 +536,10 @@ class ControllerServer:
                             f"dock still full after {item.req.timeout_s} s ({st.free_slots} free of {st.capacity})")
         if now >= self._next_expiry_scan:
             self._next_expiry_scan = now + 0.05
+            expired = self.state.expire_reservations(now)
+            if expired:  # freed through _flush_frees, which also serves waiting reserves and claims
+                log.warning("%d reserved samples (e.g. %s) were not written within %d s: they expire and their "
+                            "capacity returns", len(expired), expired[:8], self.limits.reserve_ttl_s)
             for cid in list(self.state.client_leases):
                 ttl = self.client_ttl.get(cid, DEFAULT_TTL_S)
                 if now - self.client_seen.get(cid, now) > ttl:
@@ -499,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
                     "each consumer's fixed reads (default: fixed by its first claim)")
     ap.add_argument("--block", type=int, default=1, help="samples per ownership block: sample k lives on "
                     "warehouse (k // block) %% warehouses; > 1 lets a producer reserve on its own node's warehouse")
+    ap.add_argument("--policy", default="", help="JSON DockPolicy (streamrl.dock.authz): the pipeline's "
+                    "column owners, consumers and producers, enforced per role (default: none)")
     DockLimits.add_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
@@ -508,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
             secret=secret_from_env(),  # from the environment, never argv (readable by any local user)
             limits=DockLimits.from_args(args), views=parse_views(args.views) if args.views else None,
             auth=ServerAuth.from_env(),  # like the secret: from the environment, never argv
-            block=args.block,
+            block=args.block, policy=parse_policy(args.policy) if args.policy else None,
         )
     except (ValueError, zmq.ZMQError, msgspec.DecodeError) as exc:
         print(f"controller: {exc}", file=sys.stderr)

@@ -37,6 +37,7 @@ from typing import IO, TYPE_CHECKING, Literal
 import msgspec
 import zmq
 
+from streamrl.dock.authz import DockPolicy
 from streamrl.dock.controller import ControllerServer
 from streamrl.dock.limits import SECRET_ENV, DockLimits, new_secret
 from streamrl.dock.state import ConsumerView
@@ -104,6 +105,9 @@ class LocalDock:
     auth: RunCredentials | None = None
     host: str = "127.0.0.1"  # tcp binds: tcp://{host}:0 (a node's routable address for a multi-node run)
     block: int = 1  # samples per ownership block: sample k lives on warehouse (k // block) % n_warehouses
+    # the pipeline's declarations (column owners, consumers, producers) the servers enforce per role;
+    # None: no authorization (tests, benchmarks)
+    policy: DockPolicy | None = None
     controller_endpoint: str = ""
     warehouse_endpoints: list[str] = field(default_factory=list)
     _procs: list[subprocess.Popen[str]] = field(default_factory=list)
@@ -148,11 +152,12 @@ class LocalDock:
         try:
             # the controller's --views reads this back with the same type (controller.parse_views)
             views = ["--views", msgspec.json.encode(self.views).decode()] if self.views else []
+            policy = ["--policy", msgspec.json.encode(self.policy).decode()] if self.policy else []
             ctl = self._spawn([
                 "streamrl.dock.controller", "--bind", self._bind("controller"),
                 "--consumers", ",".join(self.consumers), "--capacity", str(self.capacity),
                 "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
-                "--block", str(self.block), *self.limits.argv(), *views,
+                "--block", str(self.block), *self.limits.argv(), *views, *policy,
             ])
             self.controller_endpoint = _read_ready(ctl, "dock controller", self.start_timeout_s)
             whs = [
@@ -161,7 +166,7 @@ class LocalDock:
                     "--controller", self.controller_endpoint, "--id", str(w),
                     "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
                     "--register-timeout", str(self.start_timeout_s), "--block", str(self.block),
-                    *self.limits.argv(),
+                    *self.limits.argv(), *policy,
                 ])
                 for w in range(self.n_warehouses)
             ]
@@ -240,6 +245,7 @@ class ThreadDock:
     # context of its own (a context's ZAP handler serves one run), stopped with the dock
     auth: RunCredentials | None = None
     block: int = 1
+    policy: DockPolicy | None = None  # see LocalDock
     controller_endpoint: str = ""
     warehouse_endpoints: list[str] = field(default_factory=list)
     _servers: list[object] = field(default_factory=list)
@@ -257,15 +263,14 @@ class ThreadDock:
             server_auth, dock_auth = self.auth.server(), self.auth.client(DOCK)
         ctl = ControllerServer("tcp://127.0.0.1:0", self.consumers, self.capacity, self.n_warehouses,
                                secret=secret, limits=self.limits, views=self.views, auth=server_auth,
-                               block=self.block, context=self._context)
+                               block=self.block, context=self._context, policy=self.policy)
         self.controller_endpoint = ctl.endpoint
         self._run(ctl)  # serving before the warehouses register: they wait for its answer
         try:
             for w in range(self.n_warehouses):
                 wh = WarehouseServer("tcp://127.0.0.1:0", ctl.endpoint, w, self.n_warehouses, secret=secret,
                                      limits=self.limits, auth=server_auth, dock_auth=dock_auth,
-                                     block=self.block,
-                                     context=self._context)
+                                     block=self.block, context=self._context, policy=self.policy)
                 try:
                     wh.register(self.start_timeout_s)
                 except BaseException:

@@ -20,7 +20,7 @@ MIB = 1 << 20
 # Allowed range of each limit: checked here and declared on resources.dock.* in the run config.
 LIMIT_BOUNDS: dict[str, tuple[int, int]] = {
     "max_message_mib": (1, 1 << 16), "max_header_mib": (1, 1 << 12), "max_clients": (1, 1 << 24),
-    "max_parked": (1, 1 << 24),
+    "max_parked": (1, 1 << 24), "reserve_ttl_s": (1, 86_400),
 }
 
 
@@ -37,6 +37,10 @@ class DockLimits:
     max_clients: int = 4096
     # claims and reserves the controller holds open (long-poll) at once, over all clients
     max_parked: int = 65_536
+    # a reserved sample not written by its creator within this many seconds expires and its
+    # capacity returns (reserved samples have no lease: a producer that dies between reserve
+    # and put, or never writes, would hold capacity for ever). Far above a put's duration
+    reserve_ttl_s: int = 60
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in LIMIT_BOUNDS.items():
@@ -56,7 +60,8 @@ class DockLimits:
     def argv(self) -> list[str]:
         """Command-line flags that give a server process these limits (see add_arguments)."""
         return ["--max-message-mib", str(self.max_message_mib), "--max-header-mib", str(self.max_header_mib),
-                "--max-clients", str(self.max_clients), "--max-parked", str(self.max_parked)]
+                "--max-clients", str(self.max_clients), "--max-parked", str(self.max_parked),
+                "--reserve-ttl-s", str(self.reserve_ttl_s)]
 
     @staticmethod
     def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -67,10 +72,13 @@ class DockLimits:
                         help="largest header (and controller message), MiB")
         ap.add_argument("--max-clients", type=int, default=d.max_clients, help="live client ids at once")
         ap.add_argument("--max-parked", type=int, default=d.max_parked, help="claims/reserves held open at once")
+        ap.add_argument("--reserve-ttl-s", type=int, default=d.reserve_ttl_s,
+                        help="seconds after which reserved samples never written expire")
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> DockLimits:
-        return DockLimits(args.max_message_mib, args.max_header_mib, args.max_clients, args.max_parked)
+        return DockLimits(args.max_message_mib, args.max_header_mib, args.max_clients, args.max_parked,
+                          args.reserve_ttl_s)
 
 
 def new_secret() -> str:

@@ -163,6 +163,9 @@ class ColumnsReady(_Msg, tag="columns_ready"):
     columns: Names
     versions: Ids | None = None
     lengths: Ids | None = None
+    # the ZAP role of the client whose put stored these columns (authenticated docks, docs §6.2):
+    # the controller accepts them only from the stage that owns each column
+    writer: Name | None = None
 
 
 class CloseInput(_Msg, tag="close_input"):

@@ -27,9 +27,12 @@ import itertools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl.dock import protocol as p
+
+if TYPE_CHECKING:
+    from streamrl.dock.authz import DockPolicy
 
 PENDING, CLAIMED, DONE = 0, 1, 2
 
@@ -95,7 +98,13 @@ class ControllerState:
         n_warehouses: int,
         views: Mapping[str, ConsumerView] | None = None,
         block: int = 1,
+        policy: DockPolicy | None = None,
+        reserve_ttl_s: float | None = None,
     ) -> None:
+        """``policy``: the pipeline's declarations (column names and owners, consumers, producers),
+        enforced on the role each method is given (None: no authentication, names only).
+        ``reserve_ttl_s``: reserved samples not written within this many seconds expire
+        (:meth:`expire_reservations`); None: never (unit tests that drive no clock)."""
         if not consumers:
             raise ValueError("the dock needs at least one consumer: the stage names that must ack each sample")
         if len(set(consumers)) != len(consumers):
@@ -105,6 +114,8 @@ class ControllerState:
         if not 1 <= block <= p.MAX_BLOCK:
             raise ValueError(f"block (samples per ownership block) must be in [1, {p.MAX_BLOCK}], got {block}")
         self.consumers = list(consumers)
+        self.policy = policy
+        self.reserve_ttl_s = reserve_ttl_s
         self.consumer_ids = {c: i for i, c in enumerate(consumers)}
         self.capacity = capacity
         self.n_warehouses = n_warehouses
@@ -136,12 +147,23 @@ class ControllerState:
         self.leases: dict[int, _Lease] = {}
         self.client_leases: dict[str, set[int]] = {}
         self.input_closed = False
+        # reserved samples whose creator has not written them yet: index -> the columns that make
+        # them written (the reserving stage's declared writes; 0: any column, without a policy)
+        self.unwritten: dict[int, int] = {}
+        self.reserve_deadlines: deque[tuple[float, list[int]]] = deque()  # FIFO: one TTL for all
+        self.n_expired = 0  # reserved samples that expired unwritten (never delivered to anyone)
         self.to_free: list[int] = []  # freed indices not yet announced to the warehouses
         self.counters = dict.fromkeys(
             ("reserved", "claims", "samples_claimed", "samples_acked", "samples_freed",
-             "samples_released", "dropped_stale", "leases_expired", "errors", "claimed_local", "claimed_remote"),
+             "samples_released", "dropped_stale", "leases_expired", "errors", "claimed_local", "claimed_remote",
+             "reservations_expired"),
             0,
         )
+        if policy is not None:
+            if len(policy.columns) > p.MAX_COLUMNS:
+                raise ValueError(f"the pipeline declares {len(policy.columns)} columns, more than {p.MAX_COLUMNS}")
+            for column in policy.columns:  # every bit up front: no message can add a column
+                self.column_bits[column] = 1 << len(self.column_bits)
         for name, view in (views or {}).items():
             if len(view.reads) > p.MAX_COLUMNS:
                 raise ValueError(f"consumer {name!r} reads {len(view.reads)} columns, more than {p.MAX_COLUMNS}")
@@ -177,11 +199,20 @@ class ControllerState:
                 "bad_field", f"reserve group_size={group_size} exceeds the dock's ownership block={self.block}: "
                 "a group never straddles a block, so group_size must be <= block (controller --block)")
 
-    def reserve(self, n: int, group_size: int, warehouse: int | None = None) -> tuple[list[int], list[int]]:
+    def check_producer(self, role: str | None, what: str = "reserve") -> None:
+        """Only a producing stage reserves samples or closes the input (role None: no authentication)."""
+        if self.policy is not None:
+            self.policy.check_producer(role, what)
+
+    def reserve(self, n: int, group_size: int, warehouse: int | None = None, *, role: str | None = None,
+                now: float = 0.0) -> tuple[list[int], list[int]]:
         """Allocate ``n`` new sample indices in groups of ``group_size``; caller checked capacity.
 
         block 1: the next ``n`` indices (``warehouse`` is ignored). block > 1: groups inside blocks
-        owned by ``warehouse`` (round robin over the warehouses, one per reserve, when None)."""
+        owned by ``warehouse`` (round robin over the warehouses, one per reserve, when None).
+        ``role``: the reserving client's (only producers may); the samples are *written* once that
+        stage's declared columns are all ready, and expire at ``now + reserve_ttl_s`` if not."""
+        self.check_producer(role)
         self.check_reserve(n, group_size, warehouse)
         indices, groups = [], []
         nc = len(self.consumers)
@@ -206,7 +237,56 @@ class ControllerState:
                         self._enqueue(view, self.samples[i], front=False)
         self.n_reserved += n
         self.counters["reserved"] += n
+        if self.reserve_ttl_s is not None:
+            written = self._creator_mask(role)
+            for i in indices:
+                self.unwritten[i] = written
+            self.reserve_deadlines.append((now + self.reserve_ttl_s, indices))
         return indices, groups
+
+    def _creator_mask(self, role: str | None) -> int:
+        """Columns that make a sample reserved by ``role`` written: the stage's declared writes (with
+        a policy and a role), else 0 (any column)."""
+        if self.policy is None or role is None:
+            return 0
+        stage = role[len("stage:"):] if role.startswith("stage:") else None
+        return self._mask([c for c, owner in self.policy.columns.items() if owner == stage])
+
+    def expire_reservations(self, now: float) -> list[int]:
+        """Reserved samples still unwritten at their deadline: freed, their capacity returned.
+
+        A producer that reserves and never writes (died between reserve and put, or misbehaves)
+        would otherwise hold capacity for ever: reserved samples have no lease. Only samples no
+        consumer can claim yet expire (a sample some view finds ready is on its way through the
+        pipeline). Returns the expired indices (the server tells their warehouses to drop any data)."""
+        expired: list[int] = []
+        while self.reserve_deadlines and self.reserve_deadlines[0][0] <= now:
+            _, indices = self.reserve_deadlines.popleft()
+            for i in indices:
+                if self.unwritten.pop(i, None) is None:
+                    continue  # written in time (or freed)
+                s = self.samples.get(i)
+                if s is None or any(v is not None and (s.ready & v.reads_mask) == v.reads_mask for v in self.views):
+                    continue
+                # never claimable, so never claimed: PENDING for every consumer and in no queue
+                del self.samples[i]
+                self.to_free.append(i)
+                expired.append(i)
+                self._requeue_group(s)
+        self.n_expired += len(expired)
+        self.counters["reservations_expired"] += len(expired)
+        return expired
+
+    def _requeue_group(self, gone: _Sample) -> None:
+        """``gone`` left its group unclaimed (expired): whole-group views count it as done, so the
+        rest of its group may be claimable now; nothing else would queue it (no column event)."""
+        if gone.group_size == 1:
+            return
+        rest = [self.samples[i] for i in range(gone.group_start, gone.group_start + gone.group_size)
+                if i in self.samples]
+        for view in self.views:
+            if view is not None and view.whole_groups and rest:
+                self._enqueue(view, rest[0], front=False)
 
     def _block_starts(self, warehouse: int, n_groups: int, group_size: int) -> list[int]:
         """Starts of ``n_groups`` contiguous groups inside the blocks ``warehouse`` owns, from its cursor;
@@ -228,6 +308,8 @@ class ControllerState:
     def _bit(self, column: str) -> int:
         bit = self.column_bits.get(column)
         if bit is None:
+            if self.policy is not None:  # declared up front: a message names no new column
+                self.policy.check_columns([column])
             if len(self.column_bits) >= p.MAX_COLUMNS:
                 # each sample's readiness is a bitmask over every column name ever seen: bounded
                 raise ProtocolViolation("too_many_columns", f"column {column!r} would be the dock's "
@@ -248,8 +330,14 @@ class ControllerState:
         columns: list[str],
         versions: list[int] | None,
         lengths: list[int] | None,
+        role: str | None = None,
     ) -> tuple[set[int], list[int]]:
-        """Mark columns ready. Returns (consumers with new claimable samples, unknown indices)."""
+        """Mark columns ready. Returns (consumers with new claimable samples, unknown indices).
+
+        ``role``: the role that wrote them (the warehouse forwards its putter's); with a policy
+        only the owning stage may (None: no authentication, declared names only)."""
+        if self.policy is not None:
+            self.policy.check_write(role, columns)
         mask = self._mask(columns)
         touched: set[int] = set()
         unknown: list[int] = []
@@ -264,6 +352,9 @@ class ControllerState:
                 s.length = lengths[k]
             old = s.ready
             s.ready = old | mask
+            need = self.unwritten.get(i)
+            if need is not None and (s.ready & need) == need and (need or s.ready):
+                del self.unwritten[i]  # written by its creator: it no longer expires
             if s.ready == old:
                 continue
             for view in self.views:
@@ -333,13 +424,16 @@ class ControllerState:
 
     def outstanding(self, consumer: int) -> int:
         """Samples reserved so far that this consumer has neither done nor currently claimed."""
-        return self.n_reserved - self.done_count[consumer] - self.claimed_count[consumer]
+        return self.n_reserved - self.n_expired - self.done_count[consumer] - self.claimed_count[consumer]
 
     def at_end(self, consumer: int) -> bool:
-        return self.input_closed and self.done_count[consumer] == self.n_reserved
+        return self.input_closed and self.done_count[consumer] == self.n_reserved - self.n_expired
 
     # ------------------------------------------------------------------ claims and leases
-    def validate_claim(self, req: p.Claim) -> _View:
+    def validate_claim(self, req: p.Claim, role: str | None = None) -> _View:
+        """The claim's view; with a policy, ``role`` must be the consumer's own stage."""
+        if self.policy is not None:
+            self.policy.check_consumer(role, req.consumer, "claim")
         if req.n < 1 or req.min_n < 1 or req.min_n > req.n:
             raise ProtocolViolation("bad_field", f"claim needs 1 <= min_n <= n, got n={req.n} min_n={req.min_n}")
         return self._view_for(req)
@@ -444,8 +538,7 @@ class ControllerState:
             self.to_free.append(s.index)
             self.counters["samples_freed"] += 1
 
-    def ack(self, client_id: str, lease_id: int, indices: list[int] | None) -> int:
-        """Mark (some of) a lease's samples DONE; returns the lease's consumer id."""
+    def _lease_of(self, client_id: str, lease_id: int, role: str | None, what: str) -> _Lease:
         lease = self.leases.get(lease_id)
         if lease is None or lease.client_id != client_id:
             raise ProtocolViolation(
@@ -453,6 +546,13 @@ class ControllerState:
                 f"lease {lease_id} is not held by client {client_id!r} (expired after the lease TTL, "
                 "already acked, or released)",
             )
+        if self.policy is not None:  # leases are granted to the consumer's role only; checked again
+            self.policy.check_consumer(role, self.consumers[lease.consumer], what)
+        return lease
+
+    def ack(self, client_id: str, lease_id: int, indices: list[int] | None, role: str | None = None) -> int:
+        """Mark (some of) a lease's samples DONE; returns the lease's consumer id."""
+        lease = self._lease_of(client_id, lease_id, role, "ack")
         targets = list(lease.indices) if indices is None else list(dict.fromkeys(indices))  # no duplicates
         stray = [i for i in targets if i not in lease.indices]
         if stray:
@@ -466,11 +566,9 @@ class ControllerState:
             self._drop_lease(lease)
         return lease.consumer
 
-    def release(self, client_id: str, lease_id: int) -> int:
+    def release(self, client_id: str, lease_id: int, role: str | None = None) -> int:
         """Give a lease's unacked samples back (front of the queue). Returns the consumer id."""
-        lease = self.leases.get(lease_id)
-        if lease is None or lease.client_id != client_id:
-            raise ProtocolViolation("unknown_lease", f"lease {lease_id} is not held by client {client_id!r}")
+        lease = self._lease_of(client_id, lease_id, role, "release")
         self._return_lease(lease)
         return lease.consumer
 
@@ -504,6 +602,11 @@ class ControllerState:
             self.counters["leases_expired"] += 1
         return touched
 
+    def close_input(self, role: str | None = None) -> None:
+        """No more samples will be reserved; only a producing stage may say so."""
+        self.check_producer(role, "close_input")
+        self.input_closed = True
+
     def take_freed(self) -> list[int]:
         freed, self.to_free = self.to_free, []
         return freed
@@ -526,6 +629,7 @@ class ControllerState:
             "leases": len(self.leases),
             "input_closed": self.input_closed,
             "reserved_total": self.n_reserved,
+            "reserved_unwritten": len(self.unwritten),
             "block": self.block,
             "reserved_per_warehouse": self._reserved_per_warehouse(),
             "columns": sorted(self.column_bits),

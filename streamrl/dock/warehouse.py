@@ -28,11 +28,20 @@ import zmq
 
 from streamrl import wire
 from streamrl.dock import protocol as p
+from streamrl.dock.authz import AccessDenied, DockPolicy, parse_policy
 from streamrl.dock.codec import decode_put, encode_columns
 from streamrl.dock.errors import WireFormatError
 from streamrl.dock.limits import DockLimits, secret_from_env
+from streamrl.dock.state import ProtocolViolation
 from streamrl.dock.watch import ParentWatch
-from streamrl.security import ClientAuth, RoleAuthenticator, ServerAuth, secure_client, secure_server
+from streamrl.security import (
+    ClientAuth,
+    RoleAuthenticator,
+    ServerAuth,
+    peer_role,
+    secure_client,
+    secure_server,
+)
 
 log = logging.getLogger("streamrl.dock.warehouse")
 
@@ -157,8 +166,12 @@ class WarehouseServer:
         auth: ServerAuth | None = None,
         dock_auth: ClientAuth | None = None,
         block: int = 1,
+        policy: DockPolicy | None = None,
     ) -> None:
+        """``policy``: the pipeline's declarations; puts and gets are checked against the sender's
+        ZAP role before anything is stored or sent (docs/dock-protocol.md §6.2)."""
         self.limits = limits or DockLimits()
+        self.policy = policy
         self.store = WarehouseStore(warehouse_id, n_warehouses, block)
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -280,8 +293,16 @@ class WarehouseServer:
             if error is not None:
                 self._error(identity, error.req_id, error.code, error.message)
             return
+        # the sender's role (ZAP User-Id) from a frame the peer sent: the routing id is the ROUTER's own.
+        # Only on an authenticated dock, as the controller: elsewhere there is no ZAP and no role
+        role = peer_role(frames[1]) if self.policy is not None and self.policy.authenticated else None
         try:
-            self._dispatch(identity, msg, frames[2:])
+            self._authorize(msg, role)
+            self._dispatch(identity, msg, frames[2:], role)
+        except ProtocolViolation as exc:  # authorization: the policy's own codes (forbidden, ...)
+            if isinstance(exc, AccessDenied):
+                self._warn("forbidden", "refused %s from role %r: %s", type(msg).__name__, role, exc)
+            self._error(identity, getattr(msg, "req_id", -1), exc.code, str(exc))
         except (WireFormatError, ValueError, KeyError) as exc:
             text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
             self._error(identity, getattr(msg, "req_id", -1), "bad_request", str(text))
@@ -289,7 +310,20 @@ class WarehouseServer:
             log.exception("internal error on %s", type(msg).__name__)
             self._error(identity, getattr(msg, "req_id", -1), "internal", f"{type(exc).__name__}: {exc}")
 
-    def _dispatch(self, identity: bytes, msg: p.WarehouseRequest, data: list[zmq.Frame]) -> None:
+    def _authorize(self, msg: p.WarehouseRequest, role: str | None) -> None:
+        """A put only of declared columns its role owns, a get only of columns the role's stage reads
+        or writes: refused before the put is stored, so no other role burns a write-once column."""
+        if self.policy is None:
+            return
+        self.policy.require_role(role, type(msg).__name__)
+        match msg:
+            case p.Put(columns=cols):
+                self.policy.check_write(role, [c.name for c in cols])
+            case p.Get(columns=names):
+                self.policy.check_read(role, names)
+
+    def _dispatch(self, identity: bytes, msg: p.WarehouseRequest, data: list[zmq.Frame],
+                  role: str | None = None) -> None:
         st = self.store
         match msg:
             case p.Put(req_id=rid, indices=idx, columns=cols, versions=vers, lengths=lens):
@@ -304,7 +338,8 @@ class WarehouseServer:
                 st.put(idx, values, frames)
                 st.counters["puts"] += 1
                 st.counters["bytes_in"] += sum(nbytes for nbytes, _ in frames)
-                ready = p.ColumnsReady(st.warehouse_id, idx, [c.name for c in cols], vers, lens)
+                # the writer's role goes along: the controller checks the column owners too
+                ready = p.ColumnsReady(st.warehouse_id, idx, [c.name for c in cols], vers, lens, role)
                 self.ctl.send(p.encoder.encode(ready))
                 self._reply(identity, p.Ok(rid))
             case p.Get(req_id=rid, indices=idx, columns=names):
@@ -334,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--register-timeout", type=float, default=60.0,
                     help="seconds to wait for the controller to accept this warehouse")
     ap.add_argument("--block", type=int, default=1, help="samples per ownership block (the controller's --block)")
+    ap.add_argument("--policy", default="", help="JSON DockPolicy (streamrl.dock.authz): column owners and "
+                    "readers, enforced per role on put and get (default: none)")
     DockLimits.add_arguments(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "WARNING"), format="%(name)s: %(message)s")
@@ -346,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         # can read a command line)
         server = WarehouseServer(args.bind, args.controller, args.id, args.warehouses, secret=secret_from_env(),
                                  limits=DockLimits.from_args(args), auth=ServerAuth.from_env(),
-                                 dock_auth=ClientAuth.from_env(), block=args.block, context=context)
+                                 dock_auth=ClientAuth.from_env(), block=args.block, context=context,
+                                 policy=parse_policy(args.policy) if args.policy else None)
         server.register(args.register_timeout)  # READY only once the controller accepted us
     except (ValueError, zmq.ZMQError, RegistrationError, msgspec.DecodeError) as exc:
         print(f"warehouse: {exc}", file=sys.stderr)

@@ -31,6 +31,7 @@ import anyio.abc
 import msgspec
 
 from streamrl.config import RunConfig
+from streamrl.dock.authz import DockPolicy
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
@@ -158,6 +159,11 @@ class LaunchBackend(abc.ABC):
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
         """Create and start the dock's controller and warehouses (blocking: call it in a thread)."""
 
+    def dock_policy(self) -> DockPolicy:
+        """What each role may do in the dock, from the pipeline's stages (streamrl.dock.authz)."""
+        # every launched run authenticates its sockets: a message without a role is refused
+        return DockPolicy.from_stages(self.pipeline.stages, authenticated=self.auth is not None)
+
     def endpoints(self) -> tuple[str, str, str | None]:
         """Where the launcher's control channel binds, the trainer's policy channel, and the host
         a rendezvous store serves torch.distributed worlds on (None: FileStores in the run dir)."""
@@ -217,7 +223,7 @@ class LocalProcesses(LaunchBackend):
         dc = self.cfg.resources.dock
         self.dock = LocalDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, dc.transport,
                               start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views,
-                              auth=self.auth)
+                              auth=self.auth, policy=self.dock_policy())
         self.dock.start()
         return self.dock
 
@@ -248,7 +254,7 @@ class InProcessThreads(LaunchBackend):
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
         dc = self.cfg.resources.dock
         self.dock = ThreadDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, limits=limits,
-                               views=views, auth=self.auth)
+                               views=views, auth=self.auth, policy=self.dock_policy())
         self.dock.start()
         return self.dock
 
@@ -275,7 +281,7 @@ class RayLaunch(LaunchBackend):
                               f"{len(self.ray.nodes)} node(s): {where}")
         self.dock = RayDock(self.ray, self.pipeline.consumers, cfg.dock_capacity, views, limits, self.auth,
                             self.run_dir / "logs", block=rc.dock_block, per_node=rc.warehouse_per_node,
-                            start_timeout_s=cfg.resources.start_timeout_s)
+                            start_timeout_s=cfg.resources.start_timeout_s, policy=self.dock_policy())
         self.dock.start()
         return self.dock
 

@@ -391,6 +391,7 @@ class RayDock:
     per_node: bool = True
     start_timeout_s: float = 60.0
     log_level: str = "WARNING"
+    policy: Any = None  # streamrl.dock.authz.DockPolicy: what each role may do (None: no authorization)
     controller_endpoint: str = ""
     warehouse_endpoints: list[str] = field(default_factory=list)
     servers: list[RemoteProcess] = field(default_factory=list)
@@ -410,6 +411,7 @@ class RayDock:
                CLIENT_ENV: self.auth.client(DOCK).to_env(), "STREAMRL_LOG": self.log_level,
                "PYTHONUNBUFFERED": "1"}
         views = ["--views", msgspec.json.encode(self.views).decode()] if self.views else []
+        policy = ["--policy", msgspec.json.encode(self.policy).decode()] if self.policy else []
         host = pl.dock_host(pl.driver_node)
         host_pid = int(pl.call(host.info.remote())["pid"])
         pid, self.controller_endpoint = pl.call(host.spawn.remote(
@@ -417,7 +419,7 @@ class RayDock:
             ["-m", "streamrl.dock.controller", "--bind", f"tcp://{pl.driver_node.ip}:0",
              "--consumers", ",".join(self.consumers), "--capacity", str(self.capacity),
              "--warehouses", str(len(nodes)), "--parent-pid", str(host_pid), "--block", str(self.block),
-             *self.limits.argv(), *views],
+             *self.limits.argv(), *views, *policy],
             env, str(self.log_dir / "dock-controller.log"), self.start_timeout_s,
         ), timeout_s=self.start_timeout_s + RPC_TIMEOUT_S)
         self.servers.append(RemoteProcess(pl, host, "controller", pl.driver_node, pid))
@@ -430,7 +432,7 @@ class RayDock:
                 ["-m", "streamrl.dock.warehouse", "--bind", f"tcp://{node.ip}:0",
                  "--controller", self.controller_endpoint, "--id", str(w), "--warehouses", str(len(nodes)),
                  "--parent-pid", str(host_pid), "--register-timeout", str(self.start_timeout_s),
-                 "--block", str(self.block), *self.limits.argv()],
+                 "--block", str(self.block), *self.limits.argv(), *policy],
                 env, str(self.log_dir / f"dock-warehouse-{w}.log"), self.start_timeout_s,
             )))
         for w, (node, host, ref) in enumerate(refs):

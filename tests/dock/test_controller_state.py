@@ -18,12 +18,19 @@ def claim(state: ControllerState, consumer: str, n: int, client: str = "c1", **k
     return state.try_claim(req, view, force=True)
 
 
+@pytest.mark.parametrize("reserve_ttl_s", [None, 2.0])
 @settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_none(data: st.DataObject) -> None:
+@given(data=st.data())
+def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_none(
+    data: st.DataObject, reserve_ttl_s: float | None
+) -> None:
+    """With reserve expiry (a clock that ticks), every sample is acked by each consumer or expired
+    unwritten: never both, never twice, never neither."""
     group_size = data.draw(st.sampled_from([1, 2, 4]), label="group_size")
     whole = {c: data.draw(st.booleans(), label=f"whole_groups[{c}]") for c in CONSUMERS}
-    state = ControllerState(CONSUMERS, capacity=16, n_warehouses=2)
+    state = ControllerState(CONSUMERS, capacity=16, n_warehouses=2, reserve_ttl_s=reserve_ttl_s)
+    now = 0.0
+    expired: list[int] = []
     acked: dict[str, list[int]] = {c: [] for c in CONSUMERS}
     leases: dict[int, tuple[str, str, set[int]]] = {}  # lease -> (consumer, client, indices)
 
@@ -37,14 +44,17 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
             if whole[consumer]:
                 starts = {s.index - s.index % group_size for s in reply.samples}
                 for g in starts:  # whole groups: every still-pending member comes together
-                    members = {i for i in range(g, g + group_size) if i not in acked[consumer]}
+                    members = {i for i in range(g, g + group_size) if i not in acked[consumer] and i not in expired}
                     assert members <= got
             leases[reply.lease_id] = (consumer, client, got)
 
     for _ in range(data.draw(st.integers(5, 60), label="steps")):
-        op = data.draw(st.sampled_from(["reserve", "ready", "claim", "ack", "release", "expire"]))
+        op = data.draw(st.sampled_from(["reserve", "ready", "claim", "ack", "release", "expire", "tick"]))
         if op == "reserve" and state.free_slots >= group_size * 2:
-            state.reserve(group_size * data.draw(st.integers(1, 2)), group_size)
+            state.reserve(group_size * data.draw(st.integers(1, 2)), group_size, now=now)
+        elif op == "tick":
+            now += data.draw(st.floats(0.0, 3.0))
+            expired.extend(state.expire_reservations(now))
         elif op == "ready" and state.samples:
             live = sorted(state.samples)
             chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
@@ -79,7 +89,7 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
             acked[consumer].extend(s.index for s in reply.samples)
         assert reply is not None and reply.end
     for consumer in CONSUMERS:
-        assert sorted(acked[consumer]) == list(range(state.next_index)), f"{consumer}: lost or duplicated"
+        assert sorted(acked[consumer] + expired) == list(range(state.next_index)), f"{consumer}: lost or duplicated"
     assert not state.samples and state.free_slots == state.capacity
 
 
@@ -243,3 +253,112 @@ def test_distinct_column_names_are_bounded() -> None:
         state.columns_ready(idx, ["one_too_many"], None, None)
     assert exc.value.code == "too_many_columns"
     state.columns_ready(idx, ["c0"], None, None)  # known names stay fine
+
+
+# ---------------------------------------------------------------- authorization (issue 25)
+def _policy_state(reserve_ttl_s: float | None = 5.0) -> ControllerState:
+    from streamrl.dock.authz import DockPolicy
+    from streamrl.dock.state import ConsumerView
+
+    policy = DockPolicy(columns={"x": "src", "y": "gen"}, stage_reads={"src": [], "gen": ["x"], "train": ["x", "y"]},
+                        producers=["src"], clients={"stage:src": 2, "stage:gen": 2, "stage:train": 2, "launcher": 1})
+    views = {"gen": ConsumerView(["x"]), "train": ConsumerView(["x", "y"])}
+    return ControllerState(["gen", "train"], capacity=8, n_warehouses=1, views=views, policy=policy,
+                           reserve_ttl_s=reserve_ttl_s)
+
+
+def test_policy_column_names_are_declared_up_front_and_no_message_adds_one() -> None:
+    state = _policy_state()
+    (i,), _ = state.reserve(1, 1, role="stage:src")
+    with pytest.raises(ProtocolViolation) as exc:
+        state.columns_ready([i], ["junk"], None, None, "stage:src")
+    assert exc.value.code == "unknown_column" and "'junk'" in str(exc.value)
+    assert sorted(state.column_bits) == ["x", "y"]
+
+
+def test_policy_only_the_owner_marks_a_column_written() -> None:
+    state = _policy_state()
+    (i,), _ = state.reserve(1, 1, role="stage:src")
+    for role in ("stage:gen", "stage:train", "launcher"):
+        with pytest.raises(ProtocolViolation) as exc:
+            state.columns_ready([i], ["x"], None, None, role)
+        assert exc.value.code == "forbidden" and role in str(exc.value) and "'src'" in str(exc.value)
+    assert state.samples[i].ready == 0
+    state.columns_ready([i], ["x"], None, None, "stage:src")
+    assert state.samples[i].ready
+
+
+def test_policy_claims_acks_and_releases_only_as_the_roles_own_consumer() -> None:
+    state = _policy_state()
+    idx, _ = state.reserve(2, 1, role="stage:src")
+    state.columns_ready(idx, ["x"], None, None, "stage:src")
+    req = p.Claim(1, "t1", "gen", ["x"], 2)
+    for role in ("stage:train", "launcher", "stage:src"):
+        with pytest.raises(ProtocolViolation) as exc:
+            state.validate_claim(req, role)
+        assert exc.value.code == "forbidden"
+    view = state.validate_claim(req, "stage:gen")
+    reply = state.try_claim(req, view, force=True)
+    assert reply is not None and len(reply.samples) == 2
+    with pytest.raises(ProtocolViolation) as exc:
+        state.ack("t1", reply.lease_id, None, role="stage:train")
+    assert exc.value.code == "forbidden"
+    with pytest.raises(ProtocolViolation) as exc:
+        state.release("t1", reply.lease_id, role="stage:train")
+    assert exc.value.code == "forbidden"
+    assert state.ack("t1", reply.lease_id, None, role="stage:gen") == 0
+
+
+def test_policy_only_producers_reserve_and_close_the_input() -> None:
+    state = _policy_state()
+    for role in ("stage:gen", "stage:train", "launcher"):
+        with pytest.raises(ProtocolViolation) as exc:
+            state.reserve(1, 1, role=role)
+        assert exc.value.code == "forbidden"
+        with pytest.raises(ProtocolViolation):
+            state.close_input(role)
+    assert state.free_slots == 8 and not state.input_closed
+    state.close_input("stage:src")
+    assert state.input_closed
+
+
+def test_reserved_samples_expire_unless_their_creators_columns_are_written() -> None:
+    state = _policy_state(reserve_ttl_s=5.0)
+    written, _ = state.reserve(2, 1, role="stage:src", now=100.0)
+    lost, _ = state.reserve(6, 1, role="stage:src", now=101.0)
+    assert state.free_slots == 0
+    state.columns_ready(written, ["x"], None, None, "stage:src")
+    assert state.expire_reservations(104.9) == []
+    assert state.expire_reservations(105.0) == []  # the first reserve's samples were written
+    assert sorted(state.expire_reservations(106.0)) == lost
+    assert state.free_slots == 6 and sorted(state.take_freed()) == lost
+    assert state.statistics()["reservations_expired"] == 6
+    # the consumers' end of stream counts the expired ones as never made
+    state.close_input("stage:src")
+    view = state.validate_claim(p.Claim(1, "g", "gen", ["x"], 8), "stage:gen")
+    reply = state.try_claim(p.Claim(1, "g", "gen", ["x"], 8), view, force=True)
+    assert reply is not None and sorted(s.index for s in reply.samples) == written
+    state.ack("g", reply.lease_id, None, role="stage:gen")
+    assert state.at_end(0) and not state.at_end(1)
+
+
+def test_reserve_expiry_without_a_policy_counts_any_column_as_written() -> None:
+    state = ControllerState(CONSUMERS, capacity=4, n_warehouses=1, reserve_ttl_s=1.0)
+    idx, _ = state.reserve(4, 1, now=0.0)
+    state.columns_ready(idx[:1], ["x"], None, None)  # written
+    claim(state, "gen", 1)  # fixes gen's view to reads ["x"]
+    assert sorted(state.expire_reservations(2.0)) == idx[1:]
+    assert sorted(state.samples) == idx[:1]
+
+
+def test_an_expired_member_does_not_hold_back_the_rest_of_its_group_for_a_whole_group_consumer() -> None:
+    from streamrl.dock.state import ConsumerView
+
+    state = ControllerState(["adv"], capacity=4, n_warehouses=1, views={"adv": ConsumerView(["x"], True)},
+                            reserve_ttl_s=1.0)
+    idx, _ = state.reserve(4, 4, now=0.0)
+    state.columns_ready(idx[:3], ["x"], None, None)  # one member is never written
+    assert state.expire_reservations(2.0) == idx[3:]
+    req = p.Claim(1, "a", "adv", ["x"], 4, whole_groups=True)
+    reply = state.try_claim(req, state.validate_claim(req), force=False)
+    assert reply is not None and sorted(s.index for s in reply.samples) == idx[:3]
