@@ -37,8 +37,8 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import ClassVar, Literal, Self
 
 import msgspec
 import zmq
@@ -66,10 +66,27 @@ def _digest(password: str) -> str:
     return hashlib.sha256(password.encode()).hexdigest()
 
 
-class ClientAuth(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class _FromEnv(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Credentials that reach a process in an environment variable (``ENV``, JSON), never argv."""
+
+    ENV: ClassVar[str] = ""
+
+    def to_env(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self | None:
+        """What a launcher put in ``cls.ENV``, or None when it put none."""
+        text = (os.environ if environ is None else environ).get(cls.ENV, "")
+        return msgspec.json.decode(text, type=cls) if text else None
+
+
+class ClientAuth(_FromEnv, frozen=True, forbid_unknown_fields=True):
     """One role's credentials, what a client socket of that role presents.
 
     ``plain``: ``password``. ``curve``: the role's key pair and the run's server public key (z85)."""
+
+    ENV: ClassVar[str] = CLIENT_ENV
 
     mechanism: Mechanism
     role: str
@@ -83,21 +100,14 @@ class ClientAuth(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     __str__ = __repr__
 
-    def to_env(self) -> str:
-        return msgspec.json.encode(self).decode()
 
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> ClientAuth | None:
-        """The credentials a launcher put in ``STREAMRL_CLIENT_AUTH``, or None when it put none."""
-        text = (os.environ if environ is None else environ).get(CLIENT_ENV, "")
-        return msgspec.json.decode(text, type=cls) if text else None
-
-
-class ServerAuth(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ServerAuth(_FromEnv, frozen=True, forbid_unknown_fields=True):
     """What a server socket needs to verify every role of the run, and no role's secret.
 
     ``plain``: ``verifiers`` = role -> SHA-256 hex of its password. ``curve``: ``public_roles`` =
     a role's z85 public key -> the role, and the run's server key pair."""
+
+    ENV: ClassVar[str] = SERVER_ENV
 
     mechanism: Mechanism
     verifiers: dict[str, str] = msgspec.field(default_factory=dict)
@@ -110,14 +120,6 @@ class ServerAuth(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return f"ServerAuth(mechanism={self.mechanism!r}, roles={roles!r})"
 
     __str__ = __repr__
-
-    def to_env(self) -> str:
-        return msgspec.json.encode(self).decode()
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> ServerAuth | None:
-        text = (os.environ if environ is None else environ).get(SERVER_ENV, "")
-        return msgspec.json.decode(text, type=cls) if text else None
 
     def role_of(self, mechanism: bytes, credentials: list[bytes]) -> str | None:
         """The role a ZAP request proves, or None (refused). Constant-time comparisons: a
