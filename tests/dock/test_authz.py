@@ -21,7 +21,7 @@ import zmq.auth.thread
 import streamrl.dock.controller as controller_mod
 import streamrl.dock.warehouse as warehouse_mod
 from streamrl.dock import protocol as p
-from streamrl.dock.authz import DockPolicy
+from streamrl.dock.authz import AccessDenied, DockPolicy
 from streamrl.dock.controller import ConsumerView, ControllerServer
 from streamrl.dock.limits import DockLimits
 from streamrl.dock.warehouse import WarehouseServer
@@ -293,3 +293,23 @@ def test_a_message_without_a_role_is_refused_on_an_authenticated_dock(run: Run) 
     run.ctl.handle([b"x", p.encoder.encode(p.StatsRequest(5))], None)
     (reply,) = replies
     _error(reply, "unauthenticated")
+
+
+def test_the_policy_of_the_grpo_pipeline() -> None:
+    """What the launcher hands the dock for pipelines/grpo.yaml (launch_backends.dock_policy)."""
+    from pathlib import Path
+
+    import yaml
+
+    from streamrl.runtime.pipeline import PipelineSpec
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "pipelines" / "grpo.yaml").read_text())
+    spec = msgspec.convert(raw, PipelineSpec)
+    policy = DockPolicy.from_stages(spec.stages)
+    assert policy.columns["advantage"] == "advantage" and policy.columns["sample_key"] == "source"
+    assert policy.columns["response_ids"] == "generate" and "train" not in policy.columns.values()
+    assert policy.producers == ["source"] and not policy.authenticated
+    assert policy.clients["stage:train"] == 1 + 4 and policy.clients["launcher"] == 8
+    policy.check_write("stage:advantage", ["advantage"])
+    with pytest.raises(AccessDenied, match="only its owner, stage 'advantage'"):
+        policy.check_write("stage:score", ["advantage"])
