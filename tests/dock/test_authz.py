@@ -1,9 +1,9 @@
 """Authorization inside a run (issue 25), over real sockets with ZAP: an insider holding the
 credentials of one role cannot act as another (docs/dock-protocol.md §6.2).
 
-The servers run in threads on a context whose ZAP handler admits PLAIN users named after the
-roles (``launcher``, ``dock``, ``stage:<name>``): the User-Id the servers read is the role, as it
-will be with the run's own ZAP setup (streamrl.security). Every wait has a timeout.
+The servers run in threads with a run's own credentials (streamrl.security: PLAIN, and CURVE for
+one case), so the role each server reads is the one the peer proved at the handshake. Every wait
+has a timeout.
 """
 
 from __future__ import annotations
@@ -16,18 +16,15 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-import zmq.auth.thread
 
-import streamrl.dock.controller as controller_mod
-import streamrl.dock.warehouse as warehouse_mod
 from streamrl.dock import protocol as p
 from streamrl.dock.authz import AccessDenied, DockPolicy
 from streamrl.dock.controller import ConsumerView, ControllerServer
 from streamrl.dock.limits import DockLimits
 from streamrl.dock.warehouse import WarehouseServer
+from streamrl.security import DOCK, RunCredentials, release_context, secure_client
 
-PASSWORD = "pw"
-ROLES = ["launcher", "dock", "stage:source", "stage:gen", "stage:train"]
+ROLES = ["stage:source", "stage:gen", "stage:train"]
 
 
 class _Stage(msgspec.Struct):
@@ -45,13 +42,12 @@ RESERVE_TTL_S = 1
 
 
 class Peer:
-    """A DEALER authenticated as ``role`` (PLAIN username = role), speaking protocol structs."""
+    """A DEALER authenticated as ``role`` with the run's credentials, speaking protocol structs."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, role: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, role: str, creds: RunCredentials) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.plain_username = role.encode()
-        self.sock.plain_password = PASSWORD.encode()
+        secure_client(self.sock, creds.client(role))
         self.sock.connect(endpoint)
         self.rid = 0
 
@@ -67,12 +63,12 @@ class Peer:
 
 
 class Run:
-    def __init__(self, ctx: zmq.Context, ctl: ControllerServer, wh: WarehouseServer) -> None:
-        self.ctx, self.ctl, self.wh = ctx, ctl, wh
+    def __init__(self, ctx: zmq.Context, ctl: ControllerServer, wh: WarehouseServer, creds: RunCredentials) -> None:
+        self.ctx, self.ctl, self.wh, self.creds = ctx, ctl, wh, creds
         self.peers: list[Peer] = []
 
     def peer(self, role: str, to: str = "controller") -> Peer:
-        peer = Peer(self.ctx, self.ctl.endpoint if to == "controller" else self.wh.endpoint, role)
+        peer = Peer(self.ctx, self.ctl.endpoint if to == "controller" else self.wh.endpoint, role, self.creds)
         self.peers.append(peer)
         return peer
 
@@ -81,32 +77,19 @@ class Run:
         return peer, peer.ask(p.Hello(peer.next_id(), client_id, p.PROTOCOL_VERSION, ttl))
 
 
-@pytest.fixture
-def run(monkeypatch: pytest.MonkeyPatch) -> Iterator[Run]:
+@pytest.fixture(params=["plain", "curve"])
+def run(request: pytest.FixtureRequest) -> Iterator[Run]:
     ctx = zmq.Context()
-    auth = zmq.auth.thread.ThreadAuthenticator(ctx)
-    auth.start()
-    auth.configure_plain(domain="*", passwords={r: PASSWORD for r in ROLES})
-
-    def plain_server(sock: zmq.Socket, curve: object) -> None:
-        sock.plain_server = True
-
-    def plain_dock_client(sock: zmq.Socket, curve: object) -> None:
-        sock.plain_username, sock.plain_password = b"dock", PASSWORD.encode()
-
-    # the run's ZAP setup (streamrl.security, another change) goes where CURVE is set up today
-    monkeypatch.setattr(controller_mod, "secure_server", plain_server)
-    monkeypatch.setattr(warehouse_mod, "secure_server", plain_server)
-    monkeypatch.setattr(warehouse_mod, "secure_client", plain_dock_client)
+    creds = RunCredentials.generate(request.param, ROLES)
     policy = DockPolicy.from_stages(STAGES, authenticated=True)
     limits = DockLimits(reserve_ttl_s=RESERVE_TTL_S)
     ctl = ControllerServer("tcp://127.0.0.1:0", ["gen", "train"], CAPACITY, 1, secret="s", limits=limits,
-                           views=VIEWS, context=ctx, policy=policy)
+                           views=VIEWS, context=ctx, policy=policy, auth=creds.server())
     threads = [threading.Thread(target=ctl.serve_forever, daemon=True)]
     threads[0].start()
     wh = WarehouseServer("tcp://127.0.0.1:0", ctl.endpoint, 0, 1, secret="s", limits=limits, context=ctx,
-                         policy=policy)
-    r = Run(ctx, ctl, wh)
+                         policy=policy, auth=creds.server(), dock_auth=creds.client(DOCK))
+    r = Run(ctx, ctl, wh, creds)
     try:
         wh.register(10.0)
         threads.append(threading.Thread(target=wh.serve_forever, daemon=True))
@@ -122,7 +105,7 @@ def run(monkeypatch: pytest.MonkeyPatch) -> Iterator[Run]:
             wh.ctl.close(0)
         for peer in r.peers:
             peer.sock.close(0)
-        auth.stop()
+        release_context(ctx)
         ctx.term()
 
 
