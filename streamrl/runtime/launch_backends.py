@@ -36,6 +36,7 @@ from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
+from streamrl.runtime.orphans import claim_dir
 from streamrl.runtime.pipeline import PipelineSpec, _import_quietly, _is_trainer
 from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess, free_port
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
@@ -54,7 +55,6 @@ _PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.stages
 _mp = multiprocessing.get_context("forkserver")
 _mp.set_forkserver_preload(_PRELOAD)
 
-SHM_DIR = "/dev/shm"  # a tmpfs on Linux: files there are memory, not disk
 
 Dock = LocalDock | ThreadDock | RayDock
 Process = multiprocessing.process.BaseProcess | RemoteProcess
@@ -209,6 +209,8 @@ class LocalProcesses(LaunchBackend):
         self.dock = LocalDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, dc.transport,
                               start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views)
         self.dock.start()
+        if self.dock._ipc_dir is not None:  # removed like the launcher's own if it is killed (runtime/orphans.py)
+            claim_dir(self.dock._ipc_dir)
         return self.dock
 
     def _spawn(self, name: str, members: list[_Worker], spec: WorkerSpec, spec_path: Path, log_path: Path) -> None:
