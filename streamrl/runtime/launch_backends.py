@@ -124,7 +124,7 @@ def send_signal(proc: Process, sig: int) -> None:
 
 class LaunchBackend(abc.ABC):
     """Where the dock and the workers of one launch run. The launcher calls, in order:
-    :meth:`start_dock`, :meth:`endpoints`, :meth:`start` once per process group, then (in its
+    :meth:`connect`, :meth:`start_dock`, :meth:`endpoints`, :meth:`start` once per process group, then (in its
     ``finally``) :meth:`close`. Supervision calls :meth:`spawn` to restart a crashed process.
 
     ``processes``: process name (``generate-0``, ``generate-0+train-0`` when colocated) -> its
@@ -144,6 +144,11 @@ class LaunchBackend(abc.ABC):
         self.dock: Dock | None = None
         self.curve: RunKeys | None = None  # the run's CURVE keys (ray: every socket leaves the host)
         self.processes: dict[str, tuple[list[_Worker], WorkerSpec]] = {}
+
+    def connect(self) -> None:
+        """Join whatever the run's processes are placed on (blocking; :meth:`close` from another
+        thread ends the wait). Called before :meth:`start_dock`."""
+        return
 
     @abc.abstractmethod
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
@@ -255,12 +260,16 @@ class RayLaunch(LaunchBackend):
         super().__init__(*args, **kwargs)
         self.ray: RayPlacement | None = None
 
+    def connect(self) -> None:
+        """Join the cluster (within ``resources.ray.connect_timeout_s``) or start a Ray for the run."""
+        self.ray = RayPlacement(self.cfg.resources.ray, self.run_dir.name, self.cfg.resources.start_timeout_s)
+        self.ray.connect()
+
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
-        """Connect to (or start) Ray, place the worker processes, start the dock on the nodes."""
+        """Place the worker processes, start the dock on the nodes."""
         cfg = self.cfg
         rc = cfg.resources.ray
-        self.ray = RayPlacement(rc, self.run_dir.name, cfg.resources.start_timeout_s)
-        self.ray.connect()
+        assert self.ray is not None, "connect() first"
         self.ray.place(self.pipeline, cfg.resources.device)
         self.curve = RunKeys.generate()
         where = ", ".join(f"{name} on {node.describe()}" for name, (_, node) in self.ray.worker_hosts.items())

@@ -250,6 +250,9 @@ class _Launch:
         rendezvous: RendezvousServer | None = None
         try:
             self.progress.message(f"streamrl: run dir {self.run_dir}")
+            # abandoned on cancellation: a Ctrl-C or SIGTERM while joining a cluster ends the run at once
+            # (backend.close() below ends the abandoned wait, so no thread holds the process)
+            await anyio.to_thread.run_sync(backend.connect, abandon_on_cancel=True)
             dock = await anyio.to_thread.run_sync(backend.start_dock, views, limits)
             token = c.new_token()
             control, weights, rendezvous_host = await anyio.to_thread.run_sync(backend.endpoints)
