@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def owner(d: Path) -> int | None:
     if d.parent not in _bases() or not _PRIVATE.match(d.name):
         return None
     try:
+        st = d.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():  # a link, or another user's: not ours
+            return None
         return int((d / OWNER_FILE).read_text().strip())
     except (OSError, ValueError):
         return None
