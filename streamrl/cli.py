@@ -230,7 +230,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # No terminal's Ctrl-C reaches a background job anyway, so nothing is lost by restoring it.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    code = int(args.func(args))
+    ray_cluster = sys.modules.get("streamrl.runtime.ray_cluster")  # imported only by runs that may use Ray
+    if ray_cluster is not None and ray_cluster.join_abandoned():
+        # a Ray cluster that could not be joined (or a signal during the join): the run has cleaned
+        # up and said why; skip the interpreter's teardown, which Ray's stuck native threads break
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -227,6 +227,9 @@ class RayConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "the custom resource node_b"))] = msgspec.field(default_factory=dict)
     num_cpus: Annotated[int | None, Meta(description=(
         "A Ray started for the run (address null): the CPUs it offers; null = every core"))] = None
+    connect_timeout_s: Annotated[float, Meta(description=(
+        "An address (auto or HOST:PORT): how long joining the cluster may take before the run fails naming "
+        "resources.ray.address (joining takes seconds; Ray itself retries an unreachable cluster without end)"))] = 60.0
     warehouse_per_node: Annotated[bool, Meta(description=(
         "One warehouse per node that runs workers (data stays on its node); false: one warehouse, on the "
         "controller's node"))] = True
@@ -430,6 +433,8 @@ def _check(cfg: RunConfig) -> list[str]:
         (r.auto_resume >= 0, f"resources.auto_resume must be >= 0 (0 = never), got {r.auto_resume}"),
         (r.ray.num_cpus is None or r.ray.num_cpus >= 1,
          f"resources.ray.num_cpus must be >= 1, or null for every core; got {r.ray.num_cpus}"),
+        (r.ray.connect_timeout_s > 0 and math.isfinite(r.ray.connect_timeout_s),
+         f"resources.ray.connect_timeout_s must be > 0 seconds, got {r.ray.connect_timeout_s}"),
         (r.ray.address is None or bool(r.ray.address.strip()),
          "resources.ray.address is empty; write auto (the cluster this machine joined), HOST:PORT, or null "
          "to start Ray for this run"),

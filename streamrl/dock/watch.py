@@ -16,7 +16,7 @@ class ParentWatch:
     ``os.getppid()`` is exact and costs one system call, made at most every ``every_s``.
     """
 
-    def __init__(self, pid: int = 0, every_s: float = 1.0) -> None:
+    def __init__(self, pid: int = 0, every_s: float = 0.2) -> None:
         self.pid = pid  # 0: not watching
         self.every_s = every_s
         self._next = 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +48,10 @@ class JsonlSink:
 
     def write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps(clean(row)) + "\n")
+
+    def sync(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()

@@ -45,6 +45,12 @@ class MetricsWriter:
                             type(exc).__name__, exc)
                 self._close(name, self.sinks.pop(name))
 
+    def sync(self) -> None:
+        """metrics.jsonl to disk (fsync): what is written so far survives a crash of the machine."""
+        jsonl = self.sinks["jsonl"]
+        assert isinstance(jsonl, JsonlSink)
+        jsonl.sync()
+
     def close(self) -> None:
         for name, sink in list(self.sinks.items()):
             self._close(name, sink)

@@ -194,9 +194,21 @@ def write_json(path: Path, obj: Any) -> None:
 def commit(run_dir: Path, version: int, state: RunState, keep: int) -> Path:
     """Finish the checkpoint of ``version`` (its ``.partial`` directory holds everything but the
     state): write the state, flush, rename into place, prune to the newest ``keep``."""
+    seal(run_dir, version, state)
+    return commit_sealed(run_dir, version, keep)
+
+
+def seal(run_dir: Path, version: int, state: RunState) -> None:
+    """The first half of :func:`commit`: the state written and everything flushed to disk, still
+    under the ``.partial`` name (the trainer then waits for the launcher to record the step)."""
     partial = partial_dir(run_dir, version)
     write_json(partial / STATE_FILE, state)
     fsync_tree(partial)
+
+
+def commit_sealed(run_dir: Path, version: int, keep: int) -> Path:
+    """The second half of :func:`commit`: rename the sealed ``.partial`` directory into place, prune."""
+    partial = partial_dir(run_dir, version)
     _pause_for_fault_test(version)
     final = checkpoints_dir(run_dir) / checkpoint_name(version)
     if final.exists():  # a resumed run saving the step it resumed from again: replace it

@@ -8,6 +8,8 @@ heartbeat) and ``StepReport`` events. A worker that fails sends
 ``Failed`` with the stage, worker and sample indices before it exits; one that wants the run
 to end (target reached) sends ``StopRequest``. The launcher answers with ``Stop``. On SIGTERM the
 launcher sends ``Save`` first: the train stage checkpoints after its current step and stops the run.
+A step that saves a checkpoint is reported with ``record``: the launcher answers ``Recorded`` once
+its row is in metrics.jsonl, and only then does the trainer rename the checkpoint into place.
 
 Trust: a ``Failed`` or ``StopRequest`` ends the run, so the launcher takes events only from the
 workers it started. Each worker's spec carries the run's random ``token`` (spec files are written
@@ -40,6 +42,10 @@ log = logging.getLogger("streamrl.control")
 MAX_EVENT_BYTES = 1 << 20
 TRACEBACK_CHARS = 64_000
 WorkerIndex = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+# After a Stop, how long a trainer still waits for the launcher to record its last step: at the run's
+# normal end the answer follows within milliseconds (the Stop raced it); a launcher that stopped for
+# another reason no longer records, and the checkpoint is then left uncommitted.
+RECORDED_AFTER_STOP_S = 5.0
 
 
 def new_token() -> str:
@@ -85,6 +91,9 @@ class StepReport(_Msg, tag="step"):
     step: int
     metrics: dict[str, float]
     measured_at: float = 0.0  # the trainer's time.time() when the step ended (0: unknown)
+    # answer with Recorded once the row is in metrics.jsonl (flushed to disk): the trainer commits
+    # the checkpoint of this step only then, so no checkpoint is ever ahead of the run's metrics
+    record: bool = False
 
 
 class EvalReport(_Msg, tag="eval"):
@@ -114,6 +123,13 @@ class Stop(_Msg, tag="stop"):
     reason: str
 
 
+class Recorded(_Msg, tag="recorded"):
+    """The row of ``step`` (a StepReport with ``record``) is in metrics.jsonl. Broadcast (the
+    StepReport does not say who sent it); every worker but the reporting trainer ignores it."""
+
+    step: int
+
+
 class Save(_Msg, tag="save"):
     """Save a checkpoint after the current step, then stop (the launcher got SIGTERM). Only the
     train stage acts on it; the run then ends as after a StopRequest."""
@@ -123,7 +139,7 @@ class Save(_Msg, tag="save"):
 
 WorkerEvent = (Starting | Ready | StageBusy | StageMetrics | StepReport | EvalReport | Failed | StopRequest
                | Finished)
-LauncherCommand = Go | Stop | Save
+LauncherCommand = Go | Stop | Save | Recorded
 
 encoder = msgspec.msgpack.Encoder()
 event_decoder = msgspec.msgpack.Decoder(WorkerEvent)
@@ -145,6 +161,11 @@ class ControlClient:
         self.sock.connect(endpoint)
         self.stop_reason: str | None = None
         self.save_reason: str | None = None  # a Save arrived: checkpoint after this step, then stop
+        self.recorded = -1  # the newest step whose row the launcher said is in metrics.jsonl
+        self.stopped_at: float | None = None  # monotonic time the Stop arrived
+        self.launcher_gone = False  # the worker saw its launcher exit: no answer will come
+        self._readers = 0  # tasks in wait_stop: while one runs, wait_recorded leaves the socket to it
+        self._changed: anyio.Event | None = None  # made by the first waiter (an event loop runs then)
         self._send(Starting(stage, worker, os.getpid(), token))
 
     def _send(self, msg: _Msg) -> None:
@@ -154,11 +175,32 @@ class ControlClient:
         self._send(Ready(self.stage, self.worker, os.getpid()))
 
     async def _command(self) -> LauncherCommand | None:
+        """The next command; Save and Recorded are noted here, whichever wait reads them."""
         try:
-            return wire.decode(command_decoder, await self.sock.recv())
+            cmd = wire.decode(command_decoder, await self.sock.recv())
         except wire.WireError as exc:  # only the launcher is connected; still, never die of bytes
             log.warning("dropping an undecodable control command: %s", exc)
             return None
+        if isinstance(cmd, Save):
+            self.save_reason = cmd.reason
+        elif isinstance(cmd, Stop):
+            self.stop_reason, self.stopped_at = cmd.reason, time.monotonic()
+            self._wake()
+        elif isinstance(cmd, Recorded) and cmd.step > self.recorded:
+            self.recorded = cmd.step
+            self._wake()
+        return cmd
+
+    def abandon(self) -> None:
+        """The launcher is gone (the worker's parent watch saw it exit): a wait_recorded ends now."""
+        self.launcher_gone = True
+        self._wake()
+
+    def _wake(self) -> None:
+        """Whoever waits in wait_recorded looks again (a step recorded, a Stop, the reader gone)."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def wait_go(self, timeout_s: float) -> bool:
         """True on Go, False on Stop (the run ended before this worker started)."""
@@ -167,20 +209,47 @@ class ControlClient:
                 match await self._command():
                     case Go():
                         return True
-                    case Stop(reason=reason):
-                        self.stop_reason = reason
+                    case Stop():
                         return False
-                    case Save(reason=reason):
-                        self.save_reason = reason
 
     async def wait_stop(self) -> str:
-        while True:
-            cmd = await self._command()
-            if isinstance(cmd, Save):
-                self.save_reason = cmd.reason
-            if isinstance(cmd, Stop):
-                self.stop_reason = cmd.reason
-                return cmd.reason
+        """Read commands until Stop (a worker runs this in a task of its own all along: it is also
+        what delivers Save and Recorded until the Stop)."""
+        self._readers += 1
+        try:
+            while True:
+                cmd = await self._command()
+                if isinstance(cmd, Stop):
+                    return cmd.reason
+        finally:
+            self._readers -= 1
+            self._wake()  # a wait_recorded now reads the socket itself
+
+    async def wait_recorded(self, step: int, timeout_s: float, after_stop_s: float = RECORDED_AFTER_STOP_S) -> bool:
+        """Until the launcher says the row of ``step`` is in metrics.jsonl (after :meth:`step` with
+        ``record``): True. False when a Stop arrived and no answer within ``after_stop_s`` of it (the
+        launcher stopped recording: the run failed elsewhere, or was interrupted), or when the
+        launcher is gone (:meth:`abandon`); TimeoutError
+        after ``timeout_s``. It reads the socket itself when no :meth:`wait_stop` runs (the Stop of
+        the run's normal end can come before the answer: another train rank asked for it)."""
+        deadline = time.monotonic() + timeout_s
+        while self.recorded < step:
+            if self.launcher_gone:
+                return False
+            until = deadline if self.stopped_at is None else min(deadline, self.stopped_at + after_stop_s)
+            left = until - time.monotonic()
+            if left <= 0:
+                if until < deadline:
+                    return False
+                raise TimeoutError(f"step {step} not recorded within {timeout_s:g} s")
+            with anyio.move_on_after(left):
+                if self._readers:
+                    if self._changed is None:
+                        self._changed = anyio.Event()
+                    await self._changed.wait()
+                else:
+                    await self._command()
+        return True
 
     def busy(self, busy_s: float, batches: int, samples: int, in_batch_s: float = 0.0,
              measured_at: float = 0.0) -> None:
@@ -189,8 +258,9 @@ class ControlClient:
     def stage_metrics(self, metrics: dict[str, float]) -> None:
         self._send(StageMetrics(self.stage, self.worker, {k: float(v) for k, v in metrics.items()}))
 
-    def step(self, step: int, metrics: dict[str, float]) -> None:
-        self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}, time.time()))
+    def step(self, step: int, metrics: dict[str, float], *, record: bool = False) -> None:
+        """One optimizer step's row; ``record``: ask for Recorded (:meth:`wait_recorded`)."""
+        self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}, time.time(), record))
 
     def eval_report(self, step: int, metrics: dict[str, float]) -> None:
         self._send(EvalReport(step, {k: float(v) for k, v in metrics.items()}))

@@ -36,6 +36,7 @@ from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
+from streamrl.runtime.orphans import claim_dir
 from streamrl.runtime.pipeline import PipelineSpec, _import_quietly, _is_trainer
 from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess, free_port
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
@@ -55,7 +56,6 @@ _PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.stages
 _mp = multiprocessing.get_context("forkserver")
 _mp.set_forkserver_preload(_PRELOAD)
 
-SHM_DIR = "/dev/shm"  # a tmpfs on Linux: files there are memory, not disk
 
 Dock = LocalDock | ThreadDock | RayDock
 Process = multiprocessing.process.BaseProcess | RemoteProcess
@@ -125,7 +125,7 @@ def send_signal(proc: Process, sig: int) -> None:
 
 class LaunchBackend(abc.ABC):
     """Where the dock and the workers of one launch run. The launcher calls, in order:
-    :meth:`start_dock`, :meth:`endpoints`, :meth:`start` once per process group, then (in its
+    :meth:`connect`, :meth:`start_dock`, :meth:`endpoints`, :meth:`start` once per process group, then (in its
     ``finally``) :meth:`close`. Supervision calls :meth:`spawn` to restart a crashed process.
 
     ``processes``: process name (``generate-0``, ``generate-0+train-0`` when colocated) -> its
@@ -154,6 +154,11 @@ class LaunchBackend(abc.ABC):
         if enc == "auto":
             return "curve" if cfg.resources.launch == "ray" else "plain"
         return "curve" if enc == "curve" else "plain"
+
+    def connect(self) -> None:
+        """Join whatever the run's processes are placed on (blocking; :meth:`close` from another
+        thread ends the wait). Called before :meth:`start_dock`."""
+        return
 
     @abc.abstractmethod
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
@@ -225,6 +230,8 @@ class LocalProcesses(LaunchBackend):
                               start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views,
                               auth=self.auth, policy=self.dock_policy())
         self.dock.start()
+        if self.dock._ipc_dir is not None:  # removed like the launcher's own if it is killed (runtime/orphans.py)
+            claim_dir(self.dock._ipc_dir)
         return self.dock
 
     def _spawn(self, name: str, members: list[_Worker], spec: WorkerSpec, spec_path: Path, log_path: Path) -> None:
@@ -269,12 +276,16 @@ class RayLaunch(LaunchBackend):
         super().__init__(*args, **kwargs)
         self.ray: RayPlacement | None = None
 
+    def connect(self) -> None:
+        """Join the cluster (within ``resources.ray.connect_timeout_s``) or start a Ray for the run."""
+        self.ray = RayPlacement(self.cfg.resources.ray, self.run_dir.name, self.cfg.resources.start_timeout_s)
+        self.ray.connect()
+
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
-        """Connect to (or start) Ray, place the worker processes, start the dock on the nodes."""
+        """Place the worker processes, start the dock on the nodes."""
         cfg = self.cfg
         rc = cfg.resources.ray
-        self.ray = RayPlacement(rc, self.run_dir.name, cfg.resources.start_timeout_s)
-        self.ray.connect()
+        assert self.ray is not None, "connect() first"
         self.ray.place(self.pipeline, cfg.resources.device)
         where = ", ".join(f"{name} on {node.describe()}" for name, (_, node) in self.ray.worker_hosts.items())
         self.progress.message(f"streamrl: Ray placed {len(self.ray.worker_hosts)} worker processes on "

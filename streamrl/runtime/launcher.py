@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,8 @@ from streamrl.runtime.checkpoints import (
     latest_checkpoint,
     resume_from,
 )
-from streamrl.runtime.launch_backends import BACKENDS, SHM_DIR, LaunchBackend, _Worker
+from streamrl.runtime.launch_backends import BACKENDS, LaunchBackend, _Worker
+from streamrl.runtime.orphans import SHM_DIR, make_private_dir, remove_dead_owners
 from streamrl.runtime.pipeline import (
     PipelineSpec,
     _import_quietly,
@@ -240,10 +240,11 @@ class _Launch:
     async def run(self) -> RunResult:
         cfg = self.cfg
         _remove_stale_ipc(self.run_dir)  # a killed run of this directory could not remove its own
+        remove_dead_owners()  # nor could any killed launcher whose workers did not outlive it
         # ipc endpoints live in a short private dir (socket paths are limited to ~100 bytes)
-        tmp = tempfile.mkdtemp(prefix="srl-", dir="/tmp")
+        tmp = make_private_dir("/tmp")
         # shared-memory scratch (e.g. vLLM's weight files between processes), removed like tmp
-        shm = tempfile.mkdtemp(prefix="srl-", dir=SHM_DIR) if Path(SHM_DIR).is_dir() else tmp
+        shm = make_private_dir(SHM_DIR) if Path(SHM_DIR).is_dir() else tmp
         backend = self.backend = BACKENDS[cfg.resources.launch](cfg, self.pipeline, self.run_dir, self.progress,
                                                                 tmp, shm)
         sup = self.supervisor = Supervisor(cfg, self.pipeline, self.run_dir, self.t_launch, self.workers, backend,
@@ -256,6 +257,9 @@ class _Launch:
         rendezvous: RendezvousServer | None = None
         try:
             self.progress.message(f"streamrl: run dir {self.run_dir}")
+            # abandoned on cancellation: a Ctrl-C or SIGTERM while joining a cluster ends the run at once
+            # (backend.close() below ends the abandoned wait, so no thread holds the process)
+            await anyio.to_thread.run_sync(backend.connect, abandon_on_cancel=True)
             dock = await anyio.to_thread.run_sync(backend.start_dock, views, limits)
             token = c.new_token()
             control, weights, rendezvous_host = await anyio.to_thread.run_sync(backend.endpoints)

@@ -39,6 +39,14 @@ from streamrl.runtime.pipeline import PipelineSpec, StageSpec
 log = logging.getLogger("streamrl.ray")
 
 POLL_S = 0.5  # how often the launcher asks every host for its children's exit codes
+_abandoned_joins: list[threading.Thread] = []  # ray.init calls given up on (RayPlacement._join)
+
+
+def join_abandoned() -> bool:
+    """A ray.init given up on still runs in its daemon thread. The interpreter's teardown then
+    races Ray's native threads (seen: a hang, or std::bad_alloc and an abort), so a command that
+    ends now should leave with ``os._exit`` once its own cleanup is done (``streamrl.cli`` does)."""
+    return any(t.is_alive() for t in _abandoned_joins)
 RPC_TIMEOUT_S = 30.0  # one call to a host actor (they answer in milliseconds unless gone)
 
 
@@ -140,6 +148,15 @@ class ProcessHost:
         return self.poll()
 
 
+def join_failed(address: str, why: str) -> str:
+    """What to say when the cluster at ``address`` could not be joined, with the usual fixes."""
+    return (f"could not join the Ray cluster at resources.ray.address={address!r} ({why}). Is the cluster "
+            "running at that address (`ray status --address ADDRESS`)? On a one-host cluster whose head was "
+            "started with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (every Ray listener on 127.0.0.1), export the same "
+            "variable for `streamrl run` too: without it the driver dials the host's own address instead of "
+            "127.0.0.1 (docs/ray.md)")
+
+
 def free_port(ip: str) -> int:
     """A port the OS has free on ``ip`` now."""
     import socket
@@ -235,6 +252,8 @@ class RayPlacement:
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def connect(self) -> None:
+        """Join the cluster at ``resources.ray.address`` (within ``connect_timeout_s``), or start a
+        Ray for the run. :meth:`close` from another thread ends the wait for a join at once."""
         ray = self.ray = import_ray()
         kwargs: dict[str, Any] = {"log_to_driver": False, "namespace": f"streamrl-{self.run_name}",
                                   "configure_logging": False}
@@ -243,9 +262,44 @@ class RayPlacement:
         if self.cfg.address is None:
             kwargs.update(num_cpus=self.cfg.num_cpus, include_dashboard=False)
             self.started_ray = True
-        else:
-            kwargs["address"] = self.cfg.address
-        ray.init(**kwargs)
+            ray.init(**kwargs)
+            return
+        kwargs["address"] = self.cfg.address
+        self._join(kwargs)
+
+    def _join(self, kwargs: dict[str, Any]) -> None:
+        """``ray.init(address=...)`` in a daemon thread, waited for at most ``connect_timeout_s``.
+
+        Why a thread: ray.init retries a GCS it cannot reach without end (13 minutes seen) and
+        cannot be interrupted; waited for here, it held the launcher, and the process stayed alive
+        after SIGTERM. A join that does not finish is left behind in its daemon thread, which does
+        not keep the process alive."""
+        done = threading.Event()
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                self.ray.init(**kwargs)
+            except BaseException as exc:  # handed to the waiting thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        timeout_s = self.cfg.connect_timeout_s
+        thread = threading.Thread(target=join, name="streamrl-ray-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if self._stop.is_set() or time.monotonic() >= deadline:
+                _abandoned_joins.append(thread)
+            if self._stop.is_set():  # the launcher is stopping (a signal): stop waiting
+                raise RuntimeError(f"stopped while joining the Ray cluster at {kwargs['address']}")
+            if time.monotonic() >= deadline:
+                raise ConfigError(join_failed(kwargs["address"], f"not joined within resources.ray.connect_timeout_s="
+                                                                 f"{timeout_s:g} s"))
+        if failed:
+            exc = failed[0]
+            raise ConfigError(join_failed(kwargs["address"], f"{type(exc).__name__}: {exc}")) from exc
 
     def place(self, pipeline: PipelineSpec, device: str) -> None:
         """One bundle per worker process, the host actors in them, and the nodes they are on."""

@@ -53,7 +53,11 @@ class RunMetrics:
         """Training starts now: step times and elapsed_s count from here."""
         self.t_go = self.t_progress = time.monotonic()
 
-    def on_step(self, step: int, metrics: dict[str, float], measured_at: float = 0.0) -> None:
+    def on_step(self, step: int, metrics: dict[str, float], measured_at: float = 0.0, *,
+                durable: bool = False) -> None:
+        """One step's row to every sink; ``durable``: metrics.jsonl is fsynced before this returns
+        (the trainer commits a checkpoint of this step only after that: a crash of the machine, not
+        only of the launcher, then leaves no checkpoint ahead of the rows)."""
         now = time.monotonic()
         self.t_progress = now
         row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(now - self.t_go, 4)}
@@ -70,6 +74,8 @@ class RunMetrics:
             self.time_to_target = now - self.t_go
         self.train_rows.append(row)
         self.metrics.write(row)
+        if durable:
+            self.metrics.sync()
         self.progress.update(row)
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:

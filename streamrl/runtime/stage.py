@@ -56,6 +56,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# How long a trainer waits for the launcher to record a step's row before its checkpoint commit
+# fails. The launcher writes a row in milliseconds, so this only ends a wait on a stuck launcher;
+# one that is gone stops its workers sooner (their parent watch).
+RECORD_TIMEOUT_S = 120.0
+
 
 class StopRun(Exception):
     """Raised by a stage to end the run successfully (e.g. the target reward was reached)."""
@@ -143,9 +148,20 @@ class StageContext:
         row in metrics.jsonl as ``<stage>/<name>`` (``<stage>/<worker>/<name>`` with several workers)."""
         self.control.stage_metrics(metrics)
 
-    def report_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Send one optimizer step's metrics to the launcher (metrics.jsonl, TensorBoard, progress)."""
-        self.control.step(step, metrics)
+    def report_step(self, step: int, metrics: dict[str, float], *, record: bool = False) -> None:
+        """Send one optimizer step's metrics to the launcher (metrics.jsonl, TensorBoard, progress).
+        ``record``: the launcher answers once the row is on disk (:meth:`wait_recorded`)."""
+        self.control.step(step, metrics, record=record)
+
+    async def wait_recorded(self, step: int, timeout_s: float = RECORD_TIMEOUT_S) -> bool:
+        """Until the launcher has the row of ``step`` (reported with ``record``) in metrics.jsonl:
+        a trainer commits the checkpoint of a step only then. False: the run stopped before the
+        launcher recorded it (commit nothing)."""
+        try:
+            return await self.control.wait_recorded(step, timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"the launcher did not record step {step} within {timeout_s:g} s; its checkpoint "
+                               "is not committed") from None
 
     def report_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Send the evaluation of policy version ``step``: a row of its own in metrics.jsonl, the

@@ -113,8 +113,10 @@ class Supervisor:
                     # merged: a stage reports different figures at different times (engine start-up once,
                     # each weight install later), and each stays in the rows until it reports it again
                     self.metrics.stage_metrics.setdefault((s, k), {}).update(m)
-                case c.StepReport(step=step, metrics=m, measured_at=at):
-                    self.metrics.on_step(step, m, at)
+                case c.StepReport(step=step, metrics=m, measured_at=at, record=record):
+                    self.metrics.on_step(step, m, at, durable=record)
+                    if record:  # the row is on disk: the trainer may commit this step's checkpoint
+                        await server.broadcast(c.Recorded(step))
                 case c.EvalReport(step=step, metrics=m):
                     self.metrics.on_eval(step, m)
                 case c.Failed():

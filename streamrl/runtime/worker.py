@@ -36,6 +36,7 @@ from streamrl.dock.errors import DockError, EndOfStream, RemoteError
 from streamrl.metrics.trace import Tracer, open_tracer, reset_tracer, tracer, use_tracer
 from streamrl.runtime.checkpoints import ResumeFrom
 from streamrl.runtime.control import ControlClient
+from streamrl.runtime.orphans import remove_if_owner_is, wait_gone
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
 from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun
@@ -183,7 +184,7 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                                rendezvous_endpoint=spec.rendezvous_endpoint)
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
-                tg.start_soon(_watch_parent, spec.parent_pid, tg)
+                tg.start_soon(_watch_parent, spec, control, tg)
             with trace.span("setup", "batch", "setup"):
                 set_up = await _setup_unless_stopped(stage, ctx, control, sspec, spec.worker)
             if not set_up:
@@ -309,7 +310,10 @@ def process_alive(pid: int) -> bool:
         return True  # no /proc (not Linux): existence is all we can tell
 
 
-ORPHAN_EXIT_S = 20.0  # after the launcher is gone, how long a worker may take to stop before it exits hard
+# After the launcher is gone, how long a worker may take to stop before it exits hard. Nothing an
+# orphan does is of use (its trainer can commit no checkpoint without the launcher recording the
+# step), so this only lets a thread in the middle of a step or a write end cleanly.
+ORPHAN_EXIT_S = 10.0
 
 
 def _exit_orphan(parent_pid: int) -> None:
@@ -319,22 +323,30 @@ def _exit_orphan(parent_pid: int) -> None:
     os._exit(1)
 
 
-async def _watch_parent(parent_pid: int, tg: anyio.abc.TaskGroup) -> None:
-    """Workers are forked from a forkserver, not the launcher, so watch the launcher's pid itself.
+async def _watch_parent(spec: WorkerSpec, control: ControlClient, tg: anyio.abc.TaskGroup) -> None:
+    """Workers are forked from a forkserver, not the launcher, so watch the launcher's pid itself
+    (a pidfd: this wakes the moment it exits).
 
+    Once it is gone the worker removes the launcher's private directories (the launcher cannot,
+    killed; only those it owned: :mod:`streamrl.runtime.orphans`) and cancels its stages (a trainer
+    waiting, shielded, for the launcher to record its step gives up: ``control.abandon``).
     Cancelling stops the event loop's work, but not a blocking call in a worker thread (a
     collective or a stage's own ``run_sync``), which can hold the process for as long as its own
     timeout (600 s for collectives): with nobody left to stop it, the worker exits hard once
     ``ORPHAN_EXIT_S`` has passed."""
-    while True:
-        await anyio.sleep(1.0)
-        if not process_alive(parent_pid):
-            log.error("launcher %d is gone: stopping", parent_pid)
-            timer = threading.Timer(ORPHAN_EXIT_S, _exit_orphan, args=(parent_pid,))
-            timer.daemon = True
-            timer.start()
-            tg.cancel_scope.cancel()
-            return
+    parent_pid = spec.parent_pid
+    await wait_gone(parent_pid)
+    log.error("launcher %d is gone: stopping", parent_pid)
+    timer = threading.Timer(ORPHAN_EXIT_S, _exit_orphan, args=(parent_pid,))
+    timer.daemon = True
+    timer.start()
+    endpoints = [spec.dock_endpoint, spec.control_endpoint, spec.weights_endpoint]
+    sockets = [os.path.dirname(e[len("ipc://"):]) for e in endpoints if e.startswith("ipc://")]
+    removed = remove_if_owner_is([spec.scratch_dir, spec.shm_dir, *sockets], parent_pid)
+    if removed:
+        log.info("removed the launcher's directories %s", removed)
+    control.abandon()
+    tg.cancel_scope.cancel()
 
 
 async def _source_loop(stage: Any, dock: DockClient, meter: _Meter) -> None:

@@ -44,9 +44,10 @@ from streamrl.runtime.checkpoints import (
     ResumeFrom,
     RunState,
     TrainedKeys,
-    commit,
+    commit_sealed,
     partial_dir,
     rng_state,
+    seal,
     set_rng_state,
     start_partial,
     write_json,
@@ -156,8 +157,10 @@ class TrainStage:
         if self.R > 1:
             dist.barrier(group=self.train_group)
 
-    def _save(self, reason: str) -> Path | None:
-        """A resumable checkpoint of this version (collective among the train ranks; between steps)."""
+    def _save(self, reason: str) -> RunState | None:
+        """A resumable checkpoint of this version, sealed under its ``.partial`` name (collective
+        among the train ranks; between steps). Rank 0 gets the state, to commit the checkpoint once
+        the launcher has recorded the step (:meth:`_commit`); the others None."""
         cfg = self.ctx.config
         run_dir = self.ctx.run_dir
         if self.rank == 0:
@@ -173,7 +176,23 @@ class TrainStage:
                          trained_below=self.trained.below, trained_extra=self.trained.sorted_extra(),
                          lr_schedule=self.lr_schedule.state_dict(), train_ranks=self.R, saved_at=time.time(),
                          reason=reason)
-        return commit(run_dir, self.version, state, cfg.output.keep_checkpoints)
+        seal(run_dir, self.version, state)
+        return state
+
+    async def _commit(self) -> None:
+        """Rank 0, after reporting the step with ``record``: rename the sealed checkpoint into
+        place once the launcher has the step's row in metrics.jsonl. A launcher killed before that
+        leaves only the ``.partial`` directory (a resume ignores it), so a resume never starts from
+        a step whose row is missing: every step's row is in metrics.jsonl exactly once."""
+        # Shielded: at the run's end another rank's StopRun can make the launcher send Stop while
+        # this waits; the answer still comes (the wait after a Stop is bounded: RECORDED_AFTER_STOP_S)
+        with anyio.CancelScope(shield=True):
+            if not await self.ctx.wait_recorded(self.version):
+                log.warning("train[%d]: the run stopped before the launcher recorded step %d; its checkpoint "
+                            "stays uncommitted", self.rank, self.version)
+                return
+            await self.ctx.run_sync(commit_sealed, self.ctx.run_dir, self.version,
+                                    self.ctx.config.output.keep_checkpoints)
 
     def _record_trained(self, keys: list[int]) -> None:
         """The samples of the step just taken (every rank's share; collective over the dp ranks)."""
@@ -281,7 +300,7 @@ class TrainStage:
             await self.ctx.run_sync(self.engine.export_pretrained, self.ctx.run_dir / "checkpoint", self.tokenizer)
         t_save = time.perf_counter()
         saves = bool(save_asked or (out.checkpoint_every and self.version % out.checkpoint_every == 0))
-        if saves:
+        if saves:  # sealed, committed once the launcher has recorded the step (below)
             await self.ctx.run_sync(self._save, "sigterm" if save_asked else "periodic")
         save_s = time.perf_counter() - t_save
         t_publish = time.perf_counter()
@@ -327,7 +346,9 @@ class TrainStage:
         if self.with_keys:
             metrics["repeated_samples"] = self.repeated_samples
         if self.rank == 0:
-            self.ctx.report_step(self.version, metrics)
+            self.ctx.report_step(self.version, metrics, record=saves)
+            if saves:
+                await self._commit()
         self._reset()
         if reason is not None:  # every rank sees the same global figures, so every rank stops here
             self.stopped = True

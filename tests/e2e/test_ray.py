@@ -205,3 +205,50 @@ def test_disaggregated_placement_sends_weights_across_nodes(cluster: Any, tmp_pa
     assert max(m["staleness_max"] for m in result.metrics) == 0
     assert _run_leftovers() == []
     assert wait_gone(processes_with_files_under(result.run_dir), 15) == []
+
+
+def test_an_address_that_cannot_be_joined_fails_in_time_and_sigterm_ends_the_join(tmp_path: Path) -> None:
+    """``resources.ray.address`` at a local port nothing listens on (ray.init would retry it
+    without end): the run fails within ``resources.ray.connect_timeout_s`` naming the key and the
+    one-host fix; and a SIGTERM during a long join ends the process at once (a thread blocked in
+    ray.init kept it alive after its 'interrupted' message). Both runs go at once: they only wait."""
+    import socket
+
+    with socket.socket() as s:  # a port from the OS, closed again: nothing listens on it
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env["PYTHONPATH"] = str(REPO)
+
+    def start(name: str, timeout_s: float) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "streamrl.cli", "run", str(DIGITS), "resources.launch=ray",
+             f"resources.ray.address={address}", f"resources.ray.connect_timeout_s={timeout_s}",
+             f"output.run_dir={tmp_path / name}", "output.progress=lines"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+
+    failing, interrupted = start("failing", 5), start("interrupted", 600)
+    try:
+        # the run dir line comes just before the join begins
+        out = ""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "run dir" not in out and interrupted.poll() is None:
+            out += interrupted.stdout.readline()  # type: ignore[union-attr]
+        assert "run dir" in out, out
+        time.sleep(3)  # well inside ray.init
+        t0 = time.monotonic()
+        interrupted.send_signal(signal.SIGTERM)
+        rest, _ = interrupted.communicate(timeout=30)
+        took = time.monotonic() - t0
+        text, _ = failing.communicate(timeout=120)
+    finally:
+        for p in (failing, interrupted):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert interrupted.returncode == 130, out + rest
+    assert took < 10, f"SIGTERM during the join took {took:.1f} s to end the process"
+    assert failing.returncode == 2, text
+    assert "could not join the Ray cluster at resources.ray.address=" in text and address in text, text
+    assert "connect_timeout_s=5 s" in text and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in text, text
+    assert "Traceback" not in text + rest

@@ -22,8 +22,17 @@ from typing import Any
 import pytest
 import yaml
 
+from streamrl.runtime.checkpoints import latest_checkpoint
 from streamrl.runtime.launcher import ResumeError, run
-from tests.runtime.hygiene import descendants, ipc_dirs, leftover_ipc_dirs, run_processes, wait_gone
+from streamrl.runtime.worker import ORPHAN_EXIT_S
+from tests.runtime.hygiene import (
+    descendants,
+    ipc_dirs,
+    leftover_ipc_dirs,
+    run_ipc_dirs,
+    run_processes,
+    wait_gone,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 24, 4
@@ -131,6 +140,50 @@ def test_sigkill_mid_step_then_resume_matches_the_uninterrupted_run(tmp_path: Pa
     assert result["resumed_from"] <= killed_at
     _assert_same(_rows(run_dir), reference)
     assert not leftover_ipc_dirs(before)  # the resumed run removed what the killed one left
+
+
+@pytest.mark.timeout(300)
+def test_a_launcher_killed_alone_leaves_no_step_ahead_of_its_metrics(tmp_path: Path,
+                                                                    reference: list[dict[str, Any]]) -> None:
+    """Only the launcher's process group is SIGKILLed; its workers and dock servers lead their own
+    sessions and outlive it. They stop within a bound and remove its ipc dirs; the trainer commits
+    no checkpoint whose step has no row in metrics.jsonl (a checkpoint every step, so the kill
+    always lands next to one); the resume then has every step's row once, equal to an
+    uninterrupted run."""
+    config = _config(tmp_path)
+    with (tmp_path / "cli.log").open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "run", str(config), "output.checkpoint_every=1"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 120
+        run_dir = None
+        while time.monotonic() < deadline and proc.poll() is None and run_dir is None:
+            found = [d for d in (tmp_path / "runs").glob("resume-*") if _rows_done(6)(d)]
+            run_dir = found[0] if found else None
+            time.sleep(0.01)
+        assert run_dir is not None, (tmp_path / "cli.log").read_text()
+        started = {**descendants(proc.pid), **run_processes(run_dir, proc.pid)}
+        dirs = run_ipc_dirs(run_dir)
+        assert len(started) >= 7 and dirs and all(d.exists() for d in dirs), (started, dirs)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its forkserver: the group it leads
+        proc.wait(timeout=10)
+        left = wait_gone(started, ORPHAN_EXIT_S + 10)
+        assert not left, {p: started[p] for p in left}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    steps = [r["step"] for r in _rows(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < STEPS
+    newest = latest_checkpoint(run_dir)
+    assert newest is not None
+    saved = json.loads((newest / "state.json").read_text())["version"]
+    assert saved <= steps[-1], f"checkpoint {saved} is ahead of the metrics (last row {steps[-1]})"
+    assert not [d for d in dirs if d.exists()], "the orphans did not remove the killed launcher's ipc dirs"
+    result = _resume(run_dir, tmp_path)
+    assert result["resumed_from"] == saved
+    _assert_same(_rows(run_dir), reference)  # every step's row exactly once
 
 
 @pytest.mark.timeout(300)

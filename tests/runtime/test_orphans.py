@@ -56,10 +56,33 @@ def test_a_worker_blocked_in_a_thread_exits_once_the_launcher_is_killed(tmp_path
         for pid in wait_gone(started, 0.5):  # whatever the test left alive, it stops
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        # a SIGKILLed launcher cannot remove its ipc / scratch dirs (a resume of the run dir
-        # would): the test removes them
+        # a SIGKILLed launcher cannot remove its ipc / scratch dirs; its workers do as they stop
+        # (tests/e2e/test_resume.py checks that): whatever is left here, the test removes
         for run_dir in runs.glob("*"):
             for d in run_ipc_dirs(run_dir):
                 shutil.rmtree(d, ignore_errors=True)
     log = next(runs.glob("*/logs/score-0.log")).read_text()
     assert "did not stop within" in log and "exiting" in log
+
+
+def test_start_up_removes_the_private_dirs_of_dead_launchers_only() -> None:
+    """What a run's start-up sweeps (runtime/orphans.py): a private dir whose owner launcher has
+    exited goes; one whose owner runs (here: this process) stays, and so does one without an owner
+    file (made by something else). Only the dirs made here are checked."""
+    import tempfile
+
+    from streamrl.runtime.orphans import make_private_dir, remove_dead_owners
+
+    child = subprocess.run([sys.executable, "-c", "from streamrl.runtime.orphans import make_private_dir; "
+                            "print(make_private_dir('/tmp'))"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    dead = Path(child.stdout.strip())
+    live = Path(make_private_dir("/tmp"))
+    plain = Path(tempfile.mkdtemp(prefix="srl-", dir="/tmp"))
+    try:
+        assert dead.is_dir()
+        assert dead in remove_dead_owners()
+        assert not dead.exists() and live.is_dir() and plain.is_dir()
+    finally:
+        for d in (dead, live, plain):
+            shutil.rmtree(d, ignore_errors=True)
