@@ -110,7 +110,7 @@ class _Conn:
     limit: anyio.Semaphore
     pending: dict[int, asyncio.Future[tuple[Any, list[zmq.Frame]]]] = field(default_factory=dict)
     # each request in flight and its tensor frames, by req_id: resent (marked ``again``) after a link
-    # reset; a server that already had it answers from the reply it kept, never applying it twice (docs §7)
+    # reset; a server that already had it answers from the reply it kept, never applying it twice (docs §5.8)
     sent: dict[int, tuple[Any, Sequence[Any]]] = field(default_factory=dict)
 
 

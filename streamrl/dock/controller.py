@@ -122,7 +122,7 @@ class ControllerServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of workers connect at once at start-up
         # a peer reconnecting after a link reset keeps its (fixed, random) routing id: its new
-        # connection takes the name over, so replies and frees reach it there (docs §7)
+        # connection takes the name over, so replies and frees reach it there (docs §5.8)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         wire.watch_link(self.sock)
         # CURVE (keys given: a run beyond loopback): only the run's client key pair completes a handshake
@@ -352,7 +352,7 @@ class ControllerServer:
                 touched, unknown = st.columns_ready(idx, cols, vers, lens)
                 if unknown:
                     self._send(identity, p.Free(unknown))  # data for dead indices: drop it
-                if msg.req_id is not None:  # now the warehouse may answer the put ok (docs §7)
+                if msg.req_id is not None:  # now the warehouse may answer the put ok (docs §5.8)
                     self._send(identity, p.Ok(msg.req_id))
                 for consumer in touched:
                     self._serve_claims(consumer)
@@ -432,7 +432,7 @@ class ControllerServer:
         if known is not None:
             # the same warehouse (secret, id, block and endpoint) registering again: its link was
             # reset. Over a new connection name (a warehouse without a fixed routing id) it takes
-            # the id over; frees sent meanwhile are recovered by its resync (docs §7).
+            # the id over; frees sent meanwhile are recovered by its resync (docs §5.8).
             self.reregistered += 1
             if known[0] != identity:
                 self.warehouse_ids.pop(known[0], None)

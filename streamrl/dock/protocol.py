@@ -59,7 +59,7 @@ def owner(index: int, n_warehouses: int, block: int = 1) -> int:
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
-    # A request sent again, on the connection that replaced one that reset (docs §7): a server that
+    # A request sent again, on the connection that replaced one that reset (docs §5.8): a server that
     # already had it answers from the reply it kept (or leaves it to its parked original) instead of
     # applying it twice. Only such resends are de-duplicated: a req_id used again without it is new.
     # Keyword-only, so every message's own fields keep their positions.

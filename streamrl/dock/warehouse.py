@@ -8,7 +8,7 @@ pairs became ready, and answers the client ok only once the controller has accep
 (``columns_ready`` is answered): a put that is ok is claimable. A reset of the link to the
 controller loses nothing: the link reconnects under the same routing id, the warehouse
 registers again, resends the readiness messages not yet answered and resyncs the samples it
-holds (the controller frees those it lost the ``free`` of); docs/dock-protocol.md §7.
+holds (the controller frees those it lost the ``free`` of); docs/dock-protocol.md §5.8.
 
 Stored tensors are views of the received zmq frames (codec rule 4): a put costs no copy here,
 and a get of a large value sends that same memory back out without copying (codec rule 1).
@@ -212,17 +212,18 @@ class WarehouseServer:
         self.registered = False
         self._secret = secret
         self._ctl_ids = itertools.count(1)
-        self._hello_id = -1
+        self._hello_ids: set[int] = set()  # req_ids of the hellos not answered yet: any answer counts
+        self._hello_at = 0.0
         self._link_lost = False
         self.readies: dict[int, _PendingReady] = {}  # by columns_ready req_id, oldest first
         self.putting: dict[tuple[bytes, int], int] = {}  # (client, put req_id) -> its pending ready's req_id
         self.answered_puts: OrderedDict[tuple[bytes, int], None] = OrderedDict()
         self._next_resend = 0.0
         self.link = dict.fromkeys(("reconnects", "readies_resent", "puts_resent"), 0)
+        self._warn = wire.SparseLog(log).warning  # a peer's garbage in a loop must not fill the disk
         self._hello()
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
-        self._warn = wire.SparseLog(log).warning  # a peer's garbage in a loop must not fill the disk
 
     def register(self, timeout_s: float) -> None:
         """Wait for the controller to accept this warehouse; :class:`RegistrationError` if it refuses
@@ -230,7 +231,10 @@ class WarehouseServer:
         deadline = time.monotonic() + timeout_s
         while not self.registered:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.ctl.poll(int(left * 1000) + 1):
+            if left > 0 and not self.ctl.poll(int(min(left, 1.0) * 1000) + 1):
+                self._hello()  # asked again each second: a hello lost with a reset link is not waited for
+                continue
+            if left <= 0:
                 raise RegistrationError(f"warehouse {self.store.warehouse_id}: the controller did not answer the "
                                         f"registration within {timeout_s} s (is it running at that endpoint?)")
             self._handle_controller(self.ctl.recv_multipart(flags=zmq.NOBLOCK))
@@ -239,10 +243,13 @@ class WarehouseServer:
         self._stop = True
 
     def _hello(self) -> None:
-        self._hello_id = next(self._ctl_ids)
+        """(Re-)register: the same id, secret, block and endpoint, answered ok or error."""
+        rid = next(self._ctl_ids)
+        self._hello_ids.add(rid)
+        self._hello_at = time.monotonic()
         st = self.store
-        self.ctl.send(p.encoder.encode(p.WarehouseHello(self._hello_id, st.warehouse_id, self.endpoint,
-                                                        p.PROTOCOL_VERSION, self._secret, st.block)))
+        self._to_ctl(p.encoder.encode(p.WarehouseHello(rid, st.warehouse_id, self.endpoint,
+                                                       p.PROTOCOL_VERSION, self._secret, st.block)))
 
     def _on_link_event(self) -> None:
         while True:
@@ -330,7 +337,8 @@ class WarehouseServer:
         match msg:
             case p.Free(indices=idx):
                 self.store.free(idx)
-            case p.Ok(req_id=rid) if rid == self._hello_id:
+            case p.Ok(req_id=rid) if rid in self._hello_ids:
+                self._hello_ids.clear()
                 if self.registered:
                     self._reregistered()
                 self.registered = True
@@ -340,13 +348,14 @@ class WarehouseServer:
                     self._answer_put(ready, p.Ok(ready.put_id))
             case p.ErrorReply(req_id=rid, code=code, message=text):
                 ready = self.readies.get(rid)
-                if rid == self._hello_id:
+                if rid in self._hello_ids:
                     raise RegistrationError(f"the controller refused warehouse {self.store.warehouse_id} "
                                             f"({code}): {text}")
                 if ready is not None and code == "unauthorized":
                     # the controller no longer knows this link as the warehouse: register again,
-                    # whose answer resends this
-                    self._hello()
+                    # whose answer resends this (at most once a second, however many were refused)
+                    if time.monotonic() - self._hello_at > 1.0:
+                        self._hello()
                 elif ready is not None:  # refused for good: the client learns its put failed
                     del self.readies[rid]
                     self._answer_put(ready, p.ErrorReply(ready.put_id, code, f"columns_ready refused: {text}"))

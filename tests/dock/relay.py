@@ -30,12 +30,18 @@ class Relay:
         self._peer: dict[socket.socket, socket.socket] = {}
         self._lock = threading.Lock()
         self._reset_asked = threading.Event()
+        self._paused = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="relay", daemon=True)
         self._thread.start()
 
+    def pause(self) -> None:
+        """Stop carrying bytes (they wait in the kernel's buffers) until the next :meth:`reset`,
+        which drops them: what was sent meanwhile is lost, as in a link that died silently."""
+        self._paused.set()
+
     def reset(self, timeout_s: float = 5.0) -> int:
-        """RST every live connection now; returns how many were cut."""
+        """RST every live connection now (and end a pause); returns how many were cut."""
         with self._lock:
             n = len(self._peer) // 2
             self._reset_asked.set()
@@ -83,7 +89,11 @@ class Relay:
                 with self._lock:
                     self._cut_all()
                     self.resets += 1
+                    self._paused.clear()
                     self._reset_asked.clear()
+            if self._paused.is_set():
+                time.sleep(0.005)
+                continue
             for key, _ in self._sel.select(timeout=0.01):
                 s = key.fileobj
                 assert isinstance(s, socket.socket)

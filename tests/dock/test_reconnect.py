@@ -50,18 +50,33 @@ def _x(indices: list[int]) -> dict[str, list[torch.Tensor]]:
 
 
 def test_a_warehouse_whose_controller_link_resets_is_accepted_again() -> None:
-    """The tester's report: after a reset, puts answered ok but the data never became ready."""
+    """The tester's report: after a reset, puts answered ok but the data never became ready. Here
+    warehouse 0's readiness for a put dies in the link (the relay holds it, then resets): the put is
+    not answered ok until the warehouse, registered again, has resent it and the controller has it."""
 
     async def main(dock: LocalDock, relays: list[Relay]) -> None:
         async with DockClient(dock.controller_endpoint, request_timeout_s=10) as c:
             first = await c.reserve(8)
             await c.put(first, _x(first))
-            assert sum(r.reset() for r in relays) == len(relays)
             second = await c.reserve(8)
-            await c.put(second, _x(second))  # ok only once it is ready: it must then be claimable
-            lease = await c.claim("gen", ["x"], 16, min_n=16, timeout=5)
+            put_done = anyio.Event()
+
+            async def put_second() -> None:
+                await c.put(second, _x(second))
+                put_done.set()
+
+            async with anyio.create_task_group() as tg:
+                relays[0].pause()  # warehouse 0's columns_ready for its half of `second` waits in the link
+                tg.start_soon(put_second)
+                await anyio.sleep(0.5)
+                assert not put_done.is_set(), "a put was answered ok before its columns were ready"
+                assert [await anyio.to_thread.run_sync(r.reset) for r in relays] == [1] * len(relays)
+            lease = await c.claim_nowait("gen", ["x"], 64)  # ok means ready: claimable without waiting
             assert sorted(lease.indices) == sorted(first + second)
             await c.ack(lease)
+            stats = await c.server_statistics()
+            assert stats["warehouses"][0]["reconnects"] == 1 and stats["warehouses"][0]["readies_resent"] >= 1
+            assert stats["controller"]["warehouses_reregistered"] >= 1  # warehouse 1 may still be on its way
 
     with relayed_dock(["gen"], 64, 2) as (dock, relays):
         anyio.run(main, dock, relays)
