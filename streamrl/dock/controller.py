@@ -183,7 +183,7 @@ class ControllerServer:
         """True if ``msg`` is a request this peer sent before (resent after a link reset): answered
         again from the reply kept for it, or left to its parked original, and not applied twice."""
         rid = getattr(msg, "req_id", None)
-        if rid is None or not msg.again:
+        if rid is None:
             return False
         data = self.replies.get(identity + rid.to_bytes(8, "little"))
         if data is None and (identity, rid) not in self.parked_keys:
@@ -249,17 +249,15 @@ class ControllerServer:
             if error is not None:
                 self._error(identity, error.req_id, error.code, error.message)
             return
-        if self._answer_again(identity, msg):
+        if msg.again and self._answer_again(identity, msg):  # one attribute test on the hot path
             return
-        rid = getattr(msg, "req_id", None)
-        rid = -1 if rid is None else rid  # columns_ready's is optional
         try:
             self._dispatch(identity, msg)
         except ProtocolViolation as exc:
-            self._error(identity, rid, exc.code, str(exc))
+            self._error(identity, _req_id(msg), exc.code, str(exc))
         except Exception as exc:  # a bug must not take the controller down for everyone
             log.exception("internal error handling %s", type(msg).__name__)
-            self._error(identity, rid, "internal", f"{type(exc).__name__}: {exc}")
+            self._error(identity, _req_id(msg), "internal", f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ clients
     def _touch(self, client_id: str) -> None:
@@ -547,6 +545,12 @@ class ControllerServer:
             if self.pending_claims.get(consumer):
                 self._serve_claims(consumer)  # frees can complete the end-of-stream condition
         self._serve_reserves()
+
+
+def _req_id(msg: Any) -> int:
+    """The id to answer ``msg``'s error with: -1 for one without (heartbeat, a columns_ready without)."""
+    rid = getattr(msg, "req_id", None)
+    return -1 if rid is None else rid
 
 
 def parse_views(text: str) -> dict[str, ConsumerView]:
