@@ -22,6 +22,7 @@ the error can be answered). :func:`limit_socket` sets the socket-level limit eve
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, TypeVar
 
@@ -115,3 +116,33 @@ def limit_socket(sock: zmq.Socket[Any], max_message_bytes: int) -> None:
     if max_message_bytes < 1:
         raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
+
+# ZMTP heartbeats on every dock/control link (issue 25): a link that died without a TCP reset (a
+# peer's host gone, a half-open connection after a network blip) is dropped after this long without
+# traffic, so the connecting side reconnects (and re-registers) instead of waiting for TCP, which
+# can take hours to notice. The PINGs are answered by libzmq's I/O thread: a busy Python loop on
+# either side never times a link out.
+HEARTBEAT_IVL_MS = 2_000
+HEARTBEAT_TIMEOUT_MS = 10_000
+
+
+def watch_link(sock: zmq.Socket[Any]) -> None:
+    """Send ZMTP heartbeats on ``sock``'s connections and drop one silent for HEARTBEAT_TIMEOUT_MS."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)  # tells the peer to time us out as well
+
+
+def fixed_routing_id(sock: zmq.Socket[Any], prefix: bytes = b"id-") -> bytes:
+    """Give a connecting (DEALER) socket a random routing id that survives its reconnects.
+
+    Without one, a ROUTER names each new connection afresh, so after a link reset the server no
+    longer knows the peer (a warehouse's registration, a worker's control registration) and its
+    replies to the old name are dropped. With one, and ``ZMQ_ROUTER_HANDOVER`` on the server, the
+    reconnected link takes over the name. 16 random bytes: other peers never see it, and one
+    cannot take over a name it cannot guess. ``prefix`` must not be empty (a leading zero byte is
+    reserved by ZeroMQ)."""
+    rid = prefix + os.urandom(16)
+    sock.setsockopt(zmq.ROUTING_ID, rid)
+    return rid

@@ -1,4 +1,4 @@
-"""Conformance checks for any transfer-dock implementation (docs/dock-protocol.md, protocol 2).
+"""Conformance checks for any transfer-dock implementation (docs/dock-protocol.md, protocol 3).
 
     python ops/conformance/dock.py --controller tcp://127.0.0.1:5555 [--consumer NAME --reads a,b]
         [--whole-groups] [--allow-close] [--max-clients N] [--timeout S]
@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import zmq
 
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_ITEMS = 1 << 20
 MAX_DEPTH = 32
 ALIGN = 16

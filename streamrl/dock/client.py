@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from streamrl import wire
 from streamrl.dock import protocol as p
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.errors import (
@@ -106,6 +109,9 @@ class _Conn:
     sock: zmq.asyncio.Socket
     limit: anyio.Semaphore
     pending: dict[int, asyncio.Future[tuple[Any, list[zmq.Frame]]]] = field(default_factory=dict)
+    # each request in flight and its tensor frames, by req_id: resent (marked ``again``) after a link
+    # reset; a server that already had it answers from the reply it kept, never applying it twice (docs §5.8)
+    sent: dict[int, tuple[Any, Sequence[Any]]] = field(default_factory=dict)
 
 
 class DockClient:
@@ -155,7 +161,8 @@ class DockClient:
         # claims this client stopped waiting for (cancelled, timed out): if the controller grants
         # one anyway, the late reply is released at once instead of holding samples until the TTL
         self._abandoned_claims: set[int] = set()
-        self._counters = dict.fromkeys(("requests", "timeouts", "errors", "bytes_sent", "bytes_received"), 0)
+        self._counters = dict.fromkeys(("requests", "timeouts", "errors", "bytes_sent", "bytes_received",
+                                        "reconnects", "resent"), 0)
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> DockClient:
@@ -208,12 +215,39 @@ class DockClient:
         # a server (or impostor) announcing a frame beyond this is disconnected before we allocate it
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         secure_client(sock, self.auth)  # no-op without credentials (a bare dock of a test or benchmark)
+        # the same routing id across reconnects (ROUTER_HANDOVER on the servers): replies to requests
+        # in flight when a link resets still reach this socket over the new connection
+        wire.fixed_routing_id(sock, b"dc-")
+        wire.watch_link(sock)
+        # a unique address: pyzmq's default names it by fd, which a socket closed (lingering) may still hold
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+                                          f"inproc://dock-link-{uuid.uuid4().hex}")
         sock.connect(endpoint)
         conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight))
         self._conns.append(conn)
         assert self._tg is not None
         self._tg.start_soon(self._reader, conn)
+        self._tg.start_soon(self._watch_link, conn, monitor)
         return conn
+
+    async def _watch_link(self, conn: _Conn, monitor: zmq.asyncio.Socket) -> None:
+        """After a link reset, resend every request in flight on it: the request or its reply may
+        have died with the connection, and the server answers one it already had from its kept reply."""
+        lost = False
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    lost = True
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and lost:
+                    lost = False
+                    self._counters["reconnects"] += 1
+                    for msg, frames in list(conn.sent.values()):
+                        self._counters["resent"] += 1
+                        again = msgspec.structs.replace(msg, again=True)
+                        await conn.sock.send_multipart([p.encoder.encode(again), *frames], copy=False)
+        finally:
+            monitor.close(linger=0)
 
     async def _reader(self, conn: _Conn) -> None:
         while True:
@@ -227,7 +261,10 @@ class DockClient:
             if fut is not None and not fut.done():
                 fut.set_result((msg, frames[1:]))
                 continue
-            # nobody waits for this reply any more (the request timed out or was cancelled)
+            # nobody waits for this reply any more: the request timed out or was cancelled, or this
+            # is the second answer to a request resent after a link reset (its lease is in use)
+            if msg.req_id not in self._abandoned_claims:
+                continue
             self._abandoned_claims.discard(msg.req_id)
             if isinstance(msg, p.Claimed) and msg.samples:
                 # granted after its requester gave up: give the samples back now, not at the TTL
@@ -252,6 +289,7 @@ class DockClient:
         rid = msg.req_id
         async with conn.limit:
             conn.pending[rid] = fut
+            conn.sent[rid] = (msg, frames)
             self._counters["requests"] += 1
             try:
                 with anyio.fail_after(timeout):
@@ -278,6 +316,7 @@ class DockClient:
                 ) from None
             finally:
                 conn.pending.pop(rid, None)
+                conn.sent.pop(rid, None)
         if isinstance(reply, p.ErrorReply):
             self._counters["errors"] += 1
             if reply.code == "full":

@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +69,10 @@ class _PendingReserve:
 
 
 DEFAULT_TTL_S = 10.0  # lease TTL of a client that never sent hello
+# Replies kept for resent requests: enough for every reply of the last seconds at full rate (a link
+# reset is noticed, and the requests resent, within a reconnect interval of ~0.1 s).
+REPLIES_KEPT_BYTES = 64 << 20
+REPLY_OVERHEAD = 120  # bytes a kept reply costs beyond its encoding (key tuple, dict slot), for the bound
 # Idle clients are forgotten only when the client limit is reached, at most this often (a scan is
 # O(clients): a flood of new ids must not make every message pay for one). Not periodically:
 # a forgotten client loses the TTL its hello set, so a worker that was idle for a while would
@@ -131,6 +135,10 @@ class ControllerServer:
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of workers connect at once at start-up
         # a launched run: only the run's roles complete a handshake (streamrl.security)
         self.zap: RoleAuthenticator | None = secure_server(self.sock, auth)
+        # a peer reconnecting after a link reset keeps its (fixed, random) routing id: its new
+        # connection takes the name over, so replies and frees reach it there (docs §5.8)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        wire.watch_link(self.sock)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.warehouses: dict[int, tuple[bytes, str]] = {}  # warehouse id -> (routing id, endpoint)
@@ -144,6 +152,16 @@ class ControllerServer:
         self.client_ttl: dict[str, float] = {}
         self.client_seen: dict[str, float] = {}
         self.refused = dict.fromkeys(("warehouse_hello", "columns_ready", "clients", "forbidden"), 0)
+        self.reregistered = 0  # warehouse_hellos for a warehouse id already registered (reconnects)
+        # Replies by (routing id, req_id), newest last, bounded in bytes: a request a client resends
+        # after a link reset (its reply, or the request itself, may have died with the link) is
+        # answered from here instead of being applied twice (a second lease, a second reserve).
+        # Keyed by routing id + req_id as one bytes object: bytes are not tracked by the garbage
+        # collector, where ~10^5 kept tuple keys made every full collection slower.
+        self.replies: OrderedDict[bytes, bytes] = OrderedDict()
+        self.replies_bytes = 0
+        self.parked_keys: set[tuple[bytes, int]] = set()  # (routing id, req_id) of parked requests
+        self.resent = 0  # requests answered from self.replies (or already parked): resends after resets
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
         self._next_expiry_scan = 0.0
@@ -152,10 +170,43 @@ class ControllerServer:
 
     # ------------------------------------------------------------------ replies
     def _send(self, identity: bytes, msg: msgspec.Struct) -> None:
+        data = p.encoder.encode(msg)
+        rid = getattr(msg, "req_id", -1)
+        # kept even when the send fails below: the resend after the reconnect gets it. Only for a
+        # peer with a fixed routing id: an id libzmq made up (it starts with a zero byte) changes
+        # with every connection, so no resend could ever ask for that reply.
+        if rid >= 0 and identity[:1] != b"\0":
+            self._remember(identity, rid, data)
         try:
-            self.sock.send_multipart([identity, p.encoder.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out and retry
+            self.sock.send_multipart([identity, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will resend (or time out and retry)
             self._warn("reply", "dropping reply %s to %r: %s", type(msg).__name__, identity, exc)
+
+    def _remember(self, identity: bytes, rid: int, data: bytes) -> None:
+        key = identity + rid.to_bytes(8, "little")
+        old = self.replies.pop(key, None)
+        self.replies[key] = data
+        self.replies_bytes += len(data) + REPLY_OVERHEAD - (len(old) + REPLY_OVERHEAD if old is not None else 0)
+        while self.replies_bytes > REPLIES_KEPT_BYTES and len(self.replies) > 1:
+            _, dropped = self.replies.popitem(last=False)
+            self.replies_bytes -= len(dropped) + REPLY_OVERHEAD
+
+    def _answer_again(self, identity: bytes, msg: Any) -> bool:
+        """True if ``msg`` is a request this peer sent before (resent after a link reset): answered
+        again from the reply kept for it, or left to its parked original, and not applied twice."""
+        rid = getattr(msg, "req_id", None)
+        if rid is None:
+            return False
+        data = self.replies.get(identity + rid.to_bytes(8, "little"))
+        if data is None and (identity, rid) not in self.parked_keys:
+            return False
+        self.resent += 1
+        if data is not None:
+            try:
+                self.sock.send_multipart([identity, data], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self._warn("reply", "dropping a resent reply to %r: %s", identity, exc)
+        return True
 
     def _error(self, identity: bytes, req_id: int, code: str, message: str) -> None:
         self.state.counters["errors"] += 1
@@ -216,6 +267,8 @@ class ControllerServer:
             if error is not None:
                 self._error(identity, error.req_id, error.code, error.message)
             return
+        if msg.again and self._answer_again(identity, msg):  # one attribute test on the hot path
+            return
         try:
             self._authorize(msg, role)
             self._dispatch(identity, msg, role)
@@ -223,10 +276,10 @@ class ControllerServer:
             if isinstance(exc, AccessDenied):
                 self.refused["forbidden"] += 1
                 self._warn("forbidden", "refused %s from role %r: %s", type(msg).__name__, role, exc)
-            self._error(identity, getattr(msg, "req_id", -1), exc.code, str(exc))
+            self._error(identity, _req_id(msg), exc.code, str(exc))
         except Exception as exc:  # a bug must not take the controller down for everyone
             log.exception("internal error handling %s", type(msg).__name__)
-            self._error(identity, getattr(msg, "req_id", -1), "internal", f"{type(exc).__name__}: {exc}")
+            self._error(identity, _req_id(msg), "internal", f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ clients
     def _touch(self, client_id: str, role: str | None = None) -> None:
@@ -309,11 +362,13 @@ class ControllerServer:
                 "busy", f"the controller already holds {parked} claims/reserves open, its limit (resources.dock."
                 "max_parked, controller flag --max-parked): retry later with a shorter timeout_s, or raise it")
         heapq.heappush(self.deadlines, (item.deadline, next(self.seq), item))
+        self.parked_keys.add((item.identity, item.req.req_id))
 
     def _answered(self, item: _PendingClaim | _PendingReserve) -> None:
         """``item`` was answered before its deadline: its heap entry is stale. Rebuild the heap once
         stale entries dominate, so answered long-polls do not pile up until their deadlines."""
         item.deadline = -1.0
+        self.parked_keys.discard((item.identity, item.req.req_id))
         self.stale_deadlines += 1
         if self.stale_deadlines > 1024 and 2 * self.stale_deadlines > len(self.deadlines):
             self.deadlines = [e for e in self.deadlines if e[2].deadline >= 0]
@@ -369,12 +424,14 @@ class ControllerServer:
                 if (vers is not None and len(vers) != n) or (lens is not None and len(lens) != n):
                     raise ProtocolViolation("bad_field", f"columns_ready: versions/lengths need {n} entries")
                 writer = msg.writer
-                if writer is None and self.read_roles:
+                if writer is None and self.read_roles and cols:  # a resync (no columns) marks nothing
                     raise AccessDenied("forbidden", "columns_ready without a writer on an authenticated dock: "
                                        "the warehouse names the role of the put's client")
                 touched, unknown = st.columns_ready(idx, cols, vers, lens, writer)
                 if unknown:
                     self._send(identity, p.Free(unknown))  # data for dead indices: drop it
+                if msg.req_id is not None:  # now the warehouse may answer the put ok (docs §5.8)
+                    self._send(identity, p.Ok(msg.req_id))
                 for consumer in touched:
                     self._serve_claims(consumer)
             case p.Reserve():
@@ -422,6 +479,8 @@ class ControllerServer:
                     stats["clients_per_role"] = {r: n for r, n in self.role_clients.items() if n}
                 stats["refused"] = dict(self.refused)
                 stats["warehouses_registered"] = len(self.warehouses)
+                stats["warehouses_reregistered"] = self.reregistered
+                stats["requests_resent"] = self.resent
                 if self.zap is not None:  # handshakes this process's ZAP handler admitted / refused
                     stats["auth"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
                 self._send(identity, p.Stats(rid, stats))
@@ -444,13 +503,21 @@ class ControllerServer:
                                     "dock was started with that many warehouses")
         known = self.warehouses.get(wid)
         other = self.warehouse_ids.get(identity)
-        if (known is not None and known[0] != identity) or (other is not None and other != wid):
+        if (known is not None and known[0] != identity and known[1] != msg.endpoint) or (
+                other is not None and other != wid):
             self.refused["warehouse_hello"] += 1
             raise ProtocolViolation(
                 "already_registered",
-                f"warehouse {wid} is already registered from another connection (or this connection is warehouse "
-                f"{other}): a warehouse id is taken once per run",
+                f"warehouse {wid} is already registered from another connection at another endpoint (or this "
+                f"connection is warehouse {other}): a warehouse id is taken once per run",
             )
+        if known is not None:
+            # the same warehouse (secret, id, block and endpoint) registering again: its link was
+            # reset. Over a new connection name (a warehouse without a fixed routing id) it takes
+            # the id over; frees sent meanwhile are recovered by its resync (docs §5.8).
+            self.reregistered += 1
+            if known[0] != identity:
+                self.warehouse_ids.pop(known[0], None)
         self.warehouses[wid] = (identity, msg.endpoint)
         self.warehouse_ids[identity] = wid
         self._send(identity, p.Ok(msg.req_id))
@@ -516,6 +583,7 @@ class ControllerServer:
             if item.deadline < 0:
                 self.stale_deadlines = max(0, self.stale_deadlines - 1)
                 continue
+            self.parked_keys.discard((item.identity, item.req.req_id))
             if isinstance(item, _PendingClaim):
                 cid = self.state.consumer_ids[item.req.consumer]
                 waiting = self.pending_claims.get(cid, [])
@@ -562,6 +630,12 @@ class ControllerServer:
             if self.pending_claims.get(consumer):
                 self._serve_claims(consumer)  # frees can complete the end-of-stream condition
         self._serve_reserves()
+
+
+def _req_id(msg: Any) -> int:
+    """The id to answer ``msg``'s error with: -1 for one without (heartbeat, a columns_ready without)."""
+    rid = getattr(msg, "req_id", None)
+    return -1 if rid is None else rid
 
 
 def parse_views(text: str) -> dict[str, ConsumerView]:

@@ -24,7 +24,8 @@ from msgspec import Meta
 from streamrl import wire
 
 # 2: warehouse_hello carries req_id + secret and is answered; every field has a documented bound
-PROTOCOL_VERSION = 2
+# 3: columns_ready carries req_id and is answered (a put is ok only once its columns are ready)
+PROTOCOL_VERSION = 3
 
 # ---------------------------------------------------------------- bounds (docs/dock-protocol.md §4.0)
 INT63 = (1 << 63) - 1  # ids, indices, versions, lengths, offsets: non-negative int64, so any language's int64 fits
@@ -57,8 +58,12 @@ def owner(index: int, n_warehouses: int, block: int = 1) -> int:
     return (index // block) % n_warehouses if block > 1 else index % n_warehouses
 
 
-class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
-    pass
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    # A request sent again, on the connection that replaced one that reset (docs §5.8): a server that
+    # already had it answers from the reply it kept (or leaves it to its parked original) instead of
+    # applying it twice. Only such resends are de-duplicated: a req_id used again without it is new.
+    # Keyword-only, so every message's own fields keep their positions.
+    again: bool = False
 
 
 # ---------------------------------------------------------------- column payloads (in headers)
@@ -160,12 +165,15 @@ class Release(_Msg, tag="release"):
 class ColumnsReady(_Msg, tag="columns_ready"):
     warehouse_id: WarehouseId
     indices: Ids
-    columns: Names
+    columns: Names  # empty: a resync after re-registration (the controller frees the dead indices)
     versions: Ids | None = None
     lengths: Ids | None = None
     # the ZAP role of the client whose put stored these columns (authenticated docks, docs §6.2):
     # the controller accepts them only from the stage that owns each column
     writer: Name | None = None
+    # answered ok (or error) when set: the warehouse answers the put that stored these columns only
+    # then, and resends it after a link reset until answered (columns_ready is idempotent)
+    req_id: Id | None = None
 
 
 class CloseInput(_Msg, tag="close_input"):

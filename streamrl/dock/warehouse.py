@@ -4,9 +4,11 @@ Warehouse ``w`` of ``W`` owns sample index ``k`` iff ``(k // block) % W == w`` (
 default: ``k % W``, see docs/dock-protocol.md §5.1); clients compute that
 themselves and talk to warehouses directly, in parallel, so tensors never pass through the
 controller. After storing a put, the warehouse tells the controller which (sample, column)
-pairs became ready, then answers the client. Nothing relies on the readiness message reaching
-the controller before the producer's next message (they travel on different connections):
-a consumer's claim simply waits until the readiness arrives.
+pairs became ready, and answers the client ok only once the controller has accepted that
+(``columns_ready`` is answered): a put that is ok is claimable. A reset of the link to the
+controller loses nothing: the link reconnects under the same routing id, the warehouse
+registers again, resends the readiness messages not yet answered and resyncs the samples it
+holds (the controller frees those it lost the ``free`` of); docs/dock-protocol.md §5.8.
 
 Stored tensors are views of the received zmq frames (codec rule 4): a put costs no copy here,
 and a get of a large value sends that same memory back out without copying (codec rule 1).
@@ -15,16 +17,20 @@ and a get of a large value sends that same memory back out without copying (code
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import signal
 import sys
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from streamrl import wire
 from streamrl.dock import protocol as p
@@ -151,6 +157,22 @@ class RegistrationError(RuntimeError):
     """The controller refused (or never answered) this warehouse's registration."""
 
 
+# A columns_ready not answered after this long is sent again. Only a link reset loses one, and the
+# reconnect resends at once; this is the backstop for a reset the monitor did not report.
+READY_RESEND_S = 2.0
+ANSWERED_PUTS_KEPT = 1 << 16  # (client, req_id) of puts answered ok: a resent put is answered ok again
+
+
+@dataclass(eq=False)
+class _PendingReady:
+    """A put stored here whose columns_ready the controller has not answered yet."""
+
+    data: bytes  # the encoded columns_ready
+    client: bytes  # routing id of the client that put, and its put's req_id: answered on the ok
+    put_id: int
+    sent_at: float
+
+
 class WarehouseServer:
     def __init__(
         self,
@@ -184,19 +206,38 @@ class WarehouseServer:
         self.sock.setsockopt(zmq.BACKLOG, 1024)  # hundreds of clients connect at once at start-up
         # a launched run: only the run's roles read or write here (streamrl.security)
         self.zap: RoleAuthenticator | None = secure_server(self.sock, auth)
+        # a client reconnecting after a link reset keeps its routing id: the new link takes it over
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        wire.watch_link(self.sock)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.setsockopt(zmq.MAXMSGSIZE, self.limits.max_header_bytes)  # the controller sends headers only
         secure_client(self.ctl, dock_auth)  # to the controller as role `dock`
+        # the same routing id on every reconnect: the controller keeps knowing this link as the
+        # registered warehouse (ROUTER_HANDOVER there), and its frees reach the new connection
+        wire.fixed_routing_id(self.ctl, b"wh-")
+        wire.watch_link(self.ctl)
+        # connects and disconnects of the controller link: a reconnect is followed by a new hello
+        self.ctl_monitor = self.ctl.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+                                                       f"inproc://warehouse-link-{os.urandom(8).hex()}")
         self.ctl.connect(controller)
         self.registered = False
-        self.ctl.send(p.encoder.encode(
-            p.WarehouseHello(0, warehouse_id, self.endpoint, p.PROTOCOL_VERSION, secret, block)))
+        self._secret = secret
+        self._ctl_ids = itertools.count(1)
+        self._hello_ids: set[int] = set()  # req_ids of the hellos not answered yet: any answer counts
+        self._hello_at = 0.0
+        self._link_lost = False
+        self.readies: dict[int, _PendingReady] = {}  # by columns_ready req_id, oldest first
+        self.putting: dict[tuple[bytes, int], int] = {}  # (client, put req_id) -> its pending ready's req_id
+        self.answered_puts: OrderedDict[tuple[bytes, int], None] = OrderedDict()
+        self._next_resend = 0.0
+        self.link = dict.fromkeys(("reconnects", "readies_resent", "puts_resent"), 0)
+        self._warn = wire.SparseLog(log).warning  # a peer's garbage in a loop must not fill the disk
+        self._hello()
         self._stop = False
         self.parent = ParentWatch()  # set .pid to stop once the launcher is gone (no orphans)
-        self._warn = wire.SparseLog(log).warning  # a peer's garbage in a loop must not fill the disk
 
     def register(self, timeout_s: float) -> None:
         """Wait for the controller to accept this warehouse; :class:`RegistrationError` if it refuses
@@ -204,7 +245,10 @@ class WarehouseServer:
         deadline = time.monotonic() + timeout_s
         while not self.registered:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.ctl.poll(int(left * 1000) + 1):
+            if left > 0 and not self.ctl.poll(int(min(left, 1.0) * 1000) + 1):
+                self._hello()  # asked again each second: a hello lost with a reset link is not waited for
+                continue
+            if left <= 0:
                 raise RegistrationError(f"warehouse {self.store.warehouse_id}: the controller did not answer the "
                                         f"registration within {timeout_s} s (is it running at that endpoint?)")
             self._handle_controller(self.ctl.recv_multipart(flags=zmq.NOBLOCK))
@@ -212,14 +256,69 @@ class WarehouseServer:
     def stop(self) -> None:
         self._stop = True
 
+    def _hello(self) -> None:
+        """(Re-)register: the same id, secret, block and endpoint, answered ok or error."""
+        rid = next(self._ctl_ids)
+        self._hello_ids.add(rid)
+        self._hello_at = time.monotonic()
+        st = self.store
+        self._to_ctl(p.encoder.encode(p.WarehouseHello(rid, st.warehouse_id, self.endpoint,
+                                                       p.PROTOCOL_VERSION, self._secret, st.block)))
+
+    def _on_link_event(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.ctl_monitor, flags=zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._link_lost = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._link_lost:
+                self._link_lost = False
+                self.link["reconnects"] += 1
+                log.warning("warehouse %d: the link to the controller was reset; registering again",
+                            self.store.warehouse_id)
+                self._hello()  # the answer resends what the reset may have lost
+
+    def _reregistered(self) -> None:
+        """Accepted again after a link reset: resend every readiness message not yet answered (the
+        reset may have lost it or its answer), and list the samples held here in a resync (an empty
+        columns_ready) so the controller frees those whose free the reset lost."""
+        self._resend_readies(0.0)
+        held = sorted(self.store.rows)
+        for k in range(0, len(held), p.MAX_ITEMS):
+            self._to_ctl(p.encoder.encode(p.ColumnsReady(self.store.warehouse_id, held[k:k + p.MAX_ITEMS], [])))
+
+    def _resend_readies(self, older_than_s: float) -> None:
+        now = time.monotonic()
+        for ready in self.readies.values():
+            if now - ready.sent_at >= older_than_s:
+                ready.sent_at = now
+                self.link["readies_resent"] += 1
+                self._to_ctl(ready.data)
+
+    def _to_ctl(self, data: bytes) -> None:
+        """Never blocks the loop: with the link down long enough to fill the queue, a readiness
+        message is dropped here and resent by the timer (it stays in self.readies)."""
+        try:
+            self.ctl.send(data, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._warn("ctl_full", "the queue to the controller is full (link down?): resending later")
+
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self.ctl_monitor, zmq.POLLIN)
         while not self._stop:
             if self.parent.gone():
                 break
             events = dict(poller.poll(100))
+            if self.ctl_monitor in events:
+                self._on_link_event()
+            if self.readies and time.monotonic() >= self._next_resend:
+                self._next_resend = time.monotonic() + READY_RESEND_S / 4
+                self._resend_readies(READY_RESEND_S)
             if self.ctl in events:
                 while True:
                     try:
@@ -240,6 +339,8 @@ class WarehouseServer:
                         break
                     self.handle(frames)
         self.sock.close(linger=0)
+        self.ctl.disable_monitor()
+        self.ctl_monitor.close(linger=0)
         self.ctl.close(linger=0)
 
     def _handle_controller(self, frames: list[bytes]) -> None:
@@ -250,15 +351,41 @@ class WarehouseServer:
         match msg:
             case p.Free(indices=idx):
                 self.store.free(idx)
-            case p.Ok():
+            case p.Ok(req_id=rid) if rid in self._hello_ids:
+                self._hello_ids.clear()
+                if self.registered:
+                    self._reregistered()
                 self.registered = True
-            case p.ErrorReply(code=code, message=text):
-                if not self.registered:
+            case p.Ok(req_id=rid):
+                ready = self.readies.pop(rid, None)
+                if ready is not None:  # ready at the controller: now the put is ok
+                    self._answer_put(ready, p.Ok(ready.put_id))
+            case p.ErrorReply(req_id=rid, code=code, message=text):
+                ready = self.readies.get(rid)
+                if rid in self._hello_ids:
                     raise RegistrationError(f"the controller refused warehouse {self.store.warehouse_id} "
                                             f"({code}): {text}")
-                log.warning("error from the controller (%s): %s", code, text)
+                if ready is not None and code == "unauthorized":
+                    # the controller no longer knows this link as the warehouse: register again,
+                    # whose answer resends this (at most once a second, however many were refused)
+                    if time.monotonic() - self._hello_at > 1.0:
+                        self._hello()
+                elif ready is not None:  # refused for good: the client learns its put failed
+                    del self.readies[rid]
+                    self._answer_put(ready, p.ErrorReply(ready.put_id, code, f"columns_ready refused: {text}"))
+                else:
+                    log.warning("error from the controller (%s): %s", code, text)
             case None:
                 log.warning("undecodable message from the controller dropped")
+
+    def _answer_put(self, ready: _PendingReady, reply: p.Ok | p.ErrorReply) -> None:
+        key = (ready.client, ready.put_id)
+        self.putting.pop(key, None)
+        if type(reply) is p.Ok:
+            self.answered_puts[key] = None
+            if len(self.answered_puts) > ANSWERED_PUTS_KEPT:
+                self.answered_puts.popitem(last=False)
+        self._reply(ready.client, reply)
 
     def _reply(self, identity: bytes, msg: msgspec.Struct, frames: list[Any] | None = None) -> None:
         try:
@@ -326,6 +453,11 @@ class WarehouseServer:
                   role: str | None = None) -> None:
         st = self.store
         match msg:
+            case p.Put(req_id=rid, again=True) if (identity, rid) in self.putting or (identity, rid) in self.answered_puts:
+                # the client resent this put after a link reset: stored already, never twice
+                self.link["puts_resent"] += 1
+                if (identity, rid) in self.answered_puts:
+                    self._reply(identity, p.Ok(rid))  # else: answered once its columns_ready is
             case p.Put(req_id=rid, indices=idx, columns=cols, versions=vers, lengths=lens):
                 n = len(idx)
                 if (vers is not None and len(vers) != n) or (lens is not None and len(lens) != n):
@@ -338,10 +470,14 @@ class WarehouseServer:
                 st.put(idx, values, frames)
                 st.counters["puts"] += 1
                 st.counters["bytes_in"] += sum(nbytes for nbytes, _ in frames)
-                # the writer's role goes along: the controller checks the column owners too
-                ready = p.ColumnsReady(st.warehouse_id, idx, [c.name for c in cols], vers, lens, role)
-                self.ctl.send(p.encoder.encode(ready))
-                self._reply(identity, p.Ok(rid))
+                # ok only once the controller has the readiness: a put answered ok is claimable. The
+                # writer's role goes along: the controller checks the column owners too
+                ready_id = next(self._ctl_ids)
+                data = p.encoder.encode(p.ColumnsReady(st.warehouse_id, idx, [c.name for c in cols], vers, lens,
+                                                       writer=role, req_id=ready_id))
+                self.readies[ready_id] = _PendingReady(data, identity, rid, time.monotonic())
+                self.putting[(identity, rid)] = ready_id
+                self._to_ctl(data)
             case p.Get(req_id=rid, indices=idx, columns=names):
                 if data:
                     raise WireFormatError("a get carries no tensor frames")
@@ -351,7 +487,7 @@ class WarehouseServer:
                 st.counters["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
                 self._reply(identity, p.Fetched(rid, idx, cols), frames)
             case p.StatsRequest(req_id=rid):
-                stats = st.statistics()
+                stats = {**st.statistics(), **self.link, "readies_pending": len(self.readies)}
                 if self.zap is not None:  # handshakes this process's ZAP handler admitted / refused
                     stats["auth"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
                 self._reply(identity, p.Stats(rid, stats))

@@ -158,6 +158,11 @@ class ControlClient:
         self.sock.setsockopt(zmq.LINGER, 2000)  # let the final Failed/Finished reach the launcher
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)  # commands are tiny; the limit keeps it so
         secure_client(self.sock, auth)  # the worker's role (streamrl.security), before the token is even read
+        # the launcher knows this worker by its socket's routing id (registered by Starting): a fixed
+        # one, taken over by the reconnected link (ROUTER_HANDOVER there), keeps it registered
+        # through a link reset, so its events are still taken and a Stop still reaches it
+        wire.fixed_routing_id(self.sock, b"wk-")
+        wire.watch_link(self.sock)
         self.sock.connect(endpoint)
         self.stop_reason: str | None = None
         self.save_reason: str | None = None  # a Save arrived: checkpoint after this step, then stop
@@ -293,6 +298,8 @@ class ControlServer:
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)
         # only the run's roles complete a handshake (the token is checked too, inside it)
         self.allow_list = secure_server(self.sock, auth)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's reconnected link takes its name over
+        wire.watch_link(self.sock)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.token = token
