@@ -274,8 +274,7 @@ class ThreadDock:
                 try:
                     wh.register(self.start_timeout_s)
                 except BaseException:
-                    wh.sock.close(linger=0)
-                    wh.ctl.close(linger=0)
+                    wh.close()
                     raise
                 self.warehouse_endpoints.append(wh.endpoint)
                 self._run(wh)

@@ -338,6 +338,11 @@ class WarehouseServer:
                     except zmq.Again:
                         break
                     self.handle(frames)
+        self.close()
+
+    def close(self) -> None:
+        """Close every socket (``serve_forever`` does on its way out; a server that never served,
+        e.g. one whose registration failed, is closed by its owner) so its context can terminate."""
         self.sock.close(linger=0)
         self.ctl.disable_monitor()
         self.ctl_monitor.close(linger=0)

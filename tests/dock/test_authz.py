@@ -101,8 +101,7 @@ def run(request: pytest.FixtureRequest) -> Iterator[Run]:
         for t in threads:
             t.join(timeout=5)
         if len(threads) == 1:
-            wh.sock.close(0)
-            wh.ctl.close(0)
+            wh.close()
         for peer in r.peers:
             peer.sock.close(0)
         release_context(ctx)

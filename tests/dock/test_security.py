@@ -145,8 +145,7 @@ def test_strangers_get_no_answer_and_the_dock_keeps_serving(dock: LocalDock, cre
                 with pytest.raises(RegistrationError, match="did not answer"):
                     wh_srv.register(1.0)
             finally:
-                wh_srv.sock.close(linger=0)
-                wh_srv.ctl.close(linger=0)
+                wh_srv.close()
                 security.release_context(own_ctx)
                 own_ctx.term()
     finally:
