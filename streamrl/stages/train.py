@@ -157,10 +157,10 @@ class TrainStage:
         if self.R > 1:
             dist.barrier(group=self.train_group)
 
-    def _save(self, reason: str) -> RunState | None:
+    def _save(self, reason: str) -> None:
         """A resumable checkpoint of this version, sealed under its ``.partial`` name (collective
-        among the train ranks; between steps). Rank 0 gets the state, to commit the checkpoint once
-        the launcher has recorded the step (:meth:`_commit`); the others None."""
+        among the train ranks; between steps). Rank 0 commits it once the launcher has recorded
+        the step (:meth:`_commit`)."""
         cfg = self.ctx.config
         run_dir = self.ctx.run_dir
         if self.rank == 0:
@@ -171,13 +171,12 @@ class TrainStage:
         save_checkpoint(self.engine, partial / "train", self.train_group)
         self._train_barrier()  # every rank's shards are written
         if self.rank != 0:
-            return None
+            return
         state = RunState(version=self.version, batch_size=cfg.batch_size, group_size=cfg.algo.group_size,
                          trained_below=self.trained.below, trained_extra=self.trained.sorted_extra(),
                          lr_schedule=self.lr_schedule.state_dict(), train_ranks=self.R, saved_at=time.time(),
                          reason=reason)
         seal(run_dir, self.version, state)
-        return state
 
     async def _commit(self) -> None:
         """Rank 0, after reporting the step with ``record``: rename the sealed checkpoint into
