@@ -55,9 +55,46 @@ LAST_REPLIES_READ_S = 0.25  # connections stay up this long after a drain's last
 #: Default ZMQ_MAXMSGSIZE: a frame declaring more is refused by ZeroMQ before anything is allocated
 #: and its connection closed (spec §9). 64 samples of 100k-token responses with text fit easily.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
+#: Default per-request sample limit (docs/reward-protocol.md §9). Decoding costs ~3 µs a sample and
+#: holds the loop (and the GIL), so without it one 256 MiB request of 3·10^6 tiny samples froze the
+#: server for 12.7 s and its clients dropped it as dead (10 s heartbeat timeout). 16384 samples
+#: decode in ~50 ms; streamrl's client sends 64 a request.
+DEFAULT_MAX_REQUEST_SAMPLES = 16384
 #: Frames kept of one incoming message: [routing id, b"", payload] from a REQ peer is the most a
-#: valid message has; the rest of a message with more is read and dropped (see receive_capped).
+#: valid message has; the rest of a message with more is dropped (see receive_capped).
 _MAX_FRAMES = 3
+
+
+class _SampleCount(msgspec.Struct):
+    """What is read of a score request before it is decoded: msgspec skips the samples in C as a
+    Raw span (~25 ms per 10^6 samples, nothing allocated), so the count is known before any cost."""
+
+    request_id: Any = None
+    samples: msgspec.Raw = msgspec.Raw(b"")
+
+
+_count_decoder = msgspec.msgpack.Decoder(_SampleCount)
+
+
+def declared_samples(payload: bytes) -> tuple[int, Any] | None:
+    """(number of samples, raw request_id) that a score request declares, read from the msgpack
+    array header of ``samples`` without building them; None if that cannot be read (the full
+    decode then reports what is wrong)."""
+    try:
+        peek = _count_decoder.decode(payload)
+    except wire.DECODE_ERRORS:
+        return None
+    raw = bytes(memoryview(peek.samples)[:5])
+    if not raw:
+        return None
+    head = raw[0]
+    if 0x90 <= head <= 0x9F:  # fixarray
+        return head & 0x0F, peek.request_id
+    if head == 0xDC and len(raw) >= 3:  # array 16
+        return int.from_bytes(raw[1:3], "big"), peek.request_id
+    if head == 0xDD and len(raw) >= 5:  # array 32
+        return int.from_bytes(raw[1:5], "big"), peek.request_id
+    return None
 
 
 class RewardServerStatistics(msgspec.Struct, frozen=True):
@@ -96,6 +133,7 @@ class RewardServer:
         curve_secret_key: str | Path | None = None,
         curve_allowed_keys: Iterable[bytes] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_request_samples: int = DEFAULT_MAX_REQUEST_SAMPLES,
         context: zmq.Context | None = None,
     ) -> None:
         if isinstance(function, str):
@@ -112,6 +150,8 @@ class RewardServer:
             raise RewardConfigError(
                 f"max_message_bytes={max_message_bytes}; too small for any score request, use >= 1024"
             )
+        if max_request_samples < 1:
+            raise RewardConfigError(f"max_request_samples={max_request_samples}; must be >= 1")
         if curve_allowed_keys is not None and curve_secret_key is None:
             raise RewardConfigError("a CURVE allow-list needs the server's own key: pass curve_secret_key")
         self.function = function
@@ -123,6 +163,7 @@ class RewardServer:
         self._curve_secret_key = curve_secret_key
         self._curve_allowed_keys = curve_allowed_keys
         self._max_message_bytes = max_message_bytes
+        self.max_request_samples = max_request_samples
         self._context = context or zmq.Context.instance()
         self._socket: AsyncSocket | None = None
         self._allow_list: CurveAllowList | None = None
@@ -292,6 +333,20 @@ class RewardServer:
         else:
             self._bad_request(frames[:1], f"expected one msgpack frame per message, got {count - 1}")
             return
+        # Count the samples before decoding them: the decode of a huge batch would hold this loop
+        # (and with it every ping) for seconds; see DEFAULT_MAX_REQUEST_SAMPLES.
+        if len(payload) > self.max_request_samples and (declared := declared_samples(payload)) is not None:
+            count, raw_id = declared
+            if count > self.max_request_samples:
+                ok_id = isinstance(raw_id, int) and not isinstance(raw_id, bool) and 0 <= raw_id <= wire.INT63
+                request_id = raw_id if ok_id else None
+                self._bad_request(
+                    envelope,
+                    f"request has {count} samples; this server takes at most {self.max_request_samples} "
+                    "per request (max_request_samples): split the batch",
+                    request_id,
+                )
+                return
         try:
             message = decode_client_message(payload)
         except ProtocolError as exc:
