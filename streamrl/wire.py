@@ -115,3 +115,31 @@ def limit_socket(sock: zmq.Socket[Any], max_message_bytes: int) -> None:
     if max_message_bytes < 1:
         raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; return the soft limit now.
+
+    Every connection a server holds is a file descriptor. At the common soft default of 1024, a
+    peer holding ~1000 connections open left libzmq's listener unable to accept (EMFILE): new
+    clients waited in the kernel's backlog until the held ones went away (issue 25). The hard limit
+    is the administrator's bound; the soft one is only a default, and a server should use what it
+    is allowed. Safe to call more than once; never raises.
+    """
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to raise
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        return soft
+    # An infinite hard limit is not a valid soft one everywhere (macOS caps at OPEN_MAX = 10240).
+    for target in ([hard] if hard != resource.RLIM_INFINITY else []) + [1 << 20, 10240]:
+        if target <= soft:
+            continue
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            continue
+    return soft

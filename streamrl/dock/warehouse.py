@@ -157,6 +157,7 @@ class WarehouseServer:
         curve: RunKeys | None = None,
         block: int = 1,
     ) -> None:
+        wire.raise_fd_limit()  # one fd per connection: held connections must not lock clients out
         self.limits = limits or DockLimits()
         self.store = WarehouseStore(warehouse_id, n_warehouses, block)
         self.ctx = context or zmq.Context.instance()

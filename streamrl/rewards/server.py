@@ -185,6 +185,7 @@ class RewardServer:
         """Create and bind the ROUTER socket; return the endpoint actually bound."""
         if self._socket is not None:
             raise RuntimeError("RewardServer.bind() called twice")
+        wire.raise_fd_limit()  # one fd per connection: held connections must not lock clients out
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         socket.setsockopt(zmq.LINGER, 0)

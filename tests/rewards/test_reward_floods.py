@@ -6,13 +6,20 @@ Everything is loopback, bounded in bytes and time; each test starts its own serv
 
 from __future__ import annotations
 
+import resource
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
-from tests.rewards.conftest import Servers
+from ops.fuzz.zmtp import hold_connections, send_endless_message
+from streamrl import wire
+from tests.rewards.conftest import LOOPBACK, ServerProcess, Servers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,3 +86,84 @@ def test_a_huge_request_is_refused_while_pings_keep_being_answered(servers: Serv
         assert worst < PONG_BOUND_S, f"a pong took {worst:.2f} s while the huge request was handled"
     finally:
         context.destroy(linger=0)
+
+
+def _ping(endpoint: str, timeout_s: float) -> bool:
+    """A fresh client's ping is answered within ``timeout_s``."""
+    context = zmq.Context()
+    try:
+        socket = _dealer(context, endpoint)
+        socket.send(msgpack.packb({"type": "ping", "nonce": 1}))
+        return bool(socket.poll(int(timeout_s * 1000)))
+    finally:
+        context.destroy(linger=0)
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+HELD = 1100  # the tester's count: past the common soft fd limit of 1024
+
+
+def test_held_connections_do_not_lock_new_clients_out(servers: Servers) -> None:
+    """At a soft fd limit of 1024, 1100 idle connections left libzmq unable to accept (EMFILE) and
+    new clients waited until they were released. The server now raises its soft limit to the hard
+    one at start, so it is the hard limit (the administrator's) that bounds connections."""
+    if wire.raise_fd_limit() < HELD + 200 or resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2 * HELD:
+        pytest.skip("the hard fd limit here is too low to hold the connections")
+    # Started with the common default soft limit, as the tester's server was.
+    command = [sys.executable, "-m", "streamrl.rewards.cli", "reward-server", LENGTH, "--bind", LOOPBACK]
+    server = ServerProcess(["bash", "-c", 'ulimit -Sn 1024 && exec "$@"', "bash", *command])
+    servers.started.append(server)
+    held = hold_connections("127.0.0.1", _port(server.endpoint), HELD)
+    try:
+        assert _ping(server.endpoint, 10), f"a new client got no pong while {HELD} connections were held"
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_stranger_cannot_flood_a_curve_server(servers: Servers, tmp_path: Path) -> None:
+    """An endless multipart message grows libzmq's buffer without bound (nothing in libzmq bounds
+    a message's frame count, docs/reliability.md). Authentication is what holds: a CURVE server
+    hangs up on a NULL greeting, so a stranger never gets a frame in and its memory stays flat."""
+    keys = tmp_path / "keys"
+    made = subprocess.run([sys.executable, "-m", "streamrl.rewards.cli", "keys", "generate", str(keys)],
+                          capture_output=True, text=True, timeout=30)
+    assert made.returncode == 0, made.stderr
+    server = servers.reward_server(LENGTH, "--curve-secret-key", str(keys / "server.key_secret"))
+    before = _rss_mib(server.proc.pid)
+    for _ in range(20):
+        sent, closed = send_endless_message("127.0.0.1", _port(server.endpoint), 16 << 20, timeout_s=10)
+        assert closed and sent == 0, f"a stranger got {sent} bytes of frames into a CURVE server"
+    grown = _rss_mib(server.proc.pid) - before
+    assert grown < 16, f"the CURVE server grew {grown:.0f} MiB under 20 refused floods"
+    assert server.proc.poll() is None
+
+
+def test_an_endless_message_does_not_stop_pings(servers: Servers) -> None:
+    """Without authentication the flood is buffered (about 64 bytes of memory per 3-byte frame:
+    that is the documented limit, not asserted here), but libzmq does it in its I/O thread: the
+    server keeps answering pings throughout, and serves new clients after the flooder leaves."""
+    server = servers.reward_server(LENGTH)
+    result: list[tuple[int, bool]] = []
+    flood = threading.Thread(
+        target=lambda: result.append(send_endless_message("127.0.0.1", _port(server.endpoint), 4 << 20)),
+    )
+    flood.start()
+    try:
+        while flood.is_alive():
+            assert _ping(server.endpoint, PONG_BOUND_S), "a ping went unanswered during the flood"
+    finally:
+        flood.join(60)
+    assert result and result[0][0] >= 4 << 20, result
+    assert _ping(server.endpoint, PONG_BOUND_S)
+    assert server.proc.poll() is None
