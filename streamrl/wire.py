@@ -16,7 +16,10 @@ found by sending single messages from outside:
 ``DECODE_ERRORS``, :func:`describe`, :func:`nests_deeper_than` (bounding the nesting of free-form
 values below the recursion limit) and :func:`peek_id` (the request id of a message that failed, so
 the error can be answered). :func:`limit_socket` sets the socket-level limit every ROUTER needs: without
-``ZMQ_MAXMSGSIZE`` a peer that declares a 100 GB frame makes ZeroMQ allocate it.
+``ZMQ_MAXMSGSIZE`` a peer that declares a 100 GB frame makes ZeroMQ allocate it. That limit is per
+frame: libzmq bounds neither the number of frames of one message nor a message that never ends
+(docs/reliability.md, "Multipart floods"). :func:`raise_fd_limit` lets a server hold as many
+connections as the hard open-files limit allows.
 """
 
 from __future__ import annotations
