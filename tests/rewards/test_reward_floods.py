@@ -88,6 +88,39 @@ def test_a_huge_request_is_refused_while_pings_keep_being_answered(servers: Serv
         context.destroy(linger=0)
 
 
+def test_a_long_decode_runs_off_the_loop(servers: Servers) -> None:
+    """One sample with 4·10^7 token ids (38 MiB): few samples, but seconds of decoding. It is
+    decoded in a worker thread, so pings sent meanwhile still come back within PONG_BOUND_S."""
+    server = servers.reward_server(LENGTH)
+    n_tokens = 40_000_000
+    head = msgpack.packb({"type": "score", "request_id": 9})
+    head = bytes([head[0] + 1]) + head[1:]
+    one = msgpack.packb({"id": 1, "response": "abc"})
+    sample = bytes([one[0] + 1]) + one[1:] + msgpack.packb("response_ids") + b"\xdd" + n_tokens.to_bytes(4, "big")
+    payload = head + msgpack.packb("samples") + b"\x91" + sample + b"\x05" * n_tokens
+    context = zmq.Context()
+    try:
+        scorer, pinger = _dealer(context, server.endpoint), _dealer(context, server.endpoint)
+        scorer.send(payload, copy=False)
+        del payload
+        worst, nonce, reply = 0.0, 0, None
+        deadline = time.monotonic() + 90
+        while reply is None:
+            assert time.monotonic() < deadline, "no reply to the long request within 90 s"
+            nonce += 1
+            sent = time.monotonic()
+            pinger.send(msgpack.packb({"type": "ping", "nonce": nonce}))
+            assert _receive(pinger, 30)["nonce"] == nonce
+            worst = max(worst, time.monotonic() - sent)
+            if scorer.poll(0):
+                reply = msgpack.unpackb(scorer.recv())
+            time.sleep(0.02)
+        assert reply == {"type": "score_reply", "request_id": 9, "results": [{"id": 1, "score": 3.0}]}, reply
+        assert worst < PONG_BOUND_S, f"a pong took {worst:.2f} s while the long request was decoded"
+    finally:
+        context.destroy(linger=0)
+
+
 def _ping(endpoint: str, timeout_s: float) -> bool:
     """A fresh client's ping is answered within ``timeout_s``."""
     context = zmq.Context()
