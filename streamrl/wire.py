@@ -16,7 +16,10 @@ found by sending single messages from outside:
 ``DECODE_ERRORS``, :func:`describe`, :func:`nests_deeper_than` (bounding the nesting of free-form
 values below the recursion limit) and :func:`peek_id` (the request id of a message that failed, so
 the error can be answered). :func:`limit_socket` sets the socket-level limit every ROUTER needs: without
-``ZMQ_MAXMSGSIZE`` a peer that declares a 100 GB frame makes ZeroMQ allocate it.
+``ZMQ_MAXMSGSIZE`` a peer that declares a 100 GB frame makes ZeroMQ allocate it. That limit is per
+frame: libzmq bounds neither the number of frames of one message nor a message that never ends
+(docs/reliability.md, "Multipart floods"). :func:`raise_fd_limit` lets a server hold as many
+connections as the hard open-files limit allows.
 """
 
 from __future__ import annotations
@@ -146,3 +149,30 @@ def fixed_routing_id(sock: zmq.Socket[Any], prefix: bytes = b"id-") -> bytes:
     rid = prefix + os.urandom(16)
     sock.setsockopt(zmq.ROUTING_ID, rid)
     return rid
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; return the soft limit now.
+
+    Every connection a server holds is a file descriptor. At the common soft default of 1024, a
+    peer holding ~1000 connections open left libzmq's listener unable to accept (EMFILE): new
+    clients waited in the kernel's backlog until the held ones went away (issue 25). The hard limit
+    is the administrator's bound; the soft one is only a default, and a server should use what it
+    is allowed. Safe to call more than once; never raises.
+    """
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to raise
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        return soft
+    # An infinite hard limit is not a valid soft one everywhere (macOS caps at OPEN_MAX = 10240).
+    for target in ([hard] if hard != resource.RLIM_INFINITY else []) + [1 << 20, 10240]:
+        if target <= soft:
+            continue
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            continue
+    return soft

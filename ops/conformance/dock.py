@@ -468,6 +468,63 @@ class Suite:
         self.drain()
         return None
 
+    def c_n_wire_edges(self) -> None:
+        """The edges of §2 and §4.0: an object value of depth exactly MAX_DEPTH is stored (33 is
+        malformed: limits); a req_id that is not an int in [0, 2^63 - 1] (negative, 2^63, a float,
+        a bool) is dropped unanswered; a REQ-style empty delimiter frame is dropped unanswered; an
+        index of 2^63 or a bool count is malformed, answered with the request's req_id."""
+        (k,) = self.reserve(1)["indices"]
+        nested: Any = 0
+        for _ in range(MAX_DEPTH):  # a scalar is depth 0, [0] depth 1, ...: this one is depth 32
+            nested = [nested]
+        put = {"type": "put", "req_id": rid(), "indices": [k],
+               "columns": [{"kind": "object", "name": "conformance_deep", "values": [nested]}]}
+        reply, _ = self.owner(k).ask(put)
+        expect(reply.get("type") == "ok", f"a value nested exactly {MAX_DEPTH} deep was answered with {reply}")
+        got, _ = self.owner(k).ask({"type": "get", "req_id": rid(), "indices": [k], "columns": ["conformance_deep"]})
+        expect(got.get("type") == "fetched" and got["columns"][0]["values"] == [nested],
+               f"the {MAX_DEPTH}-deep value came back as {got!r:.200}")
+        self.put_reads([k])
+        self.drain()
+        quiet = Conn(self.ctx, self.args.controller, self.args.timeout)
+        try:
+            for bad in (-1, 2**63, 1.5, True):
+                expect(quiet.silent({"type": "stats", "req_id": bad}), f"a stats with req_id {bad!r} was answered")
+            quiet.sock.send_multipart([b"", msgpack.packb({"type": "stats", "req_id": rid()})])
+            expect(not quiet.sock.poll(300), "a message after an empty delimiter frame (a REQ socket) was answered")
+        finally:
+            quiet.close()
+        got, _ = self.warehouses[0].ask({"type": "get", "req_id": rid(), "indices": [2**63], "columns": self.reads})
+        expect_error(got, "malformed")
+        reply, _ = self.ctl.ask({"type": "reserve", "req_id": rid(), "client_id": self.client_id, "n": True})
+        expect_error(reply, "malformed")
+        self.stats()  # still answering
+
+    def c_o_any_frame_layout(self) -> None:
+        """§5.2: a receiver accepts any layout that passes the checks, here two tensors of one
+        sample packed in one frame at aligned offsets 0 and 32, as streamrl's encoder packs them."""
+        (k,) = self.reserve(1)["indices"]
+        first = {"kind": "tensor", "name": self.reads[0], "dtype": "int64", "shapes": [[3]], "frames": [0],
+                 "offsets": [0]}
+        packed = {"kind": "tensor", "name": "conformance_packed", "dtype": "int64", "shapes": [[2]], "frames": [0],
+                  "offsets": [32]}
+        objects = [{"kind": "object", "name": name, "values": [{"k": k, "s": "é"}]} for name in self.reads[1:]]
+        frame = struct.pack("<3q", k, k + 1, k + 2) + b"\0" * 8 + struct.pack("<2q", -k, 7)  # 48 bytes
+        reply, _ = self.owner(k).ask({"type": "put", "req_id": rid(), "indices": [k],
+                                      "columns": [first, packed, *objects], "versions": [3], "lengths": [k % 7]},
+                                     frame)
+        expect(reply.get("type") == "ok", f"a put of two tensors in one pack frame was answered with {reply}")
+        got, frames = self.owner(k).ask({"type": "get", "req_id": rid(), "indices": [k],
+                                         "columns": [self.reads[0], "conformance_packed"]})
+        expect(got.get("type") == "fetched", f"get answered with {got}")
+        values = []
+        for col, size in zip(got["columns"], (24, 16), strict=True):
+            start = col["offsets"][0]
+            values.append(frames[col["frames"][0]][start:start + size])
+        expect(struct.unpack("<3q", values[0]) == (k, k + 1, k + 2) and struct.unpack("<2q", values[1]) == (-k, 7),
+               f"the packed tensors came back as {values}")
+        self.drain()
+
     def t_close(self) -> str | None:
         if not self.args.allow_close:
             return "needs --allow-close (the dock takes no new samples afterwards)"

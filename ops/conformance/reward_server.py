@@ -243,6 +243,24 @@ def score_request(request_id: int, samples: list[dict[str, object]], **extra: ob
     return {"type": "score", "request_id": request_id, "samples": samples, **extra}
 
 
+def nested(levels: int) -> dict[str, object]:
+    """A metadata map ``levels`` deep: the map itself is level 1, each map inside adds one (§2)."""
+    value: dict[str, object] = {"answer": "4"}
+    for _ in range(levels - 1):
+        value = {"answer": "4", "inner": value}
+    return value
+
+
+def invalid_utf8(request_id: int, where: str) -> bytes:
+    """A score request whose sample ``response`` (or a metadata key) holds bytes that are not UTF-8."""
+    marker = "\u00e9\u00e9"
+    if where == "response":
+        request = score_request(request_id, [{"id": 1, "response": marker}])
+    else:
+        request = score_request(request_id, [{"id": 1, "response": "4", "metadata": {marker: 1}}])
+    return msgpack.packb(request).replace(marker.encode(), b"\xff\xfe\xfd\xfc")
+
+
 @check("hello: hello_reply with the offered version")
 def _hello(target: Target, exact: bool) -> None:
     reply = target_request(target, hello([VERSION], client="conformance"), "hello")
@@ -409,6 +427,21 @@ BAD_REQUESTS: list[tuple[str, object, int | None]] = [
     ("a ping without nonce", {"type": "ping"}, None),
     ("a float nonce", {"type": "ping", "nonce": 1.5}, None),
     ("hello with versions not an array", {"type": "hello", "versions": 1}, None),
+    # §2's integer ranges, at and past each edge, and bools (msgpack true is not an int)
+    ("a bool sample id", score_request(60, [{"id": True, "response": "4"}]), 60),
+    ("a sample id of 2^63", score_request(61, [{"id": 2**63, "response": "4"}]), 61),
+    ("a token id of 2^31", score_request(62, [{"id": 1, "response": "4", "response_ids": [2**31]}]), 62),
+    ("a negative token id", score_request(63, [{"id": 1, "response": "4", "prompt_ids": [-1]}]), 63),
+    ("a request_id of 2^63", score_request(2**63, [sample(1, "4", "4")]), None),
+    ("a bool nonce", {"type": "ping", "nonce": False}, None),
+    ("a protocol version of 0", {"type": "hello", "versions": [0]}, None),
+    ("a protocol version of 2^31", {"type": "hello", "versions": [2**31]}, None),
+    # §2: metadata nests at most 32 levels, the metadata map itself being level 1
+    ("metadata nested 33 levels", score_request(64, [{"id": 1, "response": "4", "metadata": nested(33)}]), 64),
+    # §4: the id is echoed from any map whose request would be valid but for a value, i.e. nested
+    # up to 35 levels (message map, samples, sample, then 32 of metadata)
+    ("a bad sample id beside 32-level metadata (35 levels in all)",
+     score_request(65, [{"id": "x", "response": "4", "metadata": nested(32)}]), 65),
 ]
 
 
@@ -421,6 +454,26 @@ def _bad_request_check(what: str, payload: object, request_id: int | None) -> Ch
 
 for _what, _payload, _request_id in BAD_REQUESTS:
     check(f"bad_request: {_what}")(_bad_request_check(_what, _payload, _request_id))
+
+
+@check("score: metadata nested 32 levels is accepted")
+def _score_deep_metadata(target: Target, exact: bool) -> None:
+    request = score_request(66, [sample(1, "4", None, metadata=nested(32))])
+    results = expect_score_reply(target_request(target, request, "32-level metadata"), request, "32-level metadata")
+    expect_scores(results, [1.0], exact, "32-level metadata")
+
+
+for _where in ("response", "metadata key"):
+
+    def _utf8_check(target: Target, exact: bool, where: str = _where) -> None:
+        # §2/§6: bad_request. The map did not decode, so echoing request_id is allowed, not required.
+        what = f"invalid UTF-8 in a sample's {where}"
+        reply = target_request(target, invalid_utf8(67, where), what)
+        expect_type(reply, "error", what)
+        expect(reply.get("code") == "bad_request", f"{what}: expected bad_request, got {reply.get('code')!r}")
+        expect(reply.get("request_id") in (None, 67), f"{what}: request_id {reply.get('request_id')!r}")
+
+    check(f"bad_request: invalid UTF-8 in a sample's {_where}")(_utf8_check)
 
 
 @check("bad_request: a message of two frames")
@@ -467,6 +520,18 @@ def _survives_garbage(target: Target, exact: bool) -> None:
     _hello(target, exact)
     _ping(target, exact)
     _score(target, exact)
+
+
+@check("robustness: every garbage message is answered with an error (§6)")
+def _garbage_answered(target: Target, exact: bool) -> None:
+    connection = target.connect()
+    try:
+        for what, frames in GARBAGE:
+            connection.socket.send_multipart(frames)
+            reply = connection.receive(f"garbage: {what}")
+            expect_type(reply, "error", f"garbage: {what}")
+    finally:
+        connection.close()
 
 
 def target_request(target: Target, message: object, what: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 
 def _greeting() -> bytes:
@@ -47,6 +48,49 @@ def send_oversized_frame(host: str, port: int, declared_bytes: int, body: bytes 
             return False
         except ConnectionResetError:
             return True
+
+
+def _handshake(s: socket.socket) -> None:
+    """The NULL greeting and READY, as a DEALER; ConnectionError if the server hangs up first (a
+    CURVE server does, as soon as it reads a NULL greeting)."""
+    s.sendall(_greeting())
+    _read_exactly(s, 64)
+    s.sendall(_ready_command())
+    flags = _read_exactly(s, 1)[0]
+    size = struct.unpack(">Q", _read_exactly(s, 8))[0] if flags & 0x02 else _read_exactly(s, 1)[0]
+    _read_exactly(s, size)
+
+
+def send_endless_message(host: str, port: int, max_bytes: int, timeout_s: float = 30.0) -> tuple[int, bool]:
+    """Send one multipart message that never ends: 1-byte frames, each with the MORE flag, up to
+    ``max_bytes`` of wire bytes or ``timeout_s``. Returns (bytes of frames sent, whether the server
+    closed the connection). libzmq delivers a message only once its last frame is in and holds
+    every frame until then; ZMQ_MAXMSGSIZE bounds each frame, not their number."""
+    chunk = b"\x01\x01x" * 65536  # flags MORE, short size 1, one byte of body
+    sent = 0
+    deadline = time.monotonic() + timeout_s
+    with socket.create_connection((host, port), timeout=timeout_s) as s:
+        try:
+            _handshake(s)
+            while sent < max_bytes and time.monotonic() < deadline:
+                s.sendall(chunk)
+                sent += len(chunk)
+        except (ConnectionError, TimeoutError):
+            return sent, True
+    return sent, False
+
+
+def hold_connections(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` plain TCP connections to the server that never say anything (close them after)."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            held.append(socket.create_connection((host, port), timeout=10))
+    except BaseException:
+        for s in held:
+            s.close()
+        raise
+    return held
 
 
 def _read_exactly(s: socket.socket, n: int) -> bytes:

@@ -20,10 +20,28 @@ import zmq
 
 PROTOCOL_VERSIONS = [1]
 ID_MAX = 2**63 - 1  # request ids, sample ids and nonces are ints in 0..2^63-1 (spec §2)
+INT32_MAX = 2**31 - 1  # token ids are ints in 0..2^31-1, versions in 1..2^31-1 (spec §2)
+MAX_METADATA_DEPTH = 32  # the metadata map itself is level 1 (spec §2)
+
+
+def is_int_in(value, low, high):
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def is_id(value):
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= ID_MAX
+    return is_int_in(value, 0, ID_MAX)
+
+
+def depth(value):
+    """Levels of maps/arrays in ``value`` (a scalar is 0; map keys count too). Iterative."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, tuple, dict)):
+            deepest = max(deepest, level)
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def problem(message):
@@ -31,8 +49,8 @@ def problem(message):
     kind = message.get("type")
     if kind == "hello":
         versions = message.get("versions")
-        if not isinstance(versions, list) or not all(is_id(v) for v in versions):
-            return "$.versions must be an array of ints"
+        if not isinstance(versions, list) or not all(is_int_in(v, 1, INT32_MAX) for v in versions):
+            return "$.versions must be an array of ints in 1..2^31-1"
     elif kind == "ping":
         if not is_id(message.get("nonce")):
             return "$.nonce must be an int in 0..2^63-1"
@@ -49,6 +67,12 @@ def problem(message):
             for field, kind_of in (("prompt", str), ("response", str), ("metadata", dict)):
                 if sample.get(field) is not None and not isinstance(sample[field], kind_of):
                     return f"$.samples[{i}].{field} must be a {kind_of.__name__}"
+            for field in ("prompt_ids", "response_ids"):
+                ids = sample.get(field)
+                if ids is not None and not (isinstance(ids, list) and all(is_int_in(t, 0, INT32_MAX) for t in ids)):
+                    return f"$.samples[{i}].{field} must be an array of ints in 0..2^31-1"
+            if depth(sample.get("metadata")) > MAX_METADATA_DEPTH:
+                return f"$.samples[{i}].metadata nests deeper than {MAX_METADATA_DEPTH} levels"
     else:
         return f"$.type: unknown message type {kind!r}"
     return None

@@ -113,6 +113,7 @@ class ControllerServer:
             raise ValueError("the controller needs a non-empty warehouse secret (the launcher generates one per run)")
         if not 1 <= n_warehouses <= 65_536:
             raise ValueError(f"n_warehouses must be in [1, 65536], got {n_warehouses}")
+        wire.raise_fd_limit()  # one fd per connection: held connections must not lock clients out
         self.limits = limits or DockLimits()
         self.policy = policy
         self.state = ControllerState(consumers, capacity, n_warehouses, views, block, policy=policy,

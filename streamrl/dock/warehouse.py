@@ -192,6 +192,7 @@ class WarehouseServer:
     ) -> None:
         """``policy``: the pipeline's declarations; puts and gets are checked against the sender's
         ZAP role before anything is stored or sent (docs/dock-protocol.md §6.2)."""
+        wire.raise_fd_limit()  # one fd per connection: held connections must not lock clients out
         self.limits = limits or DockLimits()
         self.policy = policy
         self.store = WarehouseStore(warehouse_id, n_warehouses, block)

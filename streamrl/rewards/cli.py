@@ -19,7 +19,7 @@ import zmq
 from streamrl.rewards.function import RewardFunction
 from streamrl.rewards.keys import generate_keypair, load_public_keys
 from streamrl.rewards.results import RewardConfigError, RewardFunctionLoadError
-from streamrl.rewards.server import DEFAULT_MAX_MESSAGE_BYTES, RewardServer
+from streamrl.rewards.server import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_REQUEST_SAMPLES, RewardServer
 
 #: The line a supervisor (or a test) waits for on stdout: "READY <endpoint actually bound>".
 READY_PREFIX = "READY "
@@ -60,6 +60,12 @@ def register_commands(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest incoming message; a peer sending more is disconnected (default 256 MiB)",
+    )
+    server.add_argument(
+        "--max-request-samples",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_SAMPLES,
+        help="most samples one score request may carry; more is a bad_request (default 16384)",
     )
     server.add_argument(
         "--curve-secret-key",
@@ -111,6 +117,7 @@ def run_reward_server(args: argparse.Namespace) -> int:
             curve_secret_key=args.curve_secret_key,
             curve_allowed_keys=allowed,
             max_message_bytes=args.max_message_bytes,
+            max_request_samples=args.max_request_samples,
         )
         server.bind()
     except (RewardConfigError, RewardFunctionLoadError) as exc:

@@ -31,6 +31,7 @@ from streamrl.rewards.function import RewardFunction
 from streamrl.rewards.latency import LatencyWindow
 from streamrl.rewards.protocol import (
     PROTOCOL_VERSIONS,
+    ClientMessage,
     ErrorReply,
     Hello,
     HelloReply,
@@ -43,6 +44,7 @@ from streamrl.rewards.protocol import (
     clip_text,
     decode_client_message,
     encode,
+    peek_request_id,
 )
 from streamrl.rewards.results import RewardConfigError
 from streamrl.rewards.zmqio import AsyncSocket
@@ -55,9 +57,49 @@ LAST_REPLIES_READ_S = 0.25  # connections stay up this long after a drain's last
 #: Default ZMQ_MAXMSGSIZE: a frame declaring more is refused by ZeroMQ before anything is allocated
 #: and its connection closed (spec §9). 64 samples of 100k-token responses with text fit easily.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20
+#: Default per-request sample limit (docs/reward-protocol.md §9). Decoding costs ~3 µs a sample and
+#: holds the loop (and the GIL), so without it one 256 MiB request of 3·10^6 tiny samples froze the
+#: server for 12.7 s and its clients dropped it as dead (10 s heartbeat timeout). 16384 samples
+#: decode in ~50 ms; streamrl's client sends 64 a request.
+DEFAULT_MAX_REQUEST_SAMPLES = 16384
 #: Frames kept of one incoming message: [routing id, b"", payload] from a REQ peer is the most a
-#: valid message has; the rest of a message with more is read and dropped (see receive_capped).
+#: valid message has; the rest of a message with more is dropped (see receive_capped).
 _MAX_FRAMES = 3
+#: Payloads larger than this are decoded in a worker thread, not on the socket loop: 1 MiB of
+#: msgpack decodes in milliseconds, while 200 MiB of token ids in one sample took 12 s.
+THREAD_DECODE_BYTES = 1 << 20
+
+
+class _SampleCount(msgspec.Struct):
+    """What is read of a score request before it is decoded: msgspec skips the samples in C as a
+    Raw span (~25 ms per 10^6 samples, nothing allocated), so the count is known before any cost."""
+
+    request_id: Any = None
+    samples: msgspec.Raw = msgspec.Raw(b"")
+
+
+_count_decoder = msgspec.msgpack.Decoder(_SampleCount)
+
+
+def declared_samples(payload: bytes) -> tuple[int, Any] | None:
+    """(number of samples, raw request_id) that a score request declares, read from the msgpack
+    array header of ``samples`` without building them; None if that cannot be read (the full
+    decode then reports what is wrong)."""
+    try:
+        peek = _count_decoder.decode(payload)
+    except wire.DECODE_ERRORS:
+        return None
+    raw = bytes(memoryview(peek.samples)[:5])
+    if not raw:
+        return None
+    head = raw[0]
+    if 0x90 <= head <= 0x9F:  # fixarray
+        return head & 0x0F, peek.request_id
+    if head == 0xDC and len(raw) >= 3:  # array 16
+        return int.from_bytes(raw[1:3], "big"), peek.request_id
+    if head == 0xDD and len(raw) >= 5:  # array 32
+        return int.from_bytes(raw[1:5], "big"), peek.request_id
+    return None
 
 
 class RewardServerStatistics(msgspec.Struct, frozen=True):
@@ -96,6 +138,7 @@ class RewardServer:
         curve_secret_key: str | Path | None = None,
         curve_allowed_keys: Iterable[bytes] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_request_samples: int = DEFAULT_MAX_REQUEST_SAMPLES,
         context: zmq.Context | None = None,
     ) -> None:
         if isinstance(function, str):
@@ -112,6 +155,8 @@ class RewardServer:
             raise RewardConfigError(
                 f"max_message_bytes={max_message_bytes}; too small for any score request, use >= 1024"
             )
+        if max_request_samples < 1:
+            raise RewardConfigError(f"max_request_samples={max_request_samples}; must be >= 1")
         if curve_allowed_keys is not None and curve_secret_key is None:
             raise RewardConfigError("a CURVE allow-list needs the server's own key: pass curve_secret_key")
         self.function = function
@@ -123,6 +168,7 @@ class RewardServer:
         self._curve_secret_key = curve_secret_key
         self._curve_allowed_keys = curve_allowed_keys
         self._max_message_bytes = max_message_bytes
+        self.max_request_samples = max_request_samples
         self._context = context or zmq.Context.instance()
         self._socket: AsyncSocket | None = None
         self._allow_list: CurveAllowList | None = None
@@ -133,6 +179,7 @@ class RewardServer:
         self._changed: anyio.Event | None = None
         self._slots: anyio.Semaphore | None = None
         self._thread_limiter: anyio.CapacityLimiter | None = None
+        self._decode_limiter: anyio.CapacityLimiter | None = None
         self._stop_now: anyio.CancelScope | None = None
         self._latency = LatencyWindow()
         self._counts = {"batches": 0, "samples": 0, "sample_errors": 0, "bad_requests": 0, "refused": 0}
@@ -144,6 +191,7 @@ class RewardServer:
         """Create and bind the ROUTER socket; return the endpoint actually bound."""
         if self._socket is not None:
             raise RuntimeError("RewardServer.bind() called twice")
+        wire.raise_fd_limit()  # one fd per connection: held connections must not lock clients out
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         socket.setsockopt(zmq.LINGER, 0)
@@ -186,6 +234,8 @@ class RewardServer:
         self._changed = anyio.Event()
         self._slots = anyio.Semaphore(self.workers)
         self._thread_limiter = anyio.CapacityLimiter(self.workers)
+        # One large decode at a time: they hold the GIL, so more at once would only share it.
+        self._decode_limiter = anyio.CapacityLimiter(1)
         try:
             with anyio.CancelScope() as self._stop_now:
                 async with anyio.create_task_group() as group:
@@ -282,7 +332,8 @@ class RewardServer:
         scoring is started in ``group`` (None only when refusing).
 
         Every payload goes through decode_client_message, the one decode-and-validate path, which
-        turns anything malformed into a ProtocolError: no message can raise out of here.
+        turns anything malformed into a ProtocolError: no message can raise out of here. Payloads
+        over THREAD_DECODE_BYTES are decoded in a worker thread (:meth:`_decode_off_loop`).
         """
         # [routing id, payload] from a DEALER; [routing id, b"", payload] from a REQ socket.
         if count == 2:
@@ -292,11 +343,58 @@ class RewardServer:
         else:
             self._bad_request(frames[:1], f"expected one msgpack frame per message, got {count - 1}")
             return
+        if len(payload) > THREAD_DECODE_BYTES:
+            refusal = self._refusal()
+            if refusal is not None:  # shutting down or full: answer without decoding it
+                self._counts["refused"] += 1
+                code, text = refusal
+                self._send(envelope, ErrorReply(code=code, message=text, request_id=peek_request_id(payload)))
+                return
+            assert group is not None  # group is None only while shutting down, refused above
+            # The decode holds a pending slot, so max_pending also bounds the payloads held here.
+            self._in_flight += 1
+            group.start_soon(self._decode_off_loop, envelope, payload, group)
+            return
         try:
-            message = decode_client_message(payload)
+            message = self._decode(payload)
         except ProtocolError as exc:
             self._bad_request(envelope, exc.reason, exc.request_id)
             return
+        self._handle(envelope, message, group)
+
+    def _decode(self, payload: bytes) -> ClientMessage:
+        """The typed message in ``payload`` or ProtocolError; touches no server state, so it may
+        run in a worker thread."""
+        # Count the samples before decoding them: the decode of a huge batch would hold the loop
+        # (and with it every ping) for seconds; see DEFAULT_MAX_REQUEST_SAMPLES.
+        if len(payload) > self.max_request_samples and (declared := declared_samples(payload)) is not None:
+            count, raw_id = declared
+            if count > self.max_request_samples:
+                ok_id = isinstance(raw_id, int) and not isinstance(raw_id, bool) and 0 <= raw_id <= wire.INT63
+                raise ProtocolError(
+                    f"request has {count} samples; this server takes at most {self.max_request_samples} "
+                    "per request (max_request_samples): split the batch",
+                    raw_id if ok_id else None,
+                )
+        return decode_client_message(payload)
+
+    async def _decode_off_loop(self, envelope: list[bytes], payload: bytes, group: anyio.abc.TaskGroup) -> None:
+        """Decode a large payload in a worker thread, then handle it on the loop. msgspec holds the
+        GIL while it decodes, but lets it go often enough (measured: the loop ran at least every
+        0.8 s through a 12 s decode of 2·10^8 token ids) that pings keep being answered, which a
+        decode on the loop itself would block for its whole length."""
+        assert self._decode_limiter is not None
+        try:
+            message = await anyio.to_thread.run_sync(self._decode, payload, limiter=self._decode_limiter)
+        except ProtocolError as exc:
+            self._bad_request(envelope, exc.reason, exc.request_id)
+            return
+        finally:
+            self._in_flight -= 1
+            self._signal_change()
+        self._handle(envelope, message, group)
+
+    def _handle(self, envelope: list[bytes], message: ClientMessage, group: anyio.abc.TaskGroup | None) -> None:
         match message:
             case Hello(versions=versions):
                 self._send(envelope, self._negotiate(versions))

@@ -47,8 +47,10 @@ class AsyncSocket:
         """The next multipart message's first ``max_frames`` frames, and how many it had in all.
 
         ``MAXMSGSIZE`` bounds each frame, not their number: a peer may send a message of millions
-        of small frames. The frames past ``max_frames`` are read and dropped one by one, so such a
-        message costs this process no more memory than a valid one.
+        of small frames. libzmq hands a multipart message over only once its last frame is in, and
+        holds every frame until then (no socket option bounds their number or total: see
+        docs/reliability.md, "Multipart floods"), so that memory is spent before this runs. Reading
+        the frames past ``max_frames`` without keeping them only spares the Python copies of them.
         """
         while (got := self.receive_capped_nowait(max_frames)) is None:
             await self._wait_readable()

@@ -292,6 +292,7 @@ class ControlServer:
                  workers: set[tuple[str, int]] | None = None, auth: ServerAuth | None = None) -> None:
         """``token``: what every worker's ``Starting`` must carry. ``workers``: the (stage, worker)
         pairs that may register; None accepts any (tests that drive the channel by hand)."""
+        wire.raise_fd_limit()  # one fd per connection: held connections must not lock clients out
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -76,4 +76,4 @@ def test_an_interrupt_stops_the_run_and_every_process(tmp_path: Path, sent: sign
     assert not wait_gone(started, 10), {p: c for p, c in started.items() if os.path.exists(f"/proc/{p}")}
     assert not processes_with_files_under(run_dir)
     assert not [d for d in dirs if d.exists()]
-    assert not leftover_ipc_dirs(before)
+    assert not leftover_ipc_dirs(before, run_dir)

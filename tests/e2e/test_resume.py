@@ -133,13 +133,15 @@ def test_sigkill_mid_step_then_resume_matches_the_uninterrupted_run(tmp_path: Pa
     config = _config(tmp_path)
     proc = _start(config, tmp_path, str(config))
     run_dir = _kill_run_when(proc, tmp_path, _rows_done(EVERY + 3))  # past the first checkpoint, mid-run
+    killed_dirs = run_ipc_dirs(run_dir)  # the resumed run's specs replace the killed one's
     killed_at = len(_rows(run_dir))
     assert EVERY < killed_at < STEPS
     result = _resume(run_dir, tmp_path)
     assert result["resumed_from"] is not None and result["resumed_from"] % EVERY == 0
     assert result["resumed_from"] <= killed_at
     _assert_same(_rows(run_dir), reference)
-    assert not leftover_ipc_dirs(before)  # the resumed run removed what the killed one left
+    assert not [d for d in killed_dirs if d.exists()]  # the resumed run removed what the killed one left
+    assert not leftover_ipc_dirs(before, run_dir)
 
 
 @pytest.mark.timeout(300)

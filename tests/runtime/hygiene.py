@@ -6,18 +6,51 @@ started with ``python -m streamrl.runtime.worker``), dock servers carry ``--pare
 pid>`` in their argv, and the worker specs record the ipc endpoints (the launcher's
 control/weights dir and the dock's dir). Checking those, rather than "any streamrl process on
 the machine", keeps the tests right while other runs share the machine.
+
+Run directories (``/tmp/srl-*``, ``/dev/shm/srl-*``) are counted as a test's own only when this
+process made them (an in-process launcher or dock: every ``tempfile.mkdtemp`` here is recorded
+from import on) or a run directory's worker specs name them (a launcher in a child process). A
+``srl-`` dir that appeared meanwhile for any other reason belongs to another run on the machine:
+"new since the test started" was not enough (5 failures in a full run beside another run).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # tempfile.mkdtemp(prefix="srl-", dir="/tmp"): "srl-" + 8 random characters
 _RUN_IPC_DIR = re.compile(r"^srl-[a-z0-9_]{8}$")
+
+
+#: Every directory ``tempfile.mkdtemp`` made in this process since this module was imported.
+_MADE_HERE: set[Path] = set()
+
+
+def _record_mkdtemp() -> None:
+    """Wrap ``tempfile.mkdtemp`` so this process's own run dirs are known (the launcher and the dock
+    call it as ``tempfile.mkdtemp``, so they get the wrapper). Idempotent."""
+    original = tempfile.mkdtemp
+    if getattr(original, "_records_for_hygiene", False):
+        return
+
+    @functools.wraps(original)
+    def mkdtemp(*args: Any, **kwargs: Any) -> str:
+        made = original(*args, **kwargs)
+        _MADE_HERE.add(Path(made))
+        return made
+
+    mkdtemp._records_for_hygiene = True  # type: ignore[attr-defined]
+    tempfile.mkdtemp = mkdtemp  # type: ignore[assignment]
+
+
+_record_mkdtemp()
 
 
 def _cmdline(pid: int) -> str:
@@ -138,48 +171,26 @@ def run_ipc_dirs(run_dir: Path) -> set[Path]:
     return dirs
 
 
-def _bound_unix_socket_inodes() -> dict[str, int]:
-    """Path -> inode of every bound unix socket on the machine (/proc/net/unix)."""
-    out: dict[str, int] = {}
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-        parts = line.split()
-        if len(parts) >= 8:
-            out[parts[7]] = int(parts[6])
-    return out
-
-
-def _my_socket_inodes() -> set[int]:
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
-
-
 def ipc_dirs() -> set[Path]:
-    """The run ipc dirs (/tmp/srl-XXXXXXXX) that exist now."""
-    return {p for p in Path("/tmp").glob("srl-*") if _RUN_IPC_DIR.match(p.name)}
+    """The run dirs (/tmp/srl-XXXXXXXX, /dev/shm/srl-XXXXXXXX) that exist now, whoever made them."""
+    return {p for root in ("/tmp", "/dev/shm") for p in Path(root).glob("srl-*") if _RUN_IPC_DIR.match(p.name)}
 
 
-def leftover_ipc_dirs(before: set[Path]) -> set[Path]:
-    """Run ipc dirs created since ``before`` that remain and are not in use by another live run.
+def own_run_dirs(*run_dirs: Path) -> set[Path]:
+    """The ``srl-`` dirs that are this test's: made in this process, or named by the worker specs
+    of ``run_dirs`` (runs whose launcher is a child process)."""
+    own = {d for d in _MADE_HERE if _RUN_IPC_DIR.match(d.name)}
+    for run_dir in run_dirs:
+        own |= run_ipc_dirs(run_dir)
+    return own
 
-    Another agent's run on this machine may create its own dir meanwhile: a dir whose sockets
-    are bound by a process other than this one is theirs, not a leftover of ours."""
-    bound = _bound_unix_socket_inodes()
-    mine = _my_socket_inodes()
-    left = set()
-    for d in ipc_dirs() - before:
-        in_use_by_others = any(
-            path.startswith(str(d) + "/") and inode not in mine for path, inode in bound.items()
-        )
-        if not in_use_by_others and d.exists():
-            left.add(d)
-    return left
+
+def leftover_ipc_dirs(before: set[Path], *run_dirs: Path) -> set[Path]:
+    """This test's run dirs (see :func:`own_run_dirs`) not there at ``before`` that still exist.
+
+    Only its own: another run on this machine makes ``srl-`` dirs of its own meanwhile, and
+    those are not a leftover of this one, however they look."""
+    return {d for d in own_run_dirs(*run_dirs) - before if d.exists()}
 
 
 def assert_run_cleaned(run_dir: Path, launcher_pid: int, dirs_before: set[Path], timeout_s: float = 10.0) -> None:
@@ -188,7 +199,7 @@ def assert_run_cleaned(run_dir: Path, launcher_pid: int, dirs_before: set[Path],
     assert not left, f"processes of the run outlived it: {run_processes(run_dir, launcher_pid)}"
     own = {d for d in run_ipc_dirs(run_dir) if d.exists()}
     assert not own, f"ipc dirs of the run remain: {own}"
-    stale = leftover_ipc_dirs(dirs_before)
+    stale = leftover_ipc_dirs(dirs_before, run_dir)
     assert not stale, f"ipc dirs created during the run remain: {stale}"
 
 
