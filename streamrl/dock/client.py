@@ -112,6 +112,7 @@ class _Conn:
     # each request in flight and its tensor frames, by req_id: resent (marked ``again``) after a link
     # reset; a server that already had it answers from the reply it kept, never applying it twice (docs §5.8)
     sent: dict[int, tuple[Any, Sequence[Any]]] = field(default_factory=dict)
+    monitor: zmq.asyncio.Socket | None = None  # the link's connect/disconnect events; closed with sock
 
 
 class DockClient:
@@ -204,6 +205,9 @@ class DockClient:
                     fut.set_exception(DockError("client closed"))
             # a short linger: the last messages queued (a release of an abandoned claim) still leave;
             # the close itself never blocks (libzmq flushes in its I/O thread)
+            if conn.monitor is not None:  # closed here, not in its task, which may never have run
+                conn.sock.disable_monitor()
+                conn.monitor.close(linger=0)
             conn.sock.close(linger=500)
         self._conns.clear()
 
@@ -223,7 +227,7 @@ class DockClient:
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
                                           f"inproc://dock-link-{uuid.uuid4().hex}")
         sock.connect(endpoint)
-        conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight))
+        conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight), monitor=monitor)
         self._conns.append(conn)
         assert self._tg is not None
         self._tg.start_soon(self._reader, conn)
@@ -234,20 +238,17 @@ class DockClient:
         """After a link reset, resend every request in flight on it: the request or its reply may
         have died with the connection, and the server answers one it already had from its kept reply."""
         lost = False
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_DISCONNECTED:
-                    lost = True
-                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and lost:
-                    lost = False
-                    self._counters["reconnects"] += 1
-                    for msg, frames in list(conn.sent.values()):
-                        self._counters["resent"] += 1
-                        again = msgspec.structs.replace(msg, again=True)
-                        await conn.sock.send_multipart([p.encoder.encode(again), *frames], copy=False)
-        finally:
-            monitor.close(linger=0)
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                lost = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and lost:
+                lost = False
+                self._counters["reconnects"] += 1
+                for msg, frames in list(conn.sent.values()):
+                    self._counters["resent"] += 1
+                    again = msgspec.structs.replace(msg, again=True)
+                    await conn.sock.send_multipart([p.encoder.encode(again), *frames], copy=False)
 
     async def _reader(self, conn: _Conn) -> None:
         while True:
