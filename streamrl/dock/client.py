@@ -112,6 +112,7 @@ class _Conn:
     # each request in flight and its tensor frames, by req_id: resent (marked ``again``) after a link
     # reset; a server that already had it answers from the reply it kept, never applying it twice (docs §5.8)
     sent: dict[int, tuple[Any, Sequence[Any]]] = field(default_factory=dict)
+    monitor: zmq.asyncio.Socket | None = None  # the link monitor's reading end (_watch_link)
 
 
 class DockClient:
@@ -202,6 +203,7 @@ class DockClient:
             for fut in conn.pending.values():
                 if not fut.done():
                     fut.set_exception(DockError("client closed"))
+            _stop_monitor(conn)  # before the close: a lingering socket must not report to a closed reader
             # a short linger: the last messages queued (a release of an abandoned claim) still leave;
             # the close itself never blocks (libzmq flushes in its I/O thread)
             conn.sock.close(linger=500)
@@ -223,7 +225,7 @@ class DockClient:
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
                                           f"inproc://dock-link-{uuid.uuid4().hex}")
         sock.connect(endpoint)
-        conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight))
+        conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight), monitor=monitor)
         self._conns.append(conn)
         assert self._tg is not None
         self._tg.start_soon(self._reader, conn)
@@ -247,7 +249,7 @@ class DockClient:
                         again = msgspec.structs.replace(msg, again=True)
                         await conn.sock.send_multipart([p.encoder.encode(again), *frames], copy=False)
         finally:
-            monitor.close(linger=0)
+            _stop_monitor(conn)
 
     async def _reader(self, conn: _Conn) -> None:
         while True:
@@ -587,6 +589,25 @@ class DockClient:
             "in_flight": sum(len(c.pending) for c in self._conns),
             **self._counters,
         }
+
+
+def _stop_monitor(conn: _Conn) -> None:
+    """Stop ``conn``'s link monitor, then close its reading end (idempotent).
+
+    In that order: libzmq's I/O thread hands each monitor event to the monitor's PAIR with a
+    blocking send. Were the reading end closed first while the socket lives on (lingering on close,
+    reconnecting, failing CURVE/PLAIN handshakes against a dock that refuses it), the next event's
+    send would block the context's I/O thread for good, and every later socket on that context
+    (``zmq.asyncio.Context.instance()``, shared by all clients of a process) would never connect."""
+    if conn.monitor is None:
+        return
+    if not conn.sock.closed:
+        try:
+            conn.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+    conn.monitor.close(linger=0)
+    conn.monitor = None
 
 
 def _expect(reply: Any, kind: type[_R], server: str) -> _R:
