@@ -112,7 +112,7 @@ class _Conn:
     # each request in flight and its tensor frames, by req_id: resent (marked ``again``) after a link
     # reset; a server that already had it answers from the reply it kept, never applying it twice (docs §5.8)
     sent: dict[int, tuple[Any, Sequence[Any]]] = field(default_factory=dict)
-    monitor: zmq.asyncio.Socket | None = None  # the link's connect/disconnect events; closed with sock
+    monitor: zmq.asyncio.Socket | None = None  # the link monitor's reading end (_watch_link)
 
 
 class DockClient:
@@ -203,11 +203,9 @@ class DockClient:
             for fut in conn.pending.values():
                 if not fut.done():
                     fut.set_exception(DockError("client closed"))
+            _stop_monitor(conn)  # before the close: a lingering socket must not report to a closed reader
             # a short linger: the last messages queued (a release of an abandoned claim) still leave;
             # the close itself never blocks (libzmq flushes in its I/O thread)
-            if conn.monitor is not None:  # closed here, not in its task, which may never have run
-                conn.sock.disable_monitor()
-                conn.monitor.close(linger=0)
             conn.sock.close(linger=500)
         self._conns.clear()
 
@@ -238,17 +236,20 @@ class DockClient:
         """After a link reset, resend every request in flight on it: the request or its reply may
         have died with the connection, and the server answers one it already had from its kept reply."""
         lost = False
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_DISCONNECTED:
-                lost = True
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and lost:
-                lost = False
-                self._counters["reconnects"] += 1
-                for msg, frames in list(conn.sent.values()):
-                    self._counters["resent"] += 1
-                    again = msgspec.structs.replace(msg, again=True)
-                    await conn.sock.send_multipart([p.encoder.encode(again), *frames], copy=False)
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    lost = True
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and lost:
+                    lost = False
+                    self._counters["reconnects"] += 1
+                    for msg, frames in list(conn.sent.values()):
+                        self._counters["resent"] += 1
+                        again = msgspec.structs.replace(msg, again=True)
+                        await conn.sock.send_multipart([p.encoder.encode(again), *frames], copy=False)
+        finally:
+            _stop_monitor(conn)
 
     async def _reader(self, conn: _Conn) -> None:
         while True:
@@ -588,6 +589,25 @@ class DockClient:
             "in_flight": sum(len(c.pending) for c in self._conns),
             **self._counters,
         }
+
+
+def _stop_monitor(conn: _Conn) -> None:
+    """Stop ``conn``'s link monitor, then close its reading end (idempotent).
+
+    In that order: libzmq's I/O thread hands each monitor event to the monitor's PAIR with a
+    blocking send. Were the reading end closed first while the socket lives on (lingering on close,
+    reconnecting, failing CURVE/PLAIN handshakes against a dock that refuses it), the next event's
+    send would block the context's I/O thread for good, and every later socket on that context
+    (``zmq.asyncio.Context.instance()``, shared by all clients of a process) would never connect."""
+    if conn.monitor is None:
+        return
+    if not conn.sock.closed:
+        try:
+            conn.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+    conn.monitor.close(linger=0)
+    conn.monitor = None
 
 
 def _expect(reply: Any, kind: type[_R], server: str) -> _R:
