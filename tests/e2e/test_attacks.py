@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ DIGITS = REPO / "configs" / "grpo_digits.yaml"
 STEPS = 24
 # what the attacker must not change: every learning figure of every step
 LEARNING = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "entropy")
+SQUATTERS = 12  # the score role has 1 worker + 4 spare client ids (streamrl.dock.authz)
 NO_ANSWER_S = 0.7  # a stranger's request is never answered; this long is the wait for one
 
 
@@ -152,16 +154,18 @@ class Attacker:
         return codes
 
     async def _squat(self, endpoint: str, insider: ClientAuth) -> dict[str, int]:
-        """Client ids with an hour's TTL until the score role's slots run out."""
+        """Client ids with an hour's TTL, all held open at once, until the score role's slots run out."""
         admitted = refused = 0
-        for k in range(64):
-            try:
-                async with DockClient(endpoint, auth=insider, client_id=f"squat-{k}", lease_ttl_s=3600.0,
-                                      request_timeout_s=5, connect_timeout_s=5):
+        async with AsyncExitStack() as held:
+            for k in range(SQUATTERS):
+                try:
+                    await held.enter_async_context(DockClient(
+                        endpoint, auth=insider, client_id=f"squat-{k}", lease_ttl_s=3600.0, request_timeout_s=5,
+                        connect_timeout_s=5))
                     admitted += 1
-            except RemoteError as exc:
-                assert exc.code == "too_many_clients", exc
-                refused += 1
+                except RemoteError as exc:
+                    assert exc.code == "too_many_clients", exc
+                    refused += 1
         return {"admitted": admitted, "refused": refused}
 
 
@@ -191,7 +195,7 @@ def test_an_attacked_run_trains_exactly_like_an_undisturbed_one(tmp_path: Path) 
         "reserve the dock's capacity": "forbidden",
     }, found["insider"]
     # squatting: the score role ran out of its own slots; no other role was affected (the run went on)
-    assert found["squat"]["refused"] >= 1 and found["squat"]["admitted"] < 64, found["squat"]
+    assert found["squat"]["refused"] >= 1 and found["squat"]["admitted"] <= 4, found["squat"]
     # and the run trained exactly as without the attacker
     assert attacked == reference
 
