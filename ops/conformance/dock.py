@@ -468,11 +468,13 @@ class Suite:
         self.drain()
         return None
 
-    def c_n_wire_edges(self) -> None:
+    def c_n_wire_edges(self) -> str | None:
         """The edges of §2 and §4.0: an object value of depth exactly MAX_DEPTH is stored (33 is
         malformed: limits); a req_id that is not an int in [0, 2^63 - 1] (negative, 2^63, a float,
         a bool) is dropped unanswered; a REQ-style empty delimiter frame is dropped unanswered; an
         index of 2^63 or a bool count is malformed, answered with the request's req_id."""
+        if self.args.declared_columns:
+            return "a dock with declared columns refuses the check's own column (run it against one without)"
         (k,) = self.reserve(1)["indices"]
         nested: Any = 0
         for _ in range(MAX_DEPTH):  # a scalar is depth 0, [0] depth 1, ...: this one is depth 32
@@ -499,10 +501,13 @@ class Suite:
         reply, _ = self.ctl.ask({"type": "reserve", "req_id": rid(), "client_id": self.client_id, "n": True})
         expect_error(reply, "malformed")
         self.stats()  # still answering
+        return None
 
-    def c_o_any_frame_layout(self) -> None:
+    def c_o_any_frame_layout(self) -> str | None:
         """§5.2: a receiver accepts any layout that passes the checks, here two tensors of one
         sample packed in one frame at aligned offsets 0 and 32, as streamrl's encoder packs them."""
+        if self.args.declared_columns:
+            return "a dock with declared columns refuses the check's own column (run it against one without)"
         (k,) = self.reserve(1)["indices"]
         first = {"kind": "tensor", "name": self.reads[0], "dtype": "int64", "shapes": [[3]], "frames": [0],
                  "offsets": [0]}
@@ -524,6 +529,7 @@ class Suite:
         expect(struct.unpack("<3q", values[0]) == (k, k + 1, k + 2) and struct.unpack("<2q", values[1]) == (-k, 7),
                f"the packed tensors came back as {values}")
         self.drain()
+        return None
 
     def t_close(self) -> str | None:
         if not self.args.allow_close:
