@@ -46,6 +46,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from streamrl import wire
+
 log = logging.getLogger(__name__)
 
 Mechanism = Literal["plain", "curve"]
@@ -198,6 +200,8 @@ class RoleAuthenticator(ThreadAuthenticator):
         self._lock = threading.Lock()
         self.accepted = 0
         self.refused = 0
+        # a stranger retrying its handshake every 100 ms must not fill the disk: one line a second
+        self._warn = wire.SparseLog(log).warning
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         # the whole decision is ours (pyzmq's would set User-Id to the key, not the role)
@@ -213,8 +217,8 @@ class RoleAuthenticator(ThreadAuthenticator):
             else:
                 self.accepted += 1
         if role is None:
-            log.warning("refused a %s client from %s: not one of this run's roles", mechanism.decode("ascii", "replace"),
-                        address.decode("ascii", "replace"))
+            self._warn("refused", "refused a %s client from %s: not one of this run's roles (%d refused so far)",
+                       mechanism.decode("ascii", "replace"), address.decode("ascii", "replace"), self.refused)
             self._send_zap_reply(request_id, b"400", b"not one of this run's roles")
         else:
             self._send_zap_reply(request_id, b"200", b"OK", role)
@@ -233,6 +237,7 @@ class CurveAllowList:
         self._lock = threading.Lock()
         self.accepted = 0
         self.refused = 0
+        self._warn = wire.SparseLog(log).warning  # one line a second, whatever a stranger retries
 
     def start(self) -> None:
         self._authenticator.start()
@@ -250,7 +255,8 @@ class CurveAllowList:
             else:
                 self.refused += 1
         if not allowed:
-            log.warning("refused a CURVE client whose public key %s is not on the allow-list", client_key.decode())
+            self._warn("refused", "refused a CURVE client whose public key %s is not on the allow-list "
+                       "(%d refused so far)", client_key.decode(), self.refused)
         return allowed
 
     def stop(self) -> None:
