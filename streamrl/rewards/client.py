@@ -801,6 +801,12 @@ class RewardClient:
                         self._server_lost(
                             server, f"silent for more than heartbeat_timeout_s={self.heartbeat_timeout_s}"
                         )
+                        # Dial again: the silence may be a half-open link (it died without a RST or
+                        # FIN), which ZeroMQ never drops by itself (no ZMTP heartbeat on this socket).
+                        # Kept, it swallowed every hello and the server was unusable for good; a
+                        # frozen server gets the fresh connection once it runs again
+                        # (tests/rewards/test_reward_reconnect.py).
+                        self._reconnect(server)
                     else:
                         server.send(Ping(nonce=next(self._nonces)))
 

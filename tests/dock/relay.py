@@ -3,7 +3,9 @@
 ``reset()`` closes every connection through the relay with a TCP RST on both sides (SO_LINGER 0)
 and drops the bytes it was carrying, like a link blip on a real cluster: both peers see the
 connection die, ZeroMQ reconnects underneath (through the relay again: it keeps listening), and
-whatever was in flight is gone. Portable (no ``ss -K``, no privileges), loopback only.
+whatever was in flight is gone. ``stall()`` instead leaves the connections open but carries nothing
+more on them, as in a link that died without a reset (half-open): only a peer's own heartbeat can
+tell, and a fresh connection through the relay works. Portable (no ``ss -K``, no privileges), loopback only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Relay:
         self._lock = threading.Lock()
         self._reset_asked = threading.Event()
         self._paused = threading.Event()
+        self._stall_asked = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="relay", daemon=True)
         self._thread.start()
@@ -39,6 +42,17 @@ class Relay:
         """Stop carrying bytes (they wait in the kernel's buffers) until the next :meth:`reset`,
         which drops them: what was sent meanwhile is lost, as in a link that died silently."""
         self._paused.set()
+
+    def stall(self, timeout_s: float = 5.0) -> int:
+        """Carry nothing more on the connections open now, without closing them (a half-open link);
+        connections made afterwards are carried as usual. Returns how many were stalled."""
+        with self._lock:
+            n = len(self._peer) // 2
+            self._stall_asked.set()
+        deadline = time.monotonic() + timeout_s
+        while self._stall_asked.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return n
 
     def reset(self, timeout_s: float = 5.0) -> int:
         """RST every live connection now (and end a pause); returns how many were cut."""
@@ -91,6 +105,14 @@ class Relay:
                     self.resets += 1
                     self._paused.clear()
                     self._reset_asked.clear()
+            if self._stall_asked.is_set():
+                with self._lock:
+                    for s in self._peer:  # still held (a reset or close cuts them), never read again
+                        try:
+                            self._sel.unregister(s)
+                        except (KeyError, ValueError):
+                            pass
+                    self._stall_asked.clear()
             if self._paused.is_set():
                 time.sleep(0.005)
                 continue
