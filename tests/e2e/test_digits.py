@@ -112,7 +112,7 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
 
 def _check_trace(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """trace.json: a Chrome trace with batch spans of every stage, whose durations add up to the
-    busy time the metrics rows say each stage worked (within 5% + 50 ms)."""
+    busy time the metrics rows say each stage worked (within 5% + 100 ms)."""
     trace = json.loads((run_dir / "trace.json").read_text())
     assert trace["displayTimeUnit"] == "ms" and trace["otherData"]["skipped_lines"] == 0
     events = trace["traceEvents"]
@@ -140,8 +140,12 @@ def _check_trace(run_dir: Path, rows: list[dict[str, Any]]) -> None:
         wall, before = row["elapsed_s"] - before, row["elapsed_s"]
         for s in STAGES:
             in_rows[s] += row[f"busy/{s}"] * wall
+    # The rows' window ends when the launcher has written (and fsynced) the last row, which the
+    # trainer waits for before it commits the step's checkpoint: on a loaded machine up to ~0.1 s
+    # after the last optimizer step's span, time in which e.g. score keeps working on the samples
+    # generated ahead. Hence 100 ms on top of the 5 %.
     for s in STAGES:
-        assert abs(in_spans[s] - in_rows[s]) <= 0.05 * in_spans[s] + 0.05, (s, in_spans, in_rows)
+        assert abs(in_spans[s] - in_rows[s]) <= 0.05 * in_spans[s] + 0.1, (s, in_spans, in_rows)
     assert in_spans["train"] > 0.1 and in_spans["generate"] > 0.1
 
 
