@@ -12,7 +12,6 @@ Every wait is bounded (1-2 s).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,6 +20,7 @@ import pytest
 import torch
 import zmq
 
+from ops.fuzz.servers import rss_mib
 from ops.fuzz.zmtp import send_endless_message
 from streamrl import security
 from streamrl.dock import protocol as p
@@ -270,23 +270,17 @@ def test_no_secret_in_a_repr_and_each_worker_holds_its_own_role_only() -> None:
             creds.client("stage:other")
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
 
 def test_a_strangers_endless_multipart_message_never_gets_in(dock: LocalDock) -> None:
     """libzmq bounds no message's frame count (docs/reliability.md, "Multipart floods"); the run's
     authentication is what holds, PLAIN (a launched local run's default) as CURVE: a stranger's
     greeting is refused before any frame is read, so the controller and warehouse stay flat."""
-    before = {pid: _rss_mib(pid) for pid in dock.pids}
+    before = {pid: rss_mib(pid) for pid in dock.pids}
     for endpoint in [dock.controller_endpoint, *dock.warehouse_endpoints]:
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
         for _ in range(10):
             sent, closed = send_endless_message(host, int(port), 16 << 20, timeout_s=10)
             assert closed and sent == 0, f"a stranger got {sent} bytes of frames into {endpoint}"
-    grown = {pid: _rss_mib(pid) - mib for pid, mib in before.items()}
+    grown = {pid: rss_mib(pid) - mib for pid, mib in before.items()}
     assert all(g < 16 for g in grown.values()), f"MiB grown per dock server under refused floods: {grown}"
     assert dock.alive()

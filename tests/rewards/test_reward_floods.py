@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import zmq
 
+from ops.fuzz.servers import rss_mib
 from ops.fuzz.zmtp import hold_connections, send_endless_message
 from streamrl import wire
 from tests.rewards.conftest import LOOPBACK, ServerProcess, Servers
@@ -136,12 +137,6 @@ def _port(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
 
 HELD = 1100  # the tester's count: past the common soft fd limit of 1024
 
@@ -173,11 +168,11 @@ def test_a_stranger_cannot_flood_a_curve_server(servers: Servers, tmp_path: Path
                           capture_output=True, text=True, timeout=30)
     assert made.returncode == 0, made.stderr
     server = servers.reward_server(LENGTH, "--curve-secret-key", str(keys / "server.key_secret"))
-    before = _rss_mib(server.proc.pid)
+    before = rss_mib(server.proc.pid)
     for _ in range(20):
         sent, closed = send_endless_message("127.0.0.1", _port(server.endpoint), 16 << 20, timeout_s=10)
         assert closed and sent == 0, f"a stranger got {sent} bytes of frames into a CURVE server"
-    grown = _rss_mib(server.proc.pid) - before
+    grown = rss_mib(server.proc.pid) - before
     assert grown < 16, f"the CURVE server grew {grown:.0f} MiB under 20 refused floods"
     assert server.proc.poll() is None
 
