@@ -46,12 +46,15 @@ class RunMetrics:
         self.restarts: dict[str, int] = {}  # "<stage>-<worker>" process name -> times it was restarted
         self.busy_tracker = BusyTracker({s.name: s.workers for s in pipeline.stages})
         self.t_go = 0.0  # monotonic time of Go (training started)
+        self.t_go_wall = 0.0  # the same moment on the wall clock, which the workers' reports use
         self.t_progress = 0.0  # the last optimizer step (or Go)
         self.time_to_target: float | None = None
+        self._last_elapsed = 0.0  # the previous training row's elapsed_s
 
     def go(self) -> None:
         """Training starts now: step times and elapsed_s count from here."""
         self.t_go = self.t_progress = time.monotonic()
+        self.t_go_wall = time.time()
 
     def on_step(self, step: int, metrics: dict[str, float], measured_at: float = 0.0, *,
                 durable: bool = False) -> None:
@@ -60,9 +63,14 @@ class RunMetrics:
         only of the launcher, then leaves no checkpoint ahead of the rows)."""
         now = time.monotonic()
         self.t_progress = now
-        row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(now - self.t_go, 4)}
-        wall_now = time.time()  # busy/<stage>: the fraction of the step's wall time each stage worked
-        row.update(self.busy_tracker.step(measured_at or wall_now, go=wall_now - (now - self.t_go)))
+        # elapsed_s: from Go to the end of the step as the trainer measured it (not when its report
+        # arrived here, which can lag on a loaded machine), so that a row's elapsed_s and its
+        # busy/<stage> fractions share one window: busy seconds = fraction x the gap in elapsed_s.
+        ended = measured_at or time.time()
+        busy = self.busy_tracker.step(ended, go=self.t_go_wall)
+        elapsed = max(ended - self.t_go_wall, self._last_elapsed)
+        self._last_elapsed = elapsed
+        row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(elapsed, 4), **busy}
         for (stage, k), values in sorted(self.stage_metrics.items()):
             for name, v in values.items():
                 key = f"{stage}/{name}" if self.pipeline.stage(stage).workers == 1 else f"{stage}/{k}/{name}"
@@ -71,7 +79,7 @@ class RunMetrics:
             row[f"restarts/{name}"] = n
         target = self.cfg.algo.stop_reward
         if target is not None and self.time_to_target is None and metrics.get("reward_mean", -1e9) >= target:
-            self.time_to_target = now - self.t_go
+            self.time_to_target = elapsed
         self.train_rows.append(row)
         self.metrics.write(row)
         if durable:
