@@ -18,6 +18,7 @@ need the pipeline, the task or the model run afterwards in ``load_pipeline``
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import os
 import re
@@ -146,8 +147,13 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_decay: Annotated[float, Meta(description="AdamW's decoupled weight decay")] = 0.0
     max_grad_norm: Annotated[float | None, Meta(description=(
         "Clip the global gradient norm to this; null = no clipping"))] = 1.0
-    normalize_std: Annotated[bool, Meta(description=(
-        "Divide group-centred rewards by the group's std (GRPO); false = Dr.GRPO"))] = True
+    advantage: Annotated[str, Meta(description=(
+        "The advantage estimator the advantage stage calls on each group's rewards: grpo (centred, divided by "
+        "the group's std), dr_grpo (centred only), rloo (leave-one-out baseline), reinforce_pp (group mean "
+        "removed, then whitened over the micro-batch) or module:function (docs/algorithms.md)"))] = "grpo"
+    advantage_options: Annotated[dict[str, Any], Meta(description=(
+        "Keyword arguments of the advantage estimator, e.g. {eps: 1e-4}; checked against its signature when "
+        "the config loads"))] = msgspec.field(default_factory=dict)
     loss: Annotated[LossConfig, Meta(description="The policy loss's hyper-parameters")] = (
         msgspec.field(default_factory=LossConfig))
     old_logprobs: Annotated[Literal["rollout", "recompute"], Meta(description=(
@@ -158,8 +164,7 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "generated with the weights of step s). k >= 1: generation runs up to k policy versions ahead of "
         "training; the trainer drops anything older. Off-policy samples are "
         "corrected against their rollout logprobs: by the clipped ratio pi/pi_rollout (old_logprobs: rollout), "
-        "or with old_logprobs: recompute by the truncated importance weight min(pi_old/pi_rollout, "
-        "loss.tis_cap)"))] = 0
+        "or with old_logprobs: recompute by loss.correction's importance weight (capped at loss.is_cap)"))] = 0
     stop_reward: Annotated[float | None, Meta(description=(
         "Stop early once a step's mean reward >= this; null = run every step"))] = None
 
@@ -335,6 +340,10 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A run: the pipeline it runs and every setting of its stages."""
 
+    preset: Annotated[str | None, Meta(description=(
+        "A named algorithm whose settings this config starts from (its own values win): grpo, dr_grpo, rloo, "
+        "reinforce_pp, gspo, cispo (streamrl/algos/presets/<name>.yaml), or a path to a YAML file of "
+        "config fields; null = the defaults"))] = None
     pipeline: Annotated[str, Meta(description=(
         "The pipeline file (the stage graph), relative to the config file, the cwd, or the package"))] = (
         "pipelines/grpo.yaml")
@@ -365,6 +374,24 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return cap if cap is not None else (self.algo.max_staleness + 2) * self.batch_size
 
 
+def _advantage_rules(a: AlgoConfig) -> list[tuple[bool, str]]:
+    """algo.advantage names a registered estimator or a module:function that takes the options."""
+    from streamrl.algos.advantages import ADVANTAGES
+    from streamrl.algos.registry import UnknownAlgorithmError
+
+    try:
+        estimator = ADVANTAGES.resolve(a.advantage)
+    except UnknownAlgorithmError as exc:
+        return [(False, f"algo.advantage: {exc}")]
+    try:
+        inspect.signature(estimator).bind(rewards=None, group_ids=None, **a.advantage_options)
+    except TypeError as exc:
+        return [(False, f"algo.advantage_options {sorted(a.advantage_options)} do not fit {a.advantage!r}: {exc}")]
+    except ValueError:  # no signature to check
+        pass
+    return []
+
+
 def _check(cfg: RunConfig) -> list[str]:
     """Cross-field and range checks of the config alone (no files, no imports): the message of
     every failing rule, each starting with its dotted key and saying what to write instead. Checks
@@ -375,8 +402,12 @@ def _check(cfg: RunConfig) -> list[str]:
         (a.steps >= 1, f"algo.steps must be >= 1, got {a.steps}"),
         (a.prompts_per_step >= 1, f"algo.prompts_per_step must be >= 1, got {a.prompts_per_step}"),
         (a.group_size >= 1, f"algo.group_size must be >= 1, got {a.group_size}"),
-        (a.group_size >= 2 or not a.normalize_std,
-         "algo.group_size must be >= 2 to normalise rewards in a group (or set algo.normalize_std: false)"),
+        (a.group_size >= 2 or a.advantage not in ("grpo", "rloo"),
+         f"algo.group_size must be >= 2 for algo.advantage: {a.advantage} (it compares the samples of a group)"),
+        *_advantage_rules(a),
+        (not (a.max_staleness > 0 and a.old_logprobs == "recompute" and a.loss.is_cap is None),
+         "algo.max_staleness > 0 with algo.old_logprobs: recompute trains on off-policy samples without a "
+         "correction: set algo.loss.is_cap (e.g. 2.0), or algo.old_logprobs: rollout"),
         (a.max_new_tokens >= 1, f"algo.max_new_tokens must be >= 1, got {a.max_new_tokens}"),
         (a.temperature > 0 and math.isfinite(a.temperature), f"algo.temperature must be > 0 and finite, got {a.temperature}"),
         (0 < a.top_p <= 1, f"algo.top_p must be in (0, 1] (1.0 = off), got {a.top_p}"),
@@ -786,6 +817,35 @@ def _drop(raw: dict[str, Any], key: str) -> dict[str, Any]:
     return out
 
 
+PRESETS_DIR = Path(__file__).parent / "algos" / "presets"
+
+
+def preset_names() -> list[str]:
+    """The named algorithm presets shipped with streamrl."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def read_preset(name: object, config_dir: Path) -> dict[str, Any]:
+    """The config fields of preset ``name``: a shipped preset's name, or a YAML file's path
+    (relative to the config's directory or the cwd). A preset names no preset itself."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"preset must be a preset's name or a YAML file's path, got {name!r}")
+    if name.endswith((".yaml", ".yml")):
+        candidates = [config_dir / name, Path(name)]
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            raise ConfigError(f"preset: no such file {name!r} (looked in {config_dir} and the cwd)")
+    else:
+        path = PRESETS_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"preset: unknown preset {name!r}{did_you_mean(name, preset_names())}; presets: "
+                              f"{', '.join(preset_names())}, or a YAML file's path")
+    raw = read_yaml_mapping(path, "preset", "a mapping of config fields (key: value lines)")
+    if "preset" in raw:
+        raise ConfigError(f"{path}: a preset cannot name another preset (preset: {raw['preset']!r})")
+    return raw
+
+
 def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list[str] | None = None) -> RunConfig:
     """A validated RunConfig from a YAML path, a dict or a RunConfig, with ``key=value`` overrides.
 
@@ -811,6 +871,8 @@ def load_config(source: str | Path | dict[str, Any] | RunConfig, overrides: list
         parsed = parse_overrides(overrides)
         overridden = {item.partition("=")[0] for item in overrides}
         raw = _merge(raw, parsed)
+    if raw.get("preset") is not None:
+        raw = _merge(read_preset(raw["preset"], Path(str(raw.get("config_dir", ".")))), raw)
     out = _Problems(where, lines, overridden)
     _field_problems(raw, RunConfig, [], out, raw)
     good = raw

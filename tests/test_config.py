@@ -115,7 +115,7 @@ def test_an_out_of_range_value_names_the_field(override: str, field: str) -> Non
 
 
 def test_group_size_one_is_allowed_without_std_normalisation() -> None:
-    cfg = load_config({"algo": {"group_size": 1, "normalize_std": False}})
+    cfg = load_config({"algo": {"group_size": 1, "advantage": "dr_grpo"}})
     assert cfg.algo.group_size == 1
 
 
@@ -234,3 +234,40 @@ def test_load_config_accepts_a_runconfig_and_applies_overrides() -> None:
     again = load_config(base, ["algo.steps=3"])
     assert again.algo.steps == 3 and base.algo.steps == 300
     assert again.model == base.model
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo"])
+def test_every_preset_loads_and_its_own_values_win(name: str) -> None:
+    from streamrl.algos import ADVANTAGES, POLICY_LOSSES
+    from streamrl.config import preset_names, read_preset
+
+    assert name in preset_names()
+    fields = read_preset(name, Path("."))["algo"]
+    cfg = load_config({"preset": name})
+    assert cfg.algo.advantage == fields["advantage"] and cfg.algo.advantage in ADVANTAGES
+    assert cfg.algo.loss.policy_loss == fields["loss"]["policy_loss"] and cfg.algo.loss.policy_loss in POLICY_LOSSES
+    assert cfg.algo.loss.loss_agg == fields["loss"]["loss_agg"]
+    # the config's own values win over the preset's, and an override wins over both
+    mine = load_config({"preset": name, "algo": {"loss": {"clip_high": 0.5}, "steps": 7}}, ["algo.steps=9"])
+    assert (mine.algo.loss.clip_high, mine.algo.steps, mine.algo.advantage) == (0.5, 9, cfg.algo.advantage)
+    # the resolved config (what a run writes as config.yaml) reloads to the same config
+    assert load_config(msgspec.to_builtins(mine)) == mine
+
+
+def test_presets_set_what_their_papers_say() -> None:
+    gspo, cispo, dr = (load_config({"preset": p}).algo for p in ("gspo", "cispo", "dr_grpo"))
+    assert (gspo.loss.clip_low, gspo.loss.clip_high) == (3e-4, 4e-4)
+    assert (cispo.loss.clip_low, cispo.loss.clip_high) == (1.0, 0.28)
+    assert dr.loss.loss_agg == "seq-mean-token-sum-norm" and dr.advantage == "dr_grpo"
+
+
+def test_a_preset_may_be_a_file_next_to_the_config(tmp_path: Path) -> None:
+    (tmp_path / "mine.yaml").write_text("algo:\n  advantage: rloo\n  loss: {policy_loss: cispo}\n")
+    (tmp_path / "run.yaml").write_text("preset: mine.yaml\nalgo:\n  steps: 3\n")
+    cfg = load_config(tmp_path / "run.yaml")
+    assert (cfg.algo.advantage, cfg.algo.loss.policy_loss, cfg.algo.steps) == ("rloo", "cispo", 3)
+
+
+def test_a_user_advantage_estimator_and_its_options_are_checked_at_load() -> None:
+    cfg = load_config({"algo": {"advantage": "streamrl.algos.advantages:grpo", "advantage_options": {"eps": 0.1}}})
+    assert cfg.algo.advantage_options == {"eps": 0.1}

@@ -49,7 +49,7 @@ def main() -> None:
 
         os.environ["PYTHONPATH"] = f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         cfg = {"pipeline": str(pipe), "algo": {"steps": 1, "prompts_per_step": args.micro_batch, "group_size": 1,
-                                                 "normalize_std": False},
+                                                 "advantage": "dr_grpo"},
                "resources": {"dock": {"capacity": args.micro_batch * 8}},
                "output": {"run_dir": tmp, "name": "overlap", "tensorboard": False, "plot": False,
                           "checkpoint": False, "progress": "none"}}

@@ -1,28 +1,32 @@
-"""streamrl.algos: GRPO / PPO-clip maths as pure tensor functions."""
+"""streamrl.algos: the algorithm pieces as pure tensor functions, in registries called by name."""
 
+from streamrl.algos.advantages import ADVANTAGES
 from streamrl.algos.grpo import (
     LOSS_AGGREGATIONS,
     LossConfig,
     aggregate_loss,
-    clipped_policy_loss,
     group_advantages,
     loss_denominator,
     per_token_loss,
-    truncated_is_weights,
     unnormalized_loss,
 )
 from streamrl.algos.kl import KL_ESTIMATORS, kl_penalty
+from streamrl.algos.losses import CORRECTIONS, POLICY_LOSSES
+from streamrl.algos.registry import Registry, UnknownAlgorithmError
 
 __all__ = [
+    "ADVANTAGES",
+    "CORRECTIONS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
     "LossConfig",
+    "Registry",
+    "UnknownAlgorithmError",
     "aggregate_loss",
-    "clipped_policy_loss",
     "group_advantages",
     "kl_penalty",
     "loss_denominator",
     "per_token_loss",
-    "truncated_is_weights",
     "unnormalized_loss",
 ]

@@ -1,4 +1,4 @@
-"""GRPO maths as pure tensor functions: advantages, clipped policy loss, KL, aggregation.
+"""The policy objective as pure tensor functions: GRPO advantages, the per-token loss, aggregation.
 
 Conventions: per-token tensors are flat [N] over all response tokens of a (micro-)batch, with
 ``seq_index`` [N] saying which sequence each token belongs to (0..S-1). Log-probabilities are of
@@ -22,18 +22,32 @@ from msgspec import Meta
 from torch import Tensor
 
 from streamrl.algos.kl import KLEstimator, kl_penalty
+from streamrl.algos.losses import CORRECTIONS, POLICY_LOSSES
+from streamrl.algos.registry import UnknownAlgorithmError
 
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm")
 
 
 class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Hyper-parameters of the GRPO / PPO-clip objective (validated at construction).
+    """Hyper-parameters of the policy objective (validated at construction).
 
     Defaults are TRL GRPOTrainer's (loss_type "dapo" = token-mean, epsilon 0.2, beta 0).
+    ``policy_loss`` and ``correction`` name functions of :mod:`streamrl.algos.losses`'
+    registries (or a user's ``module:function``); the trainer calls them and knows no algorithm.
     """
 
-    clip_low: Annotated[float, Meta(description="The ratio's floor is 1 - clip_low (PPO epsilon), in [0, 1)")] = 0.2
+    policy_loss: Annotated[str, Meta(description=(
+        "The per-token policy loss: ppo_clip (PPO's clipped ratio; clip_high > clip_low = DAPO's clip-higher), "
+        "gspo (sequence-level ratio), cispo (clipped importance weight times logprob), or module:function "
+        "(docs/algorithms.md)"))] = "ppo_clip"
+    dual_clip: Annotated[float | None, Meta(description=(
+        "Dual-clip PPO's c (> 1): a token with negative advantage loses at most c x |advantage|, so a huge "
+        "ratio on an off-policy token cannot dominate the step; null = off"))] = None
+
+    clip_low: Annotated[float, Meta(description=(
+        "The ratio's floor is 1 - clip_low (PPO epsilon), in [0, 1]; 1 = no floor (CISPO)"))] = 0.2
     clip_high: Annotated[float, Meta(description=(
         "The ratio's ceiling is 1 + clip_high; above clip_low = DAPO's clip-higher"))] = 0.2
     kl_coef: Annotated[float, Meta(description=(
@@ -43,12 +57,18 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         "k1: log-ratio, k2: squared log-ratio / 2, k3: Schulman's unbiased estimator"))] = "k3"
     loss_agg: Annotated[LossAggregation, Meta(description=(
         "How per-token losses become one number per step: token-mean (mean over all its tokens), "
-        "seq-mean-token-mean (mean over sequences of each one's token mean) or seq-mean-token-sum (mean over "
-        "sequences of each one's token sum)"))] = "token-mean"
-    tis_cap: Annotated[float | None, Meta(description=(
-        "Cap on the truncated importance weight exp(old - rollout) applied when the trainer recomputed old "
-        "logprobs and they differ from the behaviour (rollout) ones: off-policy samples or an inference engine "
-        "whose numerics differ. null = no correction"))] = 2.0
+        "seq-mean-token-mean (mean over sequences of each one's token mean), seq-mean-token-sum (mean over "
+        "sequences of each one's token sum) or seq-mean-token-sum-norm (Dr.GRPO: token sums over a constant, "
+        "sequences x norm_tokens, so a sequence's length does not scale its tokens' weight)"))] = "token-mean"
+    norm_tokens: Annotated[int | None, Meta(description=(
+        "The constant token count of seq-mean-token-sum-norm (tokens); null = algo.max_new_tokens"))] = None
+    correction: Annotated[str, Meta(description=(
+        "Off-policy correction when the trainer recomputed old logprobs and they differ from the behaviour "
+        "(rollout) ones (off-policy samples, or an inference engine whose numerics differ): tis (truncated "
+        "importance weight min(exp(old - rollout), is_cap)), mis (masked: tokens whose weight exceeds is_cap "
+        "are dropped) or module:function"))] = "tis"
+    is_cap: Annotated[float | None, Meta(description=(
+        "The importance weight's cap of the correction; null = no correction"))] = 2.0
     temperature: Annotated[float, Meta(description=(
         "Sampling temperature; logprobs are recomputed at the same one (leave it out: it must equal "
         "algo.temperature)"))] = 1.0
@@ -56,14 +76,23 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         "Report the policy's mean entropy (costs one pass over the vocabulary)"))] = True
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"LossConfig.clip_low must be in [0, 1), got {self.clip_low}")
+        if not 0.0 <= self.clip_low <= 1.0:
+            raise ValueError(f"LossConfig.clip_low must be in [0, 1] (1: no floor), got {self.clip_low}")
         if not self.clip_high >= 0.0:
             raise ValueError(f"LossConfig.clip_high must be >= 0, got {self.clip_high}")
         if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
             raise ValueError(f"LossConfig.kl_coef must be a finite number >= 0, got {self.kl_coef}")
-        if self.tis_cap is not None and not self.tis_cap > 0.0:
-            raise ValueError(f"LossConfig.tis_cap must be > 0 or None (no correction), got {self.tis_cap}")
+        if self.is_cap is not None and not self.is_cap > 0.0:
+            raise ValueError(f"LossConfig.is_cap must be > 0 or None (no correction), got {self.is_cap}")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"LossConfig.dual_clip must be > 1 (e.g. 3.0) or None (off), got {self.dual_clip}")
+        if self.norm_tokens is not None and self.norm_tokens < 1:
+            raise ValueError(f"LossConfig.norm_tokens must be >= 1 or None (algo.max_new_tokens), got {self.norm_tokens}")
+        for name, registry in (("policy_loss", POLICY_LOSSES), ("correction", CORRECTIONS)):
+            try:
+                registry.resolve(getattr(self, name))
+            except UnknownAlgorithmError as exc:
+                raise ValueError(f"LossConfig.{name}: {exc}") from None
         if not self.temperature > 0.0:
             raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
 
@@ -95,32 +124,14 @@ def group_advantages(
     return centred / (std[inverse] + eps)
 
 
-def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float) -> Tensor:
-    """min(exp(old - rollout), cap) per token, no gradient (truncated importance sampling)."""
-    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+def zero_at_zero_advantage(config: LossConfig) -> bool:
+    """Whether a sample with advantage 0 has exactly zero loss and gradient under ``config``: true
+    for the built-in policy losses without a KL term, so the trainer may skip such samples (a
+    GRPO group whose rewards are all equal costs nothing). A user's loss is always computed."""
+    return config.kl_coef == 0.0 and config.policy_loss in ZERO_AT_ZERO_ADVANTAGE
 
 
-def clipped_policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Per-token PPO-clip loss max(-A·r, -A·clip(r, 1-clip_low, 1+clip_high)), r = exp(logp - old).
-
-    Returns (loss [N], clipped [N] bool: the clipped branch was the larger one, so no gradient).
-    ``is_weights`` multiplies the loss per token (truncated importance sampling).
-    """
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    if is_weights is not None:
-        loss = loss * is_weights
-    return loss, (clipped > unclipped).detach()
+ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "cispo"})
 
 
 def per_token_loss(
@@ -128,32 +139,40 @@ def per_token_loss(
     advantages: Tensor,
     config: LossConfig,
     *,
+    seq_index: Tensor | None = None,
     old_logprobs: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The GRPO per-token loss and per-token statistics (all [N]).
+    """The per-token loss of ``config.policy_loss`` and per-token statistics (all [N]).
 
-    ``advantages`` is per token (a sequence's scalar repeated). The ratio is taken against
-    ``old_logprobs`` when given (trainer recomputation), else against ``rollout_logprobs``, else
-    against the detached current logprobs (single on-policy update, ratio 1, as TRL with
-    num_iterations=1). With both old and rollout logprobs and ``config.tis_cap`` set, the loss is
-    weighted by min(exp(old - rollout), cap).
+    ``advantages`` is per token (a sequence's scalar repeated); ``seq_index`` says which sequence
+    each token is of (default: one sequence). The ratio is taken against ``old_logprobs`` when
+    given (trainer recomputation), else against ``rollout_logprobs``, else against the detached
+    current logprobs (single on-policy update, ratio 1, as TRL with num_iterations=1). With both
+    old and rollout logprobs and ``config.is_cap`` set, the loss is weighted per token by
+    ``config.correction``'s importance weights; with ``ref_logprobs`` and ``kl_coef`` > 0 the KL
+    penalty is added.
     """
     stats: dict[str, Tensor] = {}
     is_weights = None
+    if seq_index is None:
+        seq_index = torch.zeros_like(logprobs, dtype=torch.long)
     if old_logprobs is not None:
-        if rollout_logprobs is not None and config.tis_cap is not None:
-            is_weights = truncated_is_weights(old_logprobs, rollout_logprobs, config.tis_cap)
+        if rollout_logprobs is not None and config.is_cap is not None:
+            correct = CORRECTIONS.resolve(config.correction)
+            is_weights = correct(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, cap=config.is_cap)
             stats["is_weight"] = is_weights
         behaviour = old_logprobs
     elif rollout_logprobs is not None:
         behaviour = rollout_logprobs
     else:
         behaviour = logprobs.detach()
-    loss, clipped = clipped_policy_loss(
-        logprobs, behaviour, advantages, clip_low=config.clip_low, clip_high=config.clip_high, is_weights=is_weights
-    )
+    policy_loss = POLICY_LOSSES.resolve(config.policy_loss)
+    loss, clipped = policy_loss(logprobs=logprobs, old_logprobs=behaviour, advantages=advantages,
+                                seq_index=seq_index, config=config)
+    if is_weights is not None:
+        loss = loss * is_weights
     stats["clipped"] = clipped.to(torch.float32)
     delta = (logprobs - behaviour).detach()
     stats["approx_kl"] = 0.5 * delta * delta  # KL(behaviour || current), second-order estimate
@@ -176,26 +195,31 @@ def unnormalized_loss(per_token: Tensor, seq_index: Tensor, n_seqs: int, mode: L
 
     token-mean: Σ_t ℓ_t (denominator: tokens). seq-mean-token-mean: Σ_s mean_t ℓ_st
     (denominator: sequences; an empty sequence adds 0). seq-mean-token-sum: Σ_s Σ_t ℓ_st
-    (denominator: sequences).
+    (denominator: sequences). seq-mean-token-sum-norm: Σ_s Σ_t ℓ_st (denominator: sequences x a
+    constant token count, Dr.GRPO's).
     """
     if mode == "seq-mean-token-mean":
         lengths = _lengths_from_index(seq_index, n_seqs).clamp(min=1.0)
         return (per_token / lengths[seq_index]).sum()
-    if mode in ("token-mean", "seq-mean-token-sum"):
+    if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         return per_token.sum()
     raise ValueError(f"loss aggregation {mode!r} is not one of {list(LOSS_AGGREGATIONS)}")
 
 
-def loss_denominator(mode: LossAggregation, tokens: int, sequences: int) -> int:
-    """What the summed loss/gradient of a whole optimizer step is divided by."""
+def loss_denominator(mode: LossAggregation, tokens: int, sequences: int, norm_tokens: int = 1) -> int:
+    """What the summed loss/gradient of a whole optimizer step is divided by (``norm_tokens``:
+    seq-mean-token-sum-norm's constant)."""
     if mode == "token-mean":
         return tokens
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return sequences
+    if mode == "seq-mean-token-sum-norm":
+        return sequences * norm_tokens
     raise ValueError(f"loss aggregation {mode!r} is not one of {list(LOSS_AGGREGATIONS)}")
 
 
-def aggregate_loss(per_token: Tensor, seq_index: Tensor, n_seqs: int, mode: LossAggregation) -> Tensor:
+def aggregate_loss(per_token: Tensor, seq_index: Tensor, n_seqs: int, mode: LossAggregation,
+                   norm_tokens: int = 1) -> Tensor:
     """The normalised loss of a whole batch at once (reference for the streamed form)."""
-    denominator = loss_denominator(mode, per_token.numel(), n_seqs)
+    denominator = loss_denominator(mode, per_token.numel(), n_seqs, norm_tokens)
     return unnormalized_loss(per_token, seq_index, n_seqs, mode) / max(denominator, 1)

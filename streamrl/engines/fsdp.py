@@ -63,6 +63,7 @@ from streamrl.algos.grpo import (
     loss_denominator,
     per_token_loss,
     unnormalized_loss,
+    zero_at_zero_advantage,
 )
 from streamrl.engines.packing import DEFAULT_MAX_ROW_TOKENS, ForwardPath, ResponseForward, flat_response_index
 from streamrl.engines.parallel import (
@@ -318,13 +319,17 @@ class FSDPTrainEngine:
         sums = self._sums
         sums.mode = loss_config.loss_agg
         sums.micro_batches += 1
-        all_tokens = sum(s.response_ids.numel() for s in batch)
+        all_tokens = sum(s.trained_tokens() for s in batch)  # loss_mask 0-tokens are not in the loss
         all_seqs = len(batch)
-        local_denominator = max(loss_denominator(loss_config.loss_agg, all_tokens, all_seqs), 1)
-        if loss_config.kl_coef == 0.0:
-            # A zero advantage gives an exactly zero loss and gradient (no KL term): count only.
-            active = [s for s in batch if s.advantage != 0.0]
-            sums.skipped_tokens += all_tokens - sum(s.response_ids.numel() for s in active)
+        norm_tokens = loss_config.norm_tokens or 1
+        if sums.norm_tokens not in (None, norm_tokens):
+            raise ValueError(f"norm_tokens changed within one optimizer step ({sums.norm_tokens} -> {norm_tokens})")
+        sums.norm_tokens = norm_tokens
+        local_denominator = max(loss_denominator(loss_config.loss_agg, all_tokens, all_seqs, norm_tokens), 1)
+        if zero_at_zero_advantage(loss_config):
+            # A zero advantage gives an exactly zero loss and gradient (built-in loss, no KL term): count only.
+            active = [s for s in batch if s.has_signal()]
+            sums.skipped_tokens += all_tokens - sum(s.trained_tokens() for s in active)
             sums.skipped_sequences += all_seqs - len(active)
             if not active:
                 self._zero_backward()
@@ -337,16 +342,26 @@ class FSDPTrainEngine:
             [s.prompt_ids for s in batch], [s.response_ids for s in batch], loss_config.temperature,
             entropy=loss_config.compute_entropy,
         )
+        # Only the tokens the policy sampled are trained (loss_mask 1): the others are dropped here,
+        # so the loss, its denominators and every statistic count trained tokens only.
+        keep: Tensor | None = None
+        if any(s.loss_mask is not None for s in batch):
+            keep = torch.cat([s.loss_mask.to(torch.bool) if s.loss_mask is not None
+                              else torch.ones(s.response_ids.numel(), dtype=torch.bool) for s in batch]).to(device)
+            logp, seq_index = logp[keep], seq_index[keep]
+            entropy = entropy[keep] if entropy is not None else None
         n_tokens, n_seqs = logp.numel(), len(batch)
 
         def column(name: str) -> Tensor | None:
             if getattr(batch[0], name) is None:
                 return None
-            return torch.cat([getattr(s, name) for s in batch]).to(device=device, dtype=torch.float32)
+            values = torch.cat([getattr(s, name) for s in batch]).to(device=device, dtype=torch.float32)
+            return values if keep is None else values[keep]
 
-        advantages = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=device)[seq_index]
+        advantages = torch.cat([s.token_advantages() for s in batch]).to(device)
+        advantages = advantages if keep is None else advantages[keep]
         per_token, stats = per_token_loss(
-            logp, advantages, loss_config, old_logprobs=column("old_logprobs"),
+            logp, advantages, loss_config, seq_index=seq_index, old_logprobs=column("old_logprobs"),
             rollout_logprobs=column("rollout_logprobs"), ref_logprobs=column("ref_logprobs"),
         )
         loss_sum = unnormalized_loss(per_token, seq_index, n_seqs, loss_config.loss_agg)
@@ -455,7 +470,8 @@ class FSDPTrainEngine:
         mode = modes[0]
         all_tokens = int(tokens + skipped_tokens) if global_tokens is None else global_tokens
         all_seqs = int(seqs + skipped_seqs) if global_sequences is None else global_sequences
-        denominator = loss_denominator(mode, all_tokens, all_seqs)  # type: ignore[arg-type]
+        # seq-mean-token-sum-norm's constant: the same on every rank (the step's LossConfig)
+        denominator = loss_denominator(mode, all_tokens, all_seqs, self._sums.norm_tokens or 1)  # type: ignore[arg-type]
         grads = [local(p.grad) for p in self.params if p.grad is not None]
         if denominator > 0 and grads:
             torch._foreach_div_(grads, float(denominator))

@@ -1,4 +1,6 @@
-"""The advantage stage: GRPO group normalisation. Claims whole groups only (``whole_groups: true``)."""
+"""The advantage stage: calls the config's advantage estimator (``algo.advantage``, a name in
+:data:`streamrl.algos.advantages.ADVANTAGES` or ``module:function``) on whole groups of rewards.
+Claims whole groups only (``whole_groups: true``), so every estimator sees each group entire."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from typing import Any
 
 import torch
 
-from streamrl.algos.grpo import group_advantages
+from streamrl.algos.advantages import ADVANTAGES
 from streamrl.runtime.pipeline import NoOptions
 from streamrl.runtime.stage import Batch, StageContext
 
@@ -19,10 +21,17 @@ class AdvantageStage:
         self.ctx = ctx
         if not ctx.spec.whole_groups:
             raise ValueError("the advantage stage normalises within groups: set whole_groups: true in the pipeline")
+        algo = ctx.config.algo
+        self.estimator = ADVANTAGES.resolve(algo.advantage)
+        self.options = dict(algo.advantage_options)
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         rewards = torch.tensor([float(r) for r in batch.columns["reward"]])
-        adv = group_advantages(rewards, torch.tensor(batch.groups), self.ctx.config.algo.normalize_std)
+        adv = self.estimator(rewards=rewards, group_ids=torch.tensor(batch.groups), **self.options)
+        if not isinstance(adv, torch.Tensor) or adv.shape != rewards.shape or not bool(torch.isfinite(adv).all()):
+            got = f"shape {tuple(adv.shape)}" if isinstance(adv, torch.Tensor) else type(adv).__name__
+            raise ValueError(f"advantage estimator {self.ctx.config.algo.advantage!r} returned {got}; it must return "
+                             f"a finite tensor of one advantage per sample, shape {tuple(rewards.shape)}")
         return {"advantage": adv.tolist()}
 
     async def close(self) -> None:

@@ -127,7 +127,8 @@ class TrainStage:
             tp_mesh = self.engine.tp_mesh
             assert tp_mesh is not None
             self.channel = ReplicaChannel(tp_mesh.get_group(), self.rank - self.rank % self.tp)
-        self.loss_config = msgspec.structs.replace(a.loss, temperature=a.temperature)
+        self.loss_config = msgspec.structs.replace(a.loss, temperature=a.temperature,
+                                                   norm_tokens=a.loss.norm_tokens or a.max_new_tokens)
         self.version = 0
         self.with_keys = "sample_key" in ctx.spec.reads  # which samples a checkpoint has trained on
         self.trained = TrainedKeys()

@@ -10,14 +10,21 @@ import torch
 from streamrl.algos.grpo import (
     LossConfig,
     aggregate_loss,
-    clipped_policy_loss,
     group_advantages,
     loss_denominator,
     per_token_loss,
-    truncated_is_weights,
     unnormalized_loss,
 )
 from streamrl.algos.kl import kl_penalty
+from streamrl.algos.losses import ppo_clip, truncated_is
+
+
+def clipped_policy_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, *, clip_low: float,
+                        clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ppo_clip policy loss with only the clip range set."""
+    cfg = LossConfig(clip_low=clip_low, clip_high=clip_high)
+    return ppo_clip(logprobs=logp, old_logprobs=old, advantages=adv, seq_index=torch.zeros_like(adv, dtype=torch.long),
+                    config=cfg)
 
 
 def test_group_advantages_hand_computed() -> None:
@@ -68,7 +75,7 @@ def test_clip_high_is_separate_from_clip_low() -> None:
 def test_truncated_importance_weights() -> None:
     old = torch.zeros(3)
     rollout = torch.log(torch.tensor([0.25, 1.0, 2.0]))
-    torch.testing.assert_close(truncated_is_weights(old, rollout, cap=2.0), torch.tensor([2.0, 1.0, 0.5]))
+    torch.testing.assert_close(truncated_is(old, rollout, cap=2.0), torch.tensor([2.0, 1.0, 0.5]))
 
 
 def test_kl_estimators_hand_computed() -> None:
@@ -88,7 +95,7 @@ def test_per_token_loss_combines_tis_and_kl() -> None:
     rollout = torch.log(torch.tensor([0.25, 0.5]))
     ref = torch.log(torch.tensor([0.25, 0.5]))
     adv = torch.tensor([1.0, 1.0])
-    cfg = LossConfig(kl_coef=0.1, kl_estimator="k1", tis_cap=1.5)
+    cfg = LossConfig(kl_coef=0.1, kl_estimator="k1", is_cap=1.5)
     loss, stats = per_token_loss(logp, adv, cfg, old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=ref)
     # token 0: ratio 1, is-weight min(2, 1.5) = 1.5, pg = -1.5; kl k1 = log 2
     # token 1: ratio 1.25 -> clipped 1.2, is-weight 0.8, pg = -0.96; kl 0
@@ -140,10 +147,15 @@ def test_streamed_sums_equal_the_whole_batch(mode: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"clip_low": 1.0}, "clip_low"),
+        ({"clip_low": 1.5}, "clip_low"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"norm_tokens": 0}, "norm_tokens"),
+        ({"policy_loss": "gpso"}, "did you mean 'gspo'"),
+        ({"correction": "tls"}, "did you mean 'tis'"),
+        ({"policy_loss": "streamrl.algos.kl:kl_penalty"}, "lacks the parameter"),
         ({"clip_high": -0.1}, "clip_high"),
         ({"kl_coef": -1.0}, "kl_coef"),
-        ({"tis_cap": 0.0}, "tis_cap"),
+        ({"is_cap": 0.0}, "is_cap"),
         ({"temperature": 0.0}, "temperature"),
     ],
 )
@@ -155,4 +167,4 @@ def test_loss_config_validation(kwargs: dict, needle: str) -> None:
 def test_loss_config_defaults() -> None:
     cfg = LossConfig()
     assert (cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.kl_estimator) == (0.2, 0.2, 0.0, "k3")
-    assert (cfg.loss_agg, cfg.tis_cap, cfg.temperature) == ("token-mean", 2.0, 1.0)
+    assert (cfg.loss_agg, cfg.is_cap, cfg.temperature) == ("token-mean", 2.0, 1.0)

@@ -51,7 +51,8 @@ class PlainReference:
             values = [getattr(s, name) for s in batch]
             return None if values[0] is None else torch.cat(values).float()
 
-        per_token, _ = per_token_loss(logp, advantages, config, old_logprobs=column("old_logprobs"),
+        per_token, _ = per_token_loss(logp, advantages, config, seq_index=seq_index,
+                                      old_logprobs=column("old_logprobs"),
                                       rollout_logprobs=column("rollout_logprobs"),
                                       ref_logprobs=column("ref_logprobs"))
         loss = unnormalized_loss(per_token, seq_index, len(batch), config.loss_agg)

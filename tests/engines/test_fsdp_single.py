@@ -10,6 +10,7 @@ time; the engine computes on shared-prompt rows (``forward_path`` "packed") or, 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from streamrl.engines.samples import (
     NothingAccumulatedError,
     TrainBatchError,
     TrainSample,
+    check_sample,
     samples_from_columns,
 )
 from tests.engines.conftest import encode
@@ -96,9 +98,10 @@ def _reference_grads(model: torch.nn.Module, batch: list[TrainSample], cfg: Loss
         return None if getattr(batch[0], name) is None else torch.cat([getattr(s, name) for s in batch])
 
     adv = torch.tensor([s.advantage for s in batch])[torch.tensor(seq_index)]
-    per_token, _ = per_token_loss(torch.cat(logps), adv, cfg, old_logprobs=cat("old_logprobs"),
-                                  rollout_logprobs=cat("rollout_logprobs"), ref_logprobs=cat("ref_logprobs"))
-    aggregate_loss(per_token, torch.tensor(seq_index), len(batch), cfg.loss_agg).backward()
+    per_token, _ = per_token_loss(torch.cat(logps), adv, cfg, seq_index=torch.tensor(seq_index),
+                                  old_logprobs=cat("old_logprobs"), rollout_logprobs=cat("rollout_logprobs"),
+                                  ref_logprobs=cat("ref_logprobs"))
+    aggregate_loss(per_token, torch.tensor(seq_index), len(batch), cfg.loss_agg, cfg.norm_tokens or 1).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -132,6 +135,104 @@ def test_streamed_gradient_equals_the_whole_batch_for_any_split(
         assert grads.keys() == expected.keys()
         for name, g in expected.items():
             torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=f"{mode} {split} {name}")
+
+
+@pytest.mark.parametrize("cfg", [
+    LossConfig(policy_loss="ppo_clip", dual_clip=1.5, clip_high=0.28, correction="mis", is_cap=1.2),
+    LossConfig(policy_loss="gspo", clip_low=0.05, clip_high=0.08, loss_agg="seq-mean-token-mean"),
+    LossConfig(policy_loss="cispo", clip_low=1.0, clip_high=0.1, loss_agg="seq-mean-token-sum-norm", norm_tokens=7),
+], ids=["ppo_clip-dual-mis", "gspo", "cispo-norm"])
+def test_every_policy_loss_streams_exactly(model: torch.nn.Module, tok: PreTrainedTokenizerFast,
+                                           cfg: LossConfig) -> None:
+    """The trainer calls the configured loss, correction and aggregation by name, and the streamed
+    gradient equals the whole batch's for each (GSPO's sequence-level ratio included)."""
+    batch = _batch(tok)
+    expected = _reference_grads(model, batch, cfg)
+    engine = _engine(model)
+    grads = _captured_grads(engine)
+    for part in (batch[:2], batch[2:3], batch[3:]):
+        engine.accumulate(part, cfg)
+    engine.step()
+    for name, g in expected.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=f"{cfg.policy_loss} {name}")
+    assert any(float(g.abs().max()) > 0 for g in expected.values())
+
+
+def _masked(batch: list[TrainSample], seed: int = 1) -> list[TrainSample]:
+    """The batch as multi-turn trajectories: per-token advantages, and a loss mask that leaves out
+    some tokens of each response (the first token of every response of >= 2 tokens, and every
+    third token), as tool output between generated segments would be."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in batch:
+        n = s.response_ids.numel()
+        mask = torch.ones(n)
+        mask[::3] = 0.0
+        if n == 1:
+            mask[0] = 1.0
+        out.append(dataclasses.replace(s, advantage=torch.randn(n, generator=g), loss_mask=mask))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_a_loss_mask_and_per_token_advantages_train_only_the_sampled_tokens(
+    model: torch.nn.Module, tok: PreTrainedTokenizerFast, mode: str
+) -> None:
+    """Masked tokens are out of the loss and of its denominators: the gradient equals the whole
+    batch's loss over the kept tokens only, each with its own advantage."""
+    cfg = LossConfig(loss_agg=mode, kl_coef=0.05)  # type: ignore[arg-type]
+    batch = _masked(_batch(tok))
+    ref = copy.deepcopy(model)
+    logps, seq_index = [], []
+    for i, s in enumerate(batch):
+        full = torch.cat([s.prompt_ids, s.response_ids]).unsqueeze(0)
+        logits = ref(full).logits[0, s.prompt_ids.numel() - 1 : -1]
+        logps.append(torch.log_softmax(logits, -1).gather(1, s.response_ids.unsqueeze(1)).squeeze(1))
+        seq_index += [i] * s.response_ids.numel()
+    keep = torch.cat([s.loss_mask for s in batch]).bool()
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(s, name) for s in batch])[keep]
+
+    per_token, _ = per_token_loss(torch.cat(logps)[keep], cat("advantage"), cfg,
+                                  seq_index=torch.tensor(seq_index)[keep], old_logprobs=cat("old_logprobs"),
+                                  rollout_logprobs=cat("rollout_logprobs"), ref_logprobs=cat("ref_logprobs"))
+    aggregate_loss(per_token, torch.tensor(seq_index)[keep], len(batch), cfg.loss_agg).backward()
+    engine = _engine(model)
+    grads = _captured_grads(engine)
+    engine.accumulate(batch[:2], cfg)
+    engine.accumulate(batch[2:], cfg)
+    stats = engine.step()
+    assert stats["tokens"] == int(keep.sum()) < 19 and stats["sequences"] == 6
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=f"{mode} {name}")
+
+
+def test_a_constant_per_token_advantage_equals_the_sequence_advantage(
+    model: torch.nn.Module, tok: PreTrainedTokenizerFast
+) -> None:
+    batch = _batch(tok)
+    per_token = [dataclasses.replace(s, advantage=torch.full((s.response_ids.numel(),), float(s.advantage)),
+                                     loss_mask=torch.ones(s.response_ids.numel())) for s in batch]
+    seen = []
+    for b in (batch, per_token):
+        engine = _engine(model)
+        grads = _captured_grads(engine)
+        engine.accumulate(b, LossConfig())
+        engine.step()
+        seen.append(grads)
+    for name, g in seen[0].items():
+        torch.testing.assert_close(seen[1][name], g, atol=1e-6, rtol=1e-5)
+
+
+def test_a_malformed_loss_mask_or_per_token_advantage_is_named(tok: PreTrainedTokenizerFast) -> None:
+    s = _batch(tok)[0]  # 4 response tokens
+    for bad, needle in [(dataclasses.replace(s, loss_mask=torch.ones(3)), "loss_mask must be a 1-D tensor"),
+                        (dataclasses.replace(s, loss_mask=torch.full((4,), 0.5)), "only 0 and 1"),
+                        (dataclasses.replace(s, advantage=torch.ones(5)), "per-token advantage"),
+                        (dataclasses.replace(s, advantage=torch.tensor([1.0, float("nan"), 0.0, 0.0])), "non-finite")]:
+        with pytest.raises(TrainBatchError, match=needle):
+            check_sample(0, bad)
 
 
 def test_step_updates_weights_clips_and_resets(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
@@ -305,6 +406,12 @@ def test_samples_from_columns(tok: PreTrainedTokenizerFast) -> None:
         samples_from_columns({k: v for k, v in cols.items() if k != "advantage"})
     with pytest.raises(TrainBatchError, match="column 'advantage' has 1 values"):
         samples_from_columns({**cols, "advantage": [1.0]})
+    # per-token advantages (a tensor, or a list as a plain decoder gives it) and a loss mask
+    n = [s.response_ids.numel() for s in batch]
+    per_token = samples_from_columns({**cols, "advantage": [[0.5] * k for k in n],
+                                      "loss_mask": [torch.ones(k) for k in n]})
+    assert all(torch.equal(s.token_advantages(), torch.full((k,), 0.5)) for s, k in zip(per_token, n, strict=True))
+    assert [s.trained_tokens() for s in per_token] == n and per_token[0].loss_mask is not None
 
 
 def test_zero_advantage_samples_are_counted_not_computed(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
