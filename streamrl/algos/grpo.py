@@ -72,6 +72,9 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     temperature: Annotated[float, Meta(description=(
         "Sampling temperature; logprobs are recomputed at the same one (leave it out: it must equal "
         "algo.temperature)"))] = 1.0
+    entropy_coef: Annotated[float, Meta(description=(
+        "Entropy bonus: the per-token loss minus this x the policy's entropy at the token (keeps exploration "
+        "up); 0 = off. > 0 costs the entropy's backward through the vocabulary"))] = 0.0
     compute_entropy: Annotated[bool, Meta(description=(
         "Report the policy's mean entropy (costs one pass over the vocabulary)"))] = True
 
@@ -80,6 +83,8 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"LossConfig.clip_low must be in [0, 1] (1: no floor), got {self.clip_low}")
         if not self.clip_high >= 0.0:
             raise ValueError(f"LossConfig.clip_high must be >= 0, got {self.clip_high}")
+        if not (self.entropy_coef >= 0.0 and math.isfinite(self.entropy_coef)):
+            raise ValueError(f"LossConfig.entropy_coef must be a finite number >= 0, got {self.entropy_coef}")
         if not (self.kl_coef >= 0.0 and math.isfinite(self.kl_coef)):
             raise ValueError(f"LossConfig.kl_coef must be a finite number >= 0, got {self.kl_coef}")
         if self.is_cap is not None and not self.is_cap > 0.0:
@@ -126,9 +131,9 @@ def group_advantages(
 
 def zero_at_zero_advantage(config: LossConfig) -> bool:
     """Whether a sample with advantage 0 has exactly zero loss and gradient under ``config``: true
-    for the built-in policy losses without a KL term, so the trainer may skip such samples (a
+    for the built-in policy losses without a KL term or an entropy bonus, so the trainer may skip such samples (a
     GRPO group whose rewards are all equal costs nothing). A user's loss is always computed."""
-    return config.kl_coef == 0.0 and config.policy_loss in ZERO_AT_ZERO_ADVANTAGE
+    return config.kl_coef == 0.0 and config.entropy_coef == 0.0 and config.policy_loss in ZERO_AT_ZERO_ADVANTAGE
 
 
 ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "cispo"})
@@ -140,6 +145,7 @@ def per_token_loss(
     config: LossConfig,
     *,
     seq_index: Tensor | None = None,
+    entropy: Tensor | None = None,
     old_logprobs: Tensor | None = None,
     rollout_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
@@ -152,7 +158,8 @@ def per_token_loss(
     current logprobs (single on-policy update, ratio 1, as TRL with num_iterations=1). With both
     old and rollout logprobs and ``config.is_cap`` set, the loss is weighted per token by
     ``config.correction``'s importance weights; with ``ref_logprobs`` and ``kl_coef`` > 0 the KL
-    penalty is added.
+    penalty is added; with ``config.entropy_coef`` > 0, ``entropy`` [N] (with its graph) times the
+    coefficient is subtracted (the entropy bonus).
     """
     stats: dict[str, Tensor] = {}
     is_weights = None
@@ -183,6 +190,10 @@ def per_token_loss(
             loss = loss + config.kl_coef * kl
     elif config.kl_coef > 0.0:
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs for every sample (run the reference stage)")
+    if config.entropy_coef > 0.0:
+        if entropy is None:
+            raise ValueError("LossConfig.entropy_coef > 0 needs the per-token entropy (with its graph)")
+        loss = loss - config.entropy_coef * entropy
     return loss, stats
 
 

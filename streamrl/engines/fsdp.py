@@ -251,9 +251,11 @@ class FSDPTrainEngine:
             )
 
     def _response_logprobs(
-        self, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], temperature: float, entropy: bool
+        self, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], temperature: float, entropy: bool,
+        entropy_grad: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """Logprobs [N] (float32) of every response token (flat, sample order), entropy [N] or None, seq_index [N].
+        ``entropy_grad``: the entropy keeps its graph (an entropy bonus trains on it).
 
         The module's own forward (so FSDP2's hooks run) on shared-prompt rows or right-padded rows
         (``forward_path``, streamrl/engines/packing.py); the last response token is never an input.
@@ -262,7 +264,9 @@ class FSDPTrainEngine:
         """
         logp, logp_all = self.forward.logprobs(prompt_ids, response_ids, temperature)
         ent = None
-        if entropy:
+        if entropy_grad:
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+        elif entropy:
             with torch.no_grad():
                 ent = -(logp_all.exp() * logp_all).sum(-1)
         seq_index, _ = flat_response_index(response_ids, self.device)
@@ -340,7 +344,8 @@ class FSDPTrainEngine:
         self.model.train()
         logp, entropy, seq_index = self._response_logprobs(
             [s.prompt_ids for s in batch], [s.response_ids for s in batch], loss_config.temperature,
-            entropy=loss_config.compute_entropy,
+            entropy=loss_config.compute_entropy or loss_config.entropy_coef > 0,
+            entropy_grad=loss_config.entropy_coef > 0,
         )
         # Only the tokens the policy sampled are trained (loss_mask 1): the others are dropped here,
         # so the loss, its denominators and every statistic count trained tokens only.
@@ -361,7 +366,7 @@ class FSDPTrainEngine:
         advantages = torch.cat([s.token_advantages() for s in batch]).to(device)
         advantages = advantages if keep is None else advantages[keep]
         per_token, stats = per_token_loss(
-            logp, advantages, loss_config, seq_index=seq_index, old_logprobs=column("old_logprobs"),
+            logp, advantages, loss_config, seq_index=seq_index, entropy=entropy, old_logprobs=column("old_logprobs"),
             rollout_logprobs=column("rollout_logprobs"), ref_logprobs=column("ref_logprobs"),
         )
         loss_sum = unnormalized_loss(per_token, seq_index, n_seqs, loss_config.loss_agg)
@@ -374,7 +379,7 @@ class FSDPTrainEngine:
         sums.clipped += float(stats["clipped"].sum())
         sums.approx_kl += float(stats["approx_kl"].sum())
         if entropy is not None:
-            sums.entropy += float(entropy.sum())
+            sums.entropy += float(entropy.detach().sum())
         if "kl" in stats:
             sums.kl += float(stats["kl"].sum())
             sums.kl_tokens += n_tokens
@@ -389,7 +394,7 @@ class FSDPTrainEngine:
             "clip_fraction": float(stats["clipped"].mean()) if n_tokens else 0.0,
         }
         if entropy is not None and n_tokens:
-            out["entropy"] = float(entropy.mean())
+            out["entropy"] = float(entropy.detach().mean())
         return out
 
     def _reshard(self) -> None:

@@ -208,6 +208,41 @@ def test_a_loss_mask_and_per_token_advantages_train_only_the_sampled_tokens(
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=f"{mode} {name}")
 
 
+def test_the_entropy_bonus_trains_on_the_entropy(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
+    """entropy_coef > 0: the loss is minus coef x each token's entropy, whose gradient flows; zero-
+    advantage samples are then computed too (their entropy term has a gradient)."""
+    cfg = LossConfig(entropy_coef=0.3, temperature=0.8)
+    batch = [dataclasses.replace(s, advantage=0.0 if i == 0 else s.advantage) for i, s in enumerate(_batch(tok))]
+    ref = copy.deepcopy(model)
+    logps, ents, seq_index = [], [], []
+    for i, s in enumerate(batch):
+        full = torch.cat([s.prompt_ids, s.response_ids]).unsqueeze(0)
+        logits = ref(full).logits[0, s.prompt_ids.numel() - 1 : -1] / cfg.temperature
+        logp_all = torch.log_softmax(logits, -1)
+        logps.append(logp_all.gather(1, s.response_ids.unsqueeze(1)).squeeze(1))
+        ents.append(-(logp_all.exp() * logp_all).sum(-1))
+        seq_index += [i] * s.response_ids.numel()
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(s, name) for s in batch])
+
+    adv = torch.cat([s.token_advantages() for s in batch])
+    per_token, _ = per_token_loss(torch.cat(logps), adv, cfg, seq_index=torch.tensor(seq_index),
+                                  entropy=torch.cat(ents), old_logprobs=cat("old_logprobs"),
+                                  rollout_logprobs=cat("rollout_logprobs"), ref_logprobs=cat("ref_logprobs"))
+    aggregate_loss(per_token, torch.tensor(seq_index), len(batch), cfg.loss_agg).backward()
+    engine = _engine(model)
+    grads = _captured_grads(engine)
+    engine.accumulate(batch[:3], cfg)
+    engine.accumulate(batch[3:], cfg)
+    stats = engine.step()
+    assert stats["skipped_sequences"] == 0
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        LossConfig(entropy_coef=-1.0)
+
+
 def test_a_constant_per_token_advantage_equals_the_sequence_advantage(
     model: torch.nn.Module, tok: PreTrainedTokenizerFast
 ) -> None:
