@@ -147,6 +147,11 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_decay: Annotated[float, Meta(description="AdamW's decoupled weight decay")] = 0.0
     max_grad_norm: Annotated[float | None, Meta(description=(
         "Clip the global gradient norm to this; null = no clipping"))] = 1.0
+    overlong_buffer: Annotated[int, Meta(description=(
+        "DAPO's overlong reward shaping (tokens): a response longer than max_new_tokens - overlong_buffer "
+        "loses up to overlong_penalty of its reward, linearly, the whole of it at max_new_tokens; 0 = off"))] = 0
+    overlong_penalty: Annotated[float, Meta(description=(
+        "The reward a response at the length cap loses (with overlong_buffer > 0)"))] = 1.0
     advantage: Annotated[str, Meta(description=(
         "The advantage estimator the advantage stage calls on each group's rewards: grpo (centred, divided by "
         "the group's std), dr_grpo (centred only), rloo (leave-one-out baseline), reinforce_pp (group mean "
@@ -405,6 +410,11 @@ def _check(cfg: RunConfig) -> list[str]:
         (a.group_size >= 2 or a.advantage not in ("grpo", "rloo"),
          f"algo.group_size must be >= 2 for algo.advantage: {a.advantage} (it compares the samples of a group)"),
         *_advantage_rules(a),
+        (0 <= a.overlong_buffer <= a.max_new_tokens,
+         f"algo.overlong_buffer must be in [0, algo.max_new_tokens={a.max_new_tokens}] (tokens; 0 = off), got "
+         f"{a.overlong_buffer}"),
+        (a.overlong_penalty >= 0 and math.isfinite(a.overlong_penalty),
+         f"algo.overlong_penalty must be a finite number >= 0, got {a.overlong_penalty}"),
         (not (a.max_staleness > 0 and a.old_logprobs == "recompute" and a.loss.is_cap is None),
          "algo.max_staleness > 0 with algo.old_logprobs: recompute trains on off-policy samples without a "
          "correction: set algo.loss.is_cap (e.g. 2.0), or algo.old_logprobs: rollout"),

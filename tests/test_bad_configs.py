@@ -161,6 +161,8 @@ CASES: dict[str, Case] = {
     "off-policy-uncorrected": Case(("algo.max_staleness > 0", "without a correction", "algo.loss.is_cap"),
                                    overrides=("algo.max_staleness=1", "algo.old_logprobs=recompute",
                                               "algo.loss.is_cap=null")),
+    "overlong-buffer": Case(("algo.overlong_buffer must be in [0, algo.max_new_tokens=4]", "got 5"),
+                            overrides=("algo.overlong_buffer=5",)),
     "max-grad-norm-zero": Case(("algo.max_grad_norm must be > 0", "null for no clipping"),
                                overrides=("algo.max_grad_norm=0",)),
     "betas-out-of-range": Case(("algo.betas must both be in [0, 1)", "[0.9, 0.999]"),

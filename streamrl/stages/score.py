@@ -44,6 +44,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from streamrl.algos.shaping import overlong_penalty
 from streamrl.rewards import InProcessRewardBackend, RewardClient, RewardConfigError, RewardSample
 from streamrl.rewards.results import RewardBackend
 from streamrl.runtime.stage import Batch, StageContext
@@ -206,7 +207,14 @@ class ScoreStage:
             if isinstance(res.score, dict):
                 for name, value in res.score.items():
                     named.setdefault(name, []).append(float(value))
-        self._report({f"{name}_mean": sum(v) / len(v) for name, v in named.items() if name != "reward"})
+        figures = {f"{name}_mean": sum(v) / len(v) for name, v in named.items() if name != "reward"}
+        a = self.ctx.config.algo
+        if a.overlong_buffer > 0:  # DAPO's overlong shaping: part of the reward the advantage sees
+            shaped = [overlong_penalty(len(rid), a.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+                      for rid in ids]
+            rewards = [r + s for r, s in zip(rewards, shaped, strict=True)]
+            figures["overlong_penalty_mean"] = sum(shaped) / max(len(shaped), 1)
+        self._report(figures)
         return {"reward": rewards}
 
     def _report(self, named_means: dict[str, float]) -> None:

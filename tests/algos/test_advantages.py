@@ -180,3 +180,14 @@ def test_properties_on_random_inputs(name: str) -> None:
                 assert abs(adv[groups == g].sum().item()) < 1e-4, (name, g)
         else:
             assert abs(adv.sum().item()) < 1e-4  # re-centred over the batch
+
+
+def test_overlong_penalty_hand_computed() -> None:
+    from streamrl.algos.shaping import overlong_penalty
+
+    # 20 tokens allowed, the last 4 penalised: free up to 16, then -1/4 per token, -1 at 20 (and past it)
+    assert [overlong_penalty(n, 20, 4) for n in (0, 16, 17, 18, 20, 25)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_penalty(18, 20, 4, penalty=0.5) == -0.25
+    assert overlong_penalty(100, 20, 0) == 0.0  # off
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(5, 20, 21)

@@ -200,14 +200,24 @@ stages:
 """
 
 
-def test_score_with_a_user_reward_function(tmp_path: Path) -> None:
-    result = _run(tmp_path, SCORE, algo={"steps": 1, "prompts_per_step": 4, "group_size": 2})
+@pytest.mark.parametrize("overlong_buffer", [0, 3])
+def test_score_with_a_user_reward_function(tmp_path: Path, overlong_buffer: int) -> None:
+    """The user's reward per sample; with algo.overlong_buffer, DAPO's length shaping added to it."""
+    result = _run(tmp_path, SCORE, algo={"steps": 1, "prompts_per_step": 4, "group_size": 2,
+                                         "max_new_tokens": 4, "overlong_buffer": overlong_buffer})
     rows = _rows(result.run_dir)
     assert len(rows) == 8
     tok = build_char_tokenizer()
+    shaped = []
     for r in rows:
         first = int(tok.convert_ids_to_tokens(r["response_ids"][0]))
-        assert r["reward"] == pytest.approx(1 - abs(first - int(r["answer"])) / 9)
+        # 4 tokens allowed, the last 3 of them penalised: -(n - 1) / 3 for n >= 1 response tokens
+        shaping = -max(len(r["response_ids"]) - 1, 0) / 3 if overlong_buffer else 0.0
+        shaped.append(shaping)
+        assert r["reward"] == pytest.approx(1 - abs(first - int(r["answer"])) / 9 + shaping)
+    if overlong_buffer:
+        assert any(s < 0 for s in shaped)
+        return
     assert {r["reward"] for r in rows if r["index"] % 2 == 0} == {1.0}  # the oracle's right answers
     assert all(r["reward"] < 1 for r in rows if r["index"] % 2 == 1)
 
