@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Every algorithm preset on the same digits tasks, side by side in one run: steps and seconds to a
+reward target, with the grpo preset as the baseline.
+
+Tasks (configs/grpo_digits.yaml's model, batch shape and optimizer; only the task differs):
+  max      digits-max, 3 digits, <= 4 tokens (the Quickstart's task), target reward 0.9
+  reverse  digits-reverse, 2 digits, <= 3 tokens (partial credit per digit), target reward 0.5
+
+For each task, preset and repetition (seed r: the model's init, the prompts and the sampling all
+change with it) one run with ``preset=<name>``, ``algo.stop_reward=<the task's target>``, at most --max-steps
+steps, in this order: rep 0 of every preset, then rep 1, ... (so a load change hits all alike).
+Figures: steps to the target (a run that misses it counts as --max-steps, and is counted in
+``missed``), training seconds (Go to the last step) and the mean reward of the last 5 steps.
+Ratio: a preset's median seconds over grpo's. Last line: one JSON object.
+
+    python ops/bench/presets.py                          # both tasks, every preset, 3 repetitions
+    python ops/bench/presets.py --tasks max --reps 5 --presets grpo,gspo
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt_spread, print_json_line, print_table, spread
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "grpo_digits.yaml"
+# the task section, algo.max_new_tokens, the reward target (reverse: grpo's tiny model is near 0.5
+# after 300 steps, so 0.9 would only measure the step cap)
+TASKS: dict[str, tuple[dict[str, Any], int, float]] = {
+    "max": ({"name": "digits-max", "options": {"n_digits": 3}}, 4, 0.9),
+    "reverse": ({"name": "digits-reverse", "options": {"min_digits": 2, "max_digits": 2}}, 3, 0.5),
+}
+
+
+def one_run(task: str, preset: str, seed: int, max_steps: int) -> dict[str, Any]:
+    import yaml
+
+    import streamrl
+
+    config = yaml.safe_load(CONFIG.read_text())
+    section, max_new_tokens, target = TASKS[task]
+    config.update(task={**section, "seed": seed}, config_dir=str(CONFIG.parent))
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [f"preset={preset}", f"seed={seed}", f"model.tiny.seed={seed}", f"algo.max_new_tokens={max_new_tokens}",
+                     f"algo.steps={max_steps}", f"algo.stop_reward={target}", f"output.run_dir={tmp}",
+                     "output.progress=none", "output.tensorboard=false", "output.plot=false",
+                     "output.checkpoint=false"]
+        result = streamrl.run(config, overrides)
+    rewards = [m["reward_mean"] for m in result.metrics]
+    reached = bool(rewards) and rewards[-1] >= target
+    return {"steps": result.steps if reached else max_steps, "reached": reached,
+            "seconds": result.metrics[-1]["elapsed_s"], "last5": sum(rewards[-5:]) / max(len(rewards[-5:]), 1)}
+
+
+def main() -> None:
+    from streamrl.config import preset_names
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default="max,reverse", help="comma-separated, of: " + ", ".join(TASKS))
+    parser.add_argument("--presets", default=",".join(preset_names()), help="comma-separated preset names")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=300)
+    args = parser.parse_args()
+    tasks, presets = args.tasks.split(","), args.presets.split(",")
+    if "grpo" not in presets:
+        presets.insert(0, "grpo")  # the baseline
+    print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rep in range(args.reps):
+        for task in tasks:
+            for preset in presets:
+                r = one_run(task, preset, rep, args.max_steps)
+                runs.setdefault((task, preset), []).append(r)
+                print(f"rep {rep} {task} {preset}: {r['steps']} steps, {r['seconds']:.1f} s, last5 "
+                      f"{r['last5']:.3f}{'' if r['reached'] else ' (target missed)'}", flush=True)
+    figures: dict[str, Any] = {}
+    ratio: dict[str, float] = {}
+    rows = []
+    for (task, preset), rs in runs.items():
+        steps, secs = spread(r["steps"] for r in rs), spread(r["seconds"] for r in rs)
+        last5 = spread(r["last5"] for r in rs)
+        missed = sum(not r["reached"] for r in rs)
+        figures[f"{task}/{preset}"] = {"steps": steps, "seconds": secs, "last5": last5, "missed": missed}
+        base = spread(r["seconds"] for r in runs[(task, "grpo")])
+        ratio[f"{task}/{preset}"] = secs["median"] / base["median"] if base["median"] else float("nan")
+        rows.append([task, preset, fmt_spread(steps, 0), fmt_spread(secs), fmt_spread(last5, 3), missed,
+                     f"{ratio[f'{task}/{preset}']:.2f}"])
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print_table(["task", "preset", "steps to target", "seconds", "last-5 reward", "missed", "s / grpo"], rows)
+    baseline = {k: v for k, v in figures.items() if k.endswith("/grpo")}
+    print_json_line("presets", figures, baseline, ratio,
+                    {"every preset reaches": {t: TASKS[t][2] for t in tasks}, "within steps": args.max_steps})
+
+
+if __name__ == "__main__":
+    main()
