@@ -46,7 +46,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from streamrl.config import ConfigError, dump_config, load_config
-    from streamrl.runtime.pipeline import load_pipeline, resolve_run_length
+    from streamrl.runtime.prerun import load_pipeline, resolve_run_length
 
     try:
         cfg = resolve_run_length(load_config(args.config, args.overrides))

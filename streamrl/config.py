@@ -11,8 +11,9 @@ command line (values parse as YAML: ``true``, ``3e-4``, ``[1, 2]``).
 field so that one bad field does not hide another, then every cross-field rule and the output
 paths. It raises :class:`ConfigErrors` (a ``ConfigError``) listing every problem, each with the
 file, the dotted key (``algo.max_new_tokens``), its line in the file and the fix. The checks that
-need the pipeline, the task or the model run afterwards in ``load_pipeline``
-(:func:`streamrl.runtime.pipeline.check_run`), which raises a ``ConfigError`` at the first.
+need the pipeline, the task or the model run afterwards in
+:func:`streamrl.runtime.prerun.load_pipeline` (the pipeline's checks, each stage class's
+``check_spec``, then ``check_run``), which raises a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -400,7 +401,7 @@ def _advantage_rules(a: AlgoConfig) -> list[tuple[bool, str]]:
 def _check(cfg: RunConfig) -> list[str]:
     """Cross-field and range checks of the config alone (no files, no imports): the message of
     every failing rule, each starting with its dotted key and saying what to write instead. Checks
-    that need the pipeline, the task or the model are in :func:`streamrl.runtime.pipeline.check_run`."""
+    that need the pipeline, the task or the model are in :func:`streamrl.runtime.prerun.check_run`."""
     a = cfg.algo
     r = cfg.resources
     rules: list[tuple[bool, str]] = [

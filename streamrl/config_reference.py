@@ -31,8 +31,10 @@ from streamrl.config import (
     struct_in,
 )
 from streamrl.engines.options import GenerateOptions
-from streamrl.runtime.pipeline import ReshardGenerateOptions, SourceOptions, TrainOptions
+from streamrl.stages.colocated import ReshardGenerateOptions
 from streamrl.stages.score import ScoreOptions
+from streamrl.stages.source import SourceOptions
+from streamrl.stages.train import TrainOptions
 
 REGENERATE = "python -m streamrl.config_reference docs/config.md"
 TOP = "top"  # the section of RunConfig's own scalar fields

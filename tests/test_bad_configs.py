@@ -26,7 +26,7 @@ import yaml
 
 import streamrl
 from streamrl.config import ConfigError, load_config
-from streamrl.runtime.pipeline import load_pipeline
+from streamrl.runtime.prerun import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 GRPO = REPO / "pipelines" / "grpo.yaml"

@@ -44,13 +44,8 @@ from streamrl.runtime.checkpoints import (
 )
 from streamrl.runtime.launch_backends import BACKENDS, LaunchBackend, _Worker
 from streamrl.runtime.orphans import SHM_DIR, make_private_dir, remove_dead_owners
-from streamrl.runtime.pipeline import (
-    PipelineSpec,
-    _import_quietly,
-    _is_trainer,
-    load_pipeline,
-    resolve_run_length,
-)
+from streamrl.runtime.pipeline import PipelineSpec, import_stage_class, is_trainer
+from streamrl.runtime.prerun import load_pipeline, resolve_run_length
 from streamrl.runtime.rendezvous import RendezvousServer
 from streamrl.runtime.run_metrics import RunMetrics
 from streamrl.runtime.stage import StageError
@@ -269,7 +264,7 @@ class _Launch:
             server_auth = backend.auth.server()
             server = c.ControlServer(control, token=token, workers={(w.stage, w.index) for w in self.workers},
                                      auth=server_auth)
-            trainers = {s.name for s in self.pipeline.stages if _is_trainer(_import_quietly(s.cls))}
+            trainers = {s.name for s in self.pipeline.stages if is_trainer(import_stage_class(s.cls))}
             # colocated and disaggregated stages join torch.distributed through FileStores here
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:

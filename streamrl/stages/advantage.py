@@ -9,13 +9,21 @@ from typing import Any
 import torch
 
 from streamrl.algos.advantages import ADVANTAGES
-from streamrl.runtime.pipeline import NoOptions
+from streamrl.config import ConfigError, RunConfig
+from streamrl.runtime.pipeline import NoOptions, PipelineSpec, StageSpec
 from streamrl.runtime.stage import Batch, StageContext
 
 
 class AdvantageStage:
     restartable = True  # stateless between micro-batches: the launcher may restart a dead worker
     Options = NoOptions  # it takes no options; checked when the pipeline loads
+
+    @classmethod
+    def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+        """Before anything starts (``validate_pipeline``): it claims whole groups."""
+        if not spec.whole_groups:
+            raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: the advantage stage normalises rewards "
+                              "within a group; set whole_groups: true")
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx

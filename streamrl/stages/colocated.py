@@ -39,14 +39,15 @@ placement weights never travel through it) and reports step metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import msgspec
+from msgspec import Meta
 
-from streamrl.engines.options import check_engine_available
+from streamrl.engines.options import EngineName, VllmOptions, check_engine_available
 from streamrl.reshard import ColocatedPolicy, RankGroups
-from streamrl.runtime.pipeline import ReshardGenerateOptions, StageSpec
+from streamrl.runtime.pipeline import StageSpec
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import build_policy, open_rollout_engine
 from streamrl.stages.tp_generation import STOP_WAIT_S, TensorParallelGeneration
@@ -60,6 +61,19 @@ SHARED_KEY = "colocated_rank"
 
 class ColocatedSetupError(RuntimeError):
     """The colocated train stage of this process could not set up its policy (see its own error)."""
+
+
+class ReshardGenerateOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``options`` of the generate stage of placements colocated and disaggregated
+    (streamrl.stages.colocated:ColocatedGenerateStage, streamrl.stages.disaggregated:DisaggregatedGenerateStage)."""
+
+    tensor_parallel: Annotated[int, Meta(description=(
+        "T: workers per inference replica (the built-in engine's own tensor parallelism); the train stage "
+        "reads it too"))] = 1
+    engine: Annotated[EngineName, Meta(description=(
+        "Disaggregated only: builtin, or vllm fed by the reshard's bucket stream (T = 1; vLLM's own tensor "
+        "parallelism is vllm.tensor_parallel_size). Colocated generation runs the built-in engine"))] = "builtin"
+    vllm: Annotated[VllmOptions, Meta(description="vLLM engine settings (engine: vllm)")] = VllmOptions()
 
 
 @dataclass
@@ -99,6 +113,8 @@ class ColocatedGenerateStage:
 
     placement = "colocated"
     Options = ReshardGenerateOptions
+    generates = True  # the pre-run checks fit prompt + completion to the model (streamrl.runtime.prerun)
+    uses_model_and_task = True
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:

@@ -45,11 +45,12 @@ import torch.distributed as dist
 from streamrl.engines.options import check_engine_available
 from streamrl.engines.rollout_engine import RolloutEngine
 from streamrl.reshard import ModelShardingSpec, ReshardConfig, Resharder, WeightReceiver
-from streamrl.runtime.pipeline import ReshardGenerateOptions, TrainOptions
 from streamrl.runtime.stage import Batch, Output, StageContext
+from streamrl.stages.colocated import ReshardGenerateOptions
 from streamrl.stages.common import build_policy, open_rollout_engine
 from streamrl.stages.handover import disaggregated_topology
 from streamrl.stages.tp_generation import TensorParallelGeneration
+from streamrl.stages.train import TrainOptions
 from streamrl.stages.view_rollout import EngineRollout, ViewRollout
 from streamrl.stages.world import default_backend, join_world, rank_device
 
@@ -68,6 +69,8 @@ class DisaggregatedGenerateStage:
 
     placement = "disaggregated"
     Options = ReshardGenerateOptions
+    generates = True  # the pre-run checks fit prompt + completion to the model (streamrl.runtime.prerun)
+    uses_model_and_task = True
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:

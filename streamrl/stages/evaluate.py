@@ -31,10 +31,11 @@ import time
 
 import torch
 
+from streamrl.config import ConfigError, RunConfig
 from streamrl.engines.rollout import TorchRolloutEngine
 from streamrl.metrics.trace import tracer
 from streamrl.models.build import load_model, read_export_version
-from streamrl.runtime.pipeline import NoOptions
+from streamrl.runtime.pipeline import NoOptions, PipelineSpec, StageSpec, apply_overrides
 from streamrl.runtime.stage import StageContext
 from streamrl.stages.common import build_policy, build_task
 from streamrl.stages.score import ScoreOptions, reward_of
@@ -45,6 +46,25 @@ log = logging.getLogger("streamrl.stage.eval")
 
 DEFAULT_PROMPTS = 64  # eval prompts of a task without an eval split, when eval.max_prompts is unset
 GENERATE_CHUNK = 64  # completions generated per engine call (bounds the KV cache)
+
+
+# The stage `eval.every > 0` adds to a pipeline that does not list one.
+EVAL_STAGE_NAME = "eval"
+EVAL_STAGE_CLASS = "streamrl.stages.evaluate:EvalStage"
+
+
+def add_eval_stage(spec: PipelineSpec, cfg: RunConfig) -> None:
+    """``eval.every > 0`` in the run config: evaluation runs as a stage of its own beside the
+    dataflow; add it (with its ``stages.eval`` overrides) unless the pipeline lists one."""
+    if cfg.eval.every <= 0 or any(s.cls == EVAL_STAGE_CLASS for s in spec.stages):
+        return
+    if EVAL_STAGE_NAME in [s.name for s in spec.stages]:
+        raise ConfigError(f"{spec.path}: eval.every > 0 adds a stage named {EVAL_STAGE_NAME!r}, but the pipeline "
+                          f"already has a stage of that name; rename it, or list {{name: {EVAL_STAGE_NAME}, "
+                          f"class: {EVAL_STAGE_CLASS}}} in the pipeline yourself")
+    eval_stage = StageSpec(name=EVAL_STAGE_NAME, cls=EVAL_STAGE_CLASS)
+    spec.stages.append(apply_overrides(eval_stage, cfg.stages[EVAL_STAGE_NAME])
+                       if EVAL_STAGE_NAME in cfg.stages else eval_stage)
 
 
 class EvalSplitError(ValueError):
@@ -67,6 +87,7 @@ def eval_prompts(task: Task, limit: int | None, seed: int) -> list[Prompt]:
 
 class EvalStage:
     Options = NoOptions  # eval.* in the run config says what to do
+    uses_model_and_task = True  # the pre-run checks load the run's model and task (streamrl.runtime.prerun)
     placement = "separate"  # it reads the published snapshots (see the module docstring)
 
     async def setup(self, ctx: StageContext) -> None:

@@ -32,6 +32,8 @@ from streamrl.stages.view_rollout import generation_output, version_needed
 
 class GenerateStage:
     Options = GenerateOptions  # checked when the pipeline loads
+    generates = True  # the pre-run checks fit prompt + completion to the model (streamrl.runtime.prerun)
+    uses_model_and_task = True
     restartable = True  # no state beyond the weights it fetches again: the launcher may restart a dead worker
 
     @staticmethod

@@ -41,18 +41,13 @@ from streamrl.reshard import (
     WeightSender,
 )
 from streamrl.reshard.fsdp_layout import spec_for_placements
-from streamrl.runtime.pipeline import (
-    StageSpec,
-    TrainOptions,
-    colocated_tensor_parallel,
-    inference_tensor_parallel,
-)
+from streamrl.runtime.pipeline import StageSpec, colocated_tensor_parallel, inference_tensor_parallel
 from streamrl.runtime.policy import PolicyPublisher
 from streamrl.runtime.stage import StageContext
 from streamrl.stages.world import weights_receiver
 
 if TYPE_CHECKING:
-    from streamrl.stages.train import TrainStage
+    from streamrl.stages.train import TrainOptions, TrainStage
 
 log = logging.getLogger("streamrl.stage.train")
 

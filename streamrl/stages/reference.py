@@ -13,6 +13,7 @@ from streamrl.stages.common import build_policy
 class ReferenceStage:
     restartable = True  # stateless between micro-batches: the launcher may restart a dead worker
     Options = NoOptions  # it takes no options; checked when the pipeline loads
+    uses_model_and_task = True  # the pre-run checks load the run's model (streamrl.runtime.prerun)
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx

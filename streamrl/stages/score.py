@@ -39,14 +39,17 @@ Per-server latency p50/p99, retries and timeouts go to metrics.jsonl as ``score/
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from streamrl.algos.shaping import overlong_penalty
+from streamrl.config import ConfigError, RunConfig
 from streamrl.rewards import InProcessRewardBackend, RewardClient, RewardConfigError, RewardSample
 from streamrl.rewards.results import RewardBackend
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec
 from streamrl.runtime.stage import Batch, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
 
@@ -112,6 +115,22 @@ _KNOWN = frozenset(ScoreOptions.__struct_fields__)
 
 class ScoreStage:
     restartable = True  # stateless between micro-batches: the launcher may restart a dead worker
+    uses_model_and_task = True  # the pre-run checks load the run's tokenizer and task (streamrl.runtime.prerun)
+
+    @classmethod
+    def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+        """Before anything starts (``validate_pipeline``, after :meth:`check_options`): the
+        reward servers' addresses, and an in-process reward function imports."""
+        at = f"{pipeline.where}: stage {spec.name!r} options"
+        _check_endpoints(spec.options.get("endpoints"), at)
+        reward = spec.options.get("reward")
+        if isinstance(reward, str) and spec.options.get("backend", "inprocess") == "inprocess":
+            from streamrl.rewards.function import load_reward_function
+
+            try:  # imports the user's module now rather than in the worker
+                load_reward_function(reward)
+            except Exception as exc:  # RewardFunctionLoadError, or whatever importing the module raised
+                raise ConfigError(f"{at}.reward: {exc}") from None
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> ScoreOptions:
@@ -270,3 +289,33 @@ def reward_of(
         f"score stage: {where} and it is not said which is the reward: set options.score_key to one of "
         f"{names}, or options.score_weights: {{{', '.join(f'{n}: 1.0' for n in names)}}} for their weighted sum"
     )
+
+
+# tcp://HOST:PORT with HOST a name, an IPv4 address or [IPv6]; a connect address, so no '*'
+_TCP = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]+)$")
+
+
+def _check_endpoints(endpoints: Any, at: str) -> None:
+    """Reward-server addresses the client connects to: ``tcp://HOST:PORT`` or ``ipc://PATH``."""
+    if endpoints is None:
+        return
+    if isinstance(endpoints, str):
+        raise ConfigError(f"{at}.endpoints must be a list of addresses, e.g. [{endpoints!r}]")
+    if not isinstance(endpoints, list):
+        raise ConfigError(f"{at}.endpoints must be a list like [tcp://HOST:PORT, ...], got {endpoints!r}")
+    for i, e in enumerate(endpoints):
+        bad = f"{at}.endpoints[{i}] {e!r}"
+        if not isinstance(e, str):
+            raise ConfigError(f"{bad} must be a string like 'tcp://127.0.0.1:5555'")
+        if e.startswith("tcp://"):
+            m = _TCP.match(e)
+            if m is None:
+                raise ConfigError(f"{bad} is not tcp://HOST:PORT (e.g. 'tcp://127.0.0.1:5555'; no '*', which "
+                                  "only a server binds)")
+            if not 1 <= int(m["port"]) <= 65535:
+                raise ConfigError(f"{bad}: port {m['port']} is not in 1..65535")
+        elif e.startswith(("ipc://", "inproc://")):
+            if not e.partition("://")[2]:
+                raise ConfigError(f"{bad} has no path after '://'; e.g. 'ipc:///tmp/reward.sock'")
+        else:
+            raise ConfigError(f"{bad} must start with tcp:// or ipc:// (e.g. 'tcp://127.0.0.1:5555')")

@@ -17,20 +17,28 @@ comes back with its other samples only, as a smaller group.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import torch
+from msgspec import Meta
 
 from streamrl.runtime.checkpoints import TrainedKeys
-from streamrl.runtime.pipeline import SourceOptions
 from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
 from streamrl.tasks.chat import render_prompt
 
 
+class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``options`` of the source stage (streamrl.stages.source:SourceStage)."""
+
+    gate_on_policy: Annotated[bool, Meta(description=(
+        "Wait for policy version step - algo.max_staleness before making each step's prompts"))] = True
+
+
 class SourceStage:
     Options = SourceOptions  # checked when the pipeline loads
+    uses_model_and_task = True  # the pre-run checks load the run's tokenizer and task (streamrl.runtime.prerun)
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx

@@ -26,14 +26,16 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import msgspec
 import torch
 import torch.distributed as dist
+from msgspec import Meta
 from torch.distributed.device_mesh import DeviceMesh
 
+from streamrl.config import ConfigError, RunConfig
 from streamrl.engines.checkpoint import load_checkpoint, save_checkpoint
 from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
 from streamrl.engines.samples import samples_from_columns
@@ -52,7 +54,7 @@ from streamrl.runtime.checkpoints import (
     start_partial,
     write_json,
 )
-from streamrl.runtime.pipeline import TrainOptions
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
 from streamrl.stages.handover import HandOver, hand_over_for
@@ -64,12 +66,78 @@ log = logging.getLogger("streamrl.stage.train")
 STOP_WAIT_S = 10.0  # how long a TP leader tries to release its followers when stopped from outside
 
 
+class TrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``options`` of the train stage (streamrl.stages.train:TrainStage): torch FSDP2 over the
+    stage's workers (streamrl/engines/fsdp.py), and how each version reaches generation."""
+
+    tensor_parallel: Annotated[int, Meta(description=(
+        "Train tensor parallelism: workers per model replica (DTensor); data parallel = workers / this"))] = 1
+    activation_checkpointing: Annotated[bool, Meta(description=(
+        "Recompute each decoder layer in backward: less memory, about 1/3 more compute"))] = False
+    cpu_offload: Annotated[bool, Meta(description=(
+        "Keep sharded parameters, gradients and AdamW moments in host memory (FSDP2 CPUOffloadPolicy)"))] = False
+    bucket_bytes: Annotated[int, Meta(description=(
+        "Placements colocated and disaggregated: reshard bucket cap (bytes), the peak transient memory of one "
+        "reshard per rank"))] = 64 * 2**20
+    swap: Annotated[bool, Meta(description=(
+        "Placement colocated: move the training state to host memory while generating"))] = True
+    collective_timeout_s: Annotated[float, Meta(description=(
+        "Seconds a rank waits in a collective for the others"))] = 600.0
+    backend: Annotated[str | None, Meta(description=(
+        "torch.distributed backend (gloo, nccl, hccl); null: gloo on CPU, nccl on CUDA, hccl on NPU"))] = None
+
+
+# torch.distributed backends and the device kind each needs
+_BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
+
+
 class TrainStage:
-    """Options (:class:`~streamrl.runtime.pipeline.TrainOptions`): ``activation_checkpointing``,
+    """Options (:class:`TrainOptions`): ``activation_checkpointing``,
     ``cpu_offload`` (the engine); ``bucket_bytes``, ``swap``, ``collective_timeout_s``, ``backend``
     (the world and the hand-over)."""
 
     Options = TrainOptions  # checked when the pipeline loads
+    publishes_policy = True  # worker 0 serves the policy channel (streamrl.runtime.pipeline.is_trainer)
+    uses_model_and_task = True  # the pre-run checks load the run's model and task (streamrl.runtime.prerun)
+
+    @classmethod
+    def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+        """Before anything starts (``validate_pipeline``): the options' values, sample keys for
+        checkpoints, and how every step's samples split over the workers and their worlds."""
+        at = f"{pipeline.where}: stage {spec.name!r}"
+        opts = msgspec.convert(spec.options, TrainOptions)  # its schema is checked already
+        _check_option_values(opts, f"{at} options")
+        if cfg.output.checkpoint_every and cfg.algo.max_staleness > 0 and "sample_key" not in spec.reads:
+            # without keys a checkpoint cannot say which samples in flight it has trained on
+            raise ConfigError(f"{pipeline.where}: output.checkpoint_every with algo.max_staleness > 0 needs the train "
+                              "stage to read 'sample_key' (and the source to write it), so that a resume neither "
+                              "repeats nor loses a sample: add sample_key to both, as pipelines/grpo.yaml does")
+        tp, batch = opts.tensor_parallel, cfg.batch_size
+        if spec.workers % tp:
+            raise ConfigError(f"{at}: options.tensor_parallel={tp} must divide workers={spec.workers} (each "
+                              "model replica is tensor_parallel workers)")
+        if tp > 1 and pipeline.placement == "disaggregated":
+            raise ConfigError(f"{at}: options.tensor_parallel={tp}: train tensor parallelism is built for "
+                              "placement separate and colocated, not disaggregated; set it to 1")
+        replicas = spec.workers // tp
+        if batch % replicas:
+            over = f"workers={spec.workers}" if tp == 1 else f"{replicas} model replicas (workers / tensor_parallel)"
+            raise ConfigError(f"{at}: algo.prompts_per_step x algo.group_size = {batch} samples per step must "
+                              f"divide evenly over its {over}; change one of them")
+        if spec.workers > 1 and cfg.resources.launch == "inprocess":
+            raise ConfigError(f"{at}: workers={spec.workers} train as one torch.distributed group, one process "
+                              "each; it needs resources.launch: processes or ray (not inprocess)")
+        if pipeline.placement != "separate" and pipeline.weights_receiver(spec.name) is None:
+            link = "colocate_with" if pipeline.placement == "colocated" else "weights_from"
+            raise ConfigError(f"{at}: no stage says `{link}: {spec.name}`, so its policy versions reach no "
+                              f"generate stage; add `{link}: {spec.name}` to the generate stage")
+        _check_reshard_world(pipeline, spec, cfg, at)
+
+    @classmethod
+    def step_samples(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> int:
+        """Samples of each step one worker claims: its model replica's share."""
+        tp = msgspec.convert(spec.options, TrainOptions).tensor_parallel
+        return cfg.batch_size // (spec.workers // tp)
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -401,3 +469,39 @@ class TrainStage:
             return
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_option_values(opts: TrainOptions, at: str) -> None:
+    if opts.tensor_parallel < 1:
+        raise ConfigError(f"{at}.tensor_parallel must be >= 1 (workers per model replica), got "
+                          f"{opts.tensor_parallel}")
+    if opts.bucket_bytes < 1:
+        raise ConfigError(f"{at}.bucket_bytes must be >= 1 (bytes), got {opts.bucket_bytes}")
+    if not opts.collective_timeout_s > 0:
+        raise ConfigError(f"{at}.collective_timeout_s must be > 0 seconds, got {opts.collective_timeout_s}")
+    if opts.backend is not None and opts.backend not in _BACKENDS:
+        raise ConfigError(f"{at}.backend must be one of {list(_BACKENDS)} (or left out), got {opts.backend!r}")
+
+
+def _check_reshard_world(spec: PipelineSpec, train: StageSpec, cfg: RunConfig, at: str) -> None:
+    """nccl/hccl need one device per rank of the reshard world (train + disaggregated generate)."""
+    from streamrl.models.build import DeviceUnavailableError, resolve_device
+
+    receiver = spec.weights_receiver(train.name)
+    world = train.workers + (receiver.workers if receiver is not None and receiver.weights_from else 0)
+    device = train.device or cfg.resources.device
+    try:
+        kind = resolve_device(device).type
+    except (DeviceUnavailableError, ValueError):
+        return  # the device check names it
+    backend = train.options.get("backend") or {"cuda": "nccl", "npu": "hccl"}.get(kind, "gloo")
+    need = _BACKENDS.get(str(backend))
+    if need not in (None, "cpu") and need != kind:
+        raise ConfigError(f"{at} options.backend: {backend!r} needs {need} devices, but the stage runs on "
+                          f"{device!r}; use backend: gloo, or device: {need}")
+    if need in ("cuda", "npu"):
+        count = int(getattr(torch, need).device_count())
+        if world > count:
+            raise ConfigError(f"{at}: {world} reshard ranks (train + generation workers) but {count} {need} "
+                              f"device(s): {backend} needs one device per rank; use fewer workers, or "
+                              "options.backend: gloo")

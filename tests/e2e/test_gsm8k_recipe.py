@@ -106,7 +106,7 @@ def test_the_shipped_recipe_validates_with_the_files_in_place(tmp_path: Path) ->
     try:
         assert cli_main(["validate", str(REPO / "configs" / "grpo_qwen2.5_0.5b_gsm8k.yaml")]) == 0
         cfg = load_config(REPO / "configs" / "grpo_qwen2.5_0.5b_gsm8k.yaml")
-        from streamrl.runtime.pipeline import load_pipeline, resolve_run_length
+        from streamrl.runtime.prerun import load_pipeline, resolve_run_length
 
         resolved = resolve_run_length(cfg)
         assert resolved.algo.steps == math.ceil(400 / 32)  # one epoch of 400 rows at 32 prompts per step

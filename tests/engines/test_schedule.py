@@ -11,7 +11,7 @@ import torch
 
 from streamrl.config import AlgoConfig, ConfigError, load_config
 from streamrl.engines.schedule import lr_scheduler
-from streamrl.runtime.pipeline import resolve_run_length
+from streamrl.runtime.prerun import resolve_run_length
 
 
 def lrs(algo: AlgoConfig, steps: int) -> list[float]:

@@ -17,7 +17,7 @@ import yaml
 
 import streamrl
 from streamrl.config import ConfigError, load_config
-from streamrl.runtime.pipeline import load_pipeline
+from streamrl.runtime.prerun import load_pipeline
 from streamrl.runtime.stage import StageError
 from tests.metrics.documented import undocumented
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs, only_run_dir

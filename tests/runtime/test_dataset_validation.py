@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from streamrl.config import ConfigError, load_config
-from streamrl.runtime.pipeline import load_pipeline
+from streamrl.runtime.prerun import load_pipeline
 
 GRPO = Path(__file__).resolve().parents[2] / "pipelines" / "grpo.yaml"
 POSITIONS = 64
@@ -134,7 +134,7 @@ def test_a_row_fn_that_cannot_be_imported_names_the_option(tmp_path: Path) -> No
 def test_a_missing_model_and_a_missing_dataset_are_reported_together(tmp_path: Path) -> None:
     """A first run of a recipe before anything was downloaded: both problems at once, each with its
     key, and the model's hint naming the path as a --local-dir rather than as a hub id to fetch."""
-    from streamrl.runtime.pipeline import resolve_run_length
+    from streamrl.runtime.prerun import resolve_run_length
 
     cfg = load_config({"pipeline": str(GRPO), "model": {"path": "models/not-downloaded"},
                        "algo": {"epochs": 1, "group_size": 2},

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from streamrl.config import ConfigError, load_config
-from streamrl.runtime.pipeline import PipelineSpec, StageSpec, load_pipeline, pipeline_from_path
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec
+from streamrl.runtime.prerun import load_pipeline, pipeline_from_path
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO = yaml.safe_load((REPO / "pipelines" / "grpo.yaml").read_text())

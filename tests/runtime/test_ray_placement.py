@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from streamrl.config import RayConfig, load_config
-from streamrl.runtime.pipeline import load_pipeline
+from streamrl.runtime.prerun import load_pipeline
 from streamrl.runtime.ray_cluster import bundle_for, process_names
 
 REPO = Path(__file__).resolve().parents[2]

@@ -119,7 +119,7 @@ async def test_a_real_processes_dock_refuses_strangers(tmp_path: Path) -> None:
     from streamrl.dock.limits import DockLimits
     from streamrl.metrics.progress import Progress
     from streamrl.runtime.launch_backends import LocalProcesses
-    from streamrl.runtime.pipeline import load_pipeline
+    from streamrl.runtime.prerun import load_pipeline
     from streamrl.security import LAUNCHER
 
     cfg = load_config({"resources": {"launch": "processes"}})

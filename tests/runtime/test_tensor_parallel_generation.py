@@ -16,7 +16,7 @@ import pytest
 
 import streamrl
 from streamrl.config import ConfigError, load_config
-from streamrl.runtime.pipeline import load_pipeline
+from streamrl.runtime.prerun import load_pipeline
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
 
 REPO = Path(__file__).resolve().parents[2]

@@ -171,7 +171,7 @@ def test_advantage_normalises_within_groups(tmp_path: Path, estimator: str) -> N
 def test_advantage_without_whole_groups_is_refused_before_anything_starts(tmp_path: Path) -> None:
     pipeline = ADVANTAGE.replace("whole_groups: true", "whole_groups: false").replace(
         "writes: [x, tag, reward]", f"writes: [x, tag, reward]\n    options: {{n: 4, rewards: {REWARDS[:4]}}}")
-    with pytest.raises(ConfigError) as info:  # validation (check_run), not the stage's set-up
+    with pytest.raises(ConfigError) as info:  # validation (AdvantageStage.check_spec), not the stage's set-up
         _run(tmp_path, pipeline)
     assert "stage 'advantage'" in str(info.value) and "set whole_groups: true" in str(info.value)
     assert not (tmp_path / "runs").exists()
@@ -223,7 +223,7 @@ def test_score_with_a_user_reward_function(tmp_path: Path, overlong_buffer: int)
 
 
 def test_score_rejects_unknown_options(tmp_path: Path) -> None:
-    # caught by validation before any stage starts (streamrl.runtime.pipeline.check_run)
+    # caught by validation before any stage starts (ScoreStage.check_options in validate_pipeline)
     with pytest.raises(ConfigError) as info:
         _run(tmp_path, SCORE.replace('{reward: "tests.stages.user_rewards:closeness"}', "{rewrd: x}"),
              algo={"steps": 1, "prompts_per_step": 1, "group_size": 2})

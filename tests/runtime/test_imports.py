@@ -1,0 +1,48 @@
+"""The pipeline file format knows nothing of the built-in stages or the tasks: importing
+``streamrl.runtime.pipeline`` imports neither, and the stages, the tasks and the pipeline each
+import first in a fresh interpreter (no import circle between them)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 120  # a fresh interpreter may import torch + transformers (slow on busy cores)
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S,
+                          cwd=REPO, env=env)
+
+
+def test_the_pipeline_module_imports_no_stage_and_no_task() -> None:
+    proc = _python("import streamrl.runtime.pipeline; import sys; "
+                   "print(sorted(m for m in sys.modules if m.startswith(('streamrl.stages', 'streamrl.tasks'))))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+@pytest.mark.parametrize("first", ["streamrl.stages.common", "streamrl.tasks", "streamrl.runtime.pipeline",
+                                   "streamrl.runtime.prerun"])
+def test_each_imports_first_in_a_fresh_interpreter(first: str) -> None:
+    rest = [m for m in ("streamrl.stages.common", "streamrl.tasks", "streamrl.runtime.pipeline",
+                        "streamrl.runtime.prerun") if m != first]
+    proc = _python(f"import {first}; " + "; ".join(f"import {m}" for m in rest))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_pipeline_module_has_no_import_of_a_stage_or_a_task_not_even_a_lazy_one() -> None:
+    """Statically: no ``import`` anywhere in runtime/pipeline.py (a function's included) names
+    ``streamrl.stages`` or ``streamrl.tasks``, so no code path of it can close a circle."""
+    import ast
+
+    tree = ast.parse((REPO / "streamrl" / "runtime" / "pipeline.py").read_text())
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert not [n for n in names if n.startswith(("streamrl.stages", "streamrl.tasks"))], names
