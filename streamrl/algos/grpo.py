@@ -53,6 +53,11 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kl_coef: Annotated[float, Meta(description=(
         "Weight of the per-token KL penalty against the reference policy; 0 = off (> 0 needs a pipeline with "
         "a reference stage, e.g. pipelines/grpo_kl.yaml)"))] = 0.0
+    kl_in: Annotated[Literal["loss", "reward"], Meta(description=(
+        "Where the KL penalty goes: loss (kl_coef x each token's KL added to the policy loss, as GRPO) or "
+        "reward (kl_coef x a response's summed KL, from its rollout logprobs, subtracted from its reward "
+        "before the advantage, as PPO and REINFORCE++: the advantage stage then reads ref_logprobs and "
+        "rollout_logprobs)"))] = "loss"
     kl_estimator: Annotated[KLEstimator, Meta(description=(
         "k1: log-ratio, k2: squared log-ratio / 2, k3: Schulman's unbiased estimator"))] = "k3"
     loss_agg: Annotated[LossAggregation, Meta(description=(
@@ -133,7 +138,8 @@ def zero_at_zero_advantage(config: LossConfig) -> bool:
     """Whether a sample with advantage 0 has exactly zero loss and gradient under ``config``: true
     for the built-in policy losses without a KL term or an entropy bonus, so the trainer may skip such samples (a
     GRPO group whose rewards are all equal costs nothing). A user's loss is always computed."""
-    return config.kl_coef == 0.0 and config.entropy_coef == 0.0 and config.policy_loss in ZERO_AT_ZERO_ADVANTAGE
+    kl_in_loss = config.kl_coef > 0.0 and config.kl_in == "loss"
+    return not kl_in_loss and config.entropy_coef == 0.0 and config.policy_loss in ZERO_AT_ZERO_ADVANTAGE
 
 
 ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "cispo"})
@@ -157,8 +163,9 @@ def per_token_loss(
     given (trainer recomputation), else against ``rollout_logprobs``, else against the detached
     current logprobs (single on-policy update, ratio 1, as TRL with num_iterations=1). With both
     old and rollout logprobs and ``config.is_cap`` set, the loss is weighted per token by
-    ``config.correction``'s importance weights; with ``ref_logprobs`` and ``kl_coef`` > 0 the KL
-    penalty is added; with ``config.entropy_coef`` > 0, ``entropy`` [N] (with its graph) times the
+    ``config.correction``'s importance weights; with ``ref_logprobs``, ``kl_coef`` > 0 and
+    ``kl_in`` loss the KL penalty is added (``kl_in`` reward: the advantage stage took it from the
+    reward, :func:`kl_reward_penalty`); with ``config.entropy_coef`` > 0, ``entropy`` [N] (with its graph) times the
     coefficient is subtracted (the entropy bonus).
     """
     stats: dict[str, Tensor] = {}
@@ -183,18 +190,26 @@ def per_token_loss(
     stats["clipped"] = clipped.to(torch.float32)
     delta = (logprobs - behaviour).detach()
     stats["approx_kl"] = 0.5 * delta * delta  # KL(behaviour || current), second-order estimate
+    kl_in_loss = config.kl_coef > 0.0 and config.kl_in == "loss"
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
         stats["kl"] = kl.detach()
-        if config.kl_coef > 0.0:
+        if kl_in_loss:
             loss = loss + config.kl_coef * kl
-    elif config.kl_coef > 0.0:
+    elif kl_in_loss:
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs for every sample (run the reference stage)")
     if config.entropy_coef > 0.0:
         if entropy is None:
             raise ValueError("LossConfig.entropy_coef > 0 needs the per-token entropy (with its graph)")
         loss = loss - config.entropy_coef * entropy
     return loss, stats
+
+
+def kl_reward_penalty(rollout_logprobs: Tensor, ref_logprobs: Tensor, coef: float,
+                      estimator: KLEstimator = "k1") -> float:
+    """What KL in the reward takes from one response's reward: ``coef`` x the sum over its tokens
+    of the KL estimate of the behaviour policy (its rollout logprobs) from the reference [R]."""
+    return coef * float(kl_penalty(rollout_logprobs.float(), ref_logprobs.float(), estimator).sum())
 
 
 def _lengths_from_index(seq_index: Tensor, n_seqs: int) -> Tensor:

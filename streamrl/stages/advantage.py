@@ -1,6 +1,10 @@
 """The advantage stage: calls the config's advantage estimator (``algo.advantage``, a name in
 :data:`streamrl.algos.advantages.ADVANTAGES` or ``module:function``) on whole groups of rewards.
-Claims whole groups only (``whole_groups: true``), so every estimator sees each group entire."""
+Claims whole groups only (``whole_groups: true``), so every estimator sees each group entire.
+
+With ``algo.loss.kl_in: reward`` and ``kl_coef`` > 0 it first takes the KL penalty from each
+reward (:func:`streamrl.algos.grpo.kl_reward_penalty`), reading ``ref_logprobs`` and
+``rollout_logprobs``; the trainer then adds no KL to the loss."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 import torch
 
 from streamrl.algos.advantages import ADVANTAGES
+from streamrl.algos.grpo import kl_reward_penalty
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.pipeline import NoOptions, PipelineSpec, StageSpec
 from streamrl.runtime.stage import Batch, StageContext
@@ -24,6 +29,12 @@ class AdvantageStage:
         if not spec.whole_groups:
             raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: the advantage stage normalises rewards "
                               "within a group; set whole_groups: true")
+        if _kl_in_reward(cfg):
+            missing = [c for c in ("ref_logprobs", "rollout_logprobs") if c not in spec.reads]
+            if missing:
+                raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: algo.loss.kl_in: reward takes the KL "
+                                  f"penalty from the reward here, so this stage must read {missing}: add them to "
+                                  "its reads (pipelines/grpo_kl_reward.yaml does)")
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -32,9 +43,18 @@ class AdvantageStage:
         algo = ctx.config.algo
         self.estimator = ADVANTAGES.resolve(algo.advantage)
         self.options = dict(algo.advantage_options)
+        self.kl_in_reward = _kl_in_reward(ctx.config)
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         rewards = torch.tensor([float(r) for r in batch.columns["reward"]])
+        if self.kl_in_reward:
+            loss = self.ctx.config.algo.loss
+            penalty = torch.tensor([
+                kl_reward_penalty(rollout, ref, loss.kl_coef, loss.kl_estimator)
+                for rollout, ref in zip(batch.columns["rollout_logprobs"], batch.columns["ref_logprobs"], strict=True)
+            ])
+            rewards = rewards - penalty
+            self.ctx.report_metrics({"kl_penalty_mean": float(penalty.mean())})
         adv = self.estimator(rewards=rewards, group_ids=torch.tensor(batch.groups), **self.options)
         if not isinstance(adv, torch.Tensor) or adv.shape != rewards.shape or not bool(torch.isfinite(adv).all()):
             got = f"shape {tuple(adv.shape)}" if isinstance(adv, torch.Tensor) else type(adv).__name__
@@ -44,3 +64,7 @@ class AdvantageStage:
 
     async def close(self) -> None:
         pass
+
+
+def _kl_in_reward(cfg: RunConfig) -> bool:
+    return cfg.algo.loss.kl_coef > 0 and cfg.algo.loss.kl_in == "reward"

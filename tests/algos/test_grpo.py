@@ -168,3 +168,18 @@ def test_loss_config_defaults() -> None:
     cfg = LossConfig()
     assert (cfg.clip_low, cfg.clip_high, cfg.kl_coef, cfg.kl_estimator) == (0.2, 0.2, 0.0, "k3")
     assert (cfg.loss_agg, cfg.is_cap, cfg.temperature) == ("token-mean", 2.0, 1.0)
+
+
+def test_kl_in_the_reward_hand_computed() -> None:
+    from streamrl.algos.grpo import kl_reward_penalty, zero_at_zero_advantage
+
+    rollout = torch.log(torch.tensor([0.5, 0.25]))
+    ref = torch.log(torch.tensor([0.25, 0.25]))
+    # k1 per token: logp - ref = ln 2, 0 -> summed ln 2, times 0.5
+    assert kl_reward_penalty(rollout, ref, 0.5, "k1") == pytest.approx(0.5 * math.log(2))
+    # in the reward, the trainer adds no KL: zero advantages stay free, and no ref logprobs are needed
+    cfg = LossConfig(kl_coef=0.5, kl_in="reward")
+    assert zero_at_zero_advantage(cfg) and not zero_at_zero_advantage(LossConfig(kl_coef=0.5))
+    logp = torch.log(torch.tensor([0.5, 0.5]))
+    loss, stats = per_token_loss(logp, torch.zeros(2), cfg)
+    assert torch.equal(loss, torch.zeros(2)) and "kl" not in stats

@@ -43,3 +43,19 @@ def test_a_preset_and_a_user_estimator_run_in_the_stage_processes(tmp_path: Path
     # -logprob of a sampled token of a random-init tiny model is ~ln(vocab): well above 0.5
     assert all(loss > 0.5 for loss in losses[1.0]), losses
     assert all(loss < -0.5 for loss in losses[-1.0]), losses
+
+
+@pytest.mark.timeout(180)
+def test_kl_in_the_reward_is_taken_by_the_advantage_stage(tmp_path: Path) -> None:
+    """algo.loss.kl_in: reward with pipelines/grpo_kl_reward.yaml: the advantage stage reports the
+    penalty it took from the rewards; it grows from 0 (the policy is the reference at step 1)."""
+    before = ipc_dirs()
+    overrides = [f"pipeline={REPO / 'pipelines' / 'grpo_kl_reward.yaml'}", "algo.loss.kl_coef=0.5",
+                 "algo.loss.kl_in=reward", "algo.steps=6", "algo.stop_reward=null", "algo.lr=0.01",
+                 f"output.run_dir={tmp_path}", "output.progress=none", "output.tensorboard=false",
+                 "output.plot=false", "output.checkpoint=false"]
+    result = streamrl.run(str(DIGITS), overrides)
+    penalties = [row.get("advantage/kl_penalty_mean") for row in result.metrics]
+    assert all(p is not None and p >= 0 for p in penalties), penalties  # k3 >= 0
+    assert penalties[-1] > 1e-4 and result.metrics[-1]["kl"] > 0, (penalties, result.metrics[-1]["kl"])
+    assert_run_cleaned(result.run_dir, os.getpid(), before)
