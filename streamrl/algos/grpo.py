@@ -21,7 +21,7 @@ import torch
 from msgspec import Meta
 from torch import Tensor
 
-from streamrl.algos.kl import KLEstimator, kl_penalty
+from streamrl.algos.kl import KL_ESTIMATORS, kl_penalty
 from streamrl.algos.losses import CORRECTIONS, POLICY_LOSSES
 from streamrl.algos.registry import UnknownAlgorithmError
 
@@ -58,8 +58,9 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         "reward (kl_coef x a response's summed KL, from its rollout logprobs, subtracted from its reward "
         "before the advantage, as PPO and REINFORCE++: the advantage stage then reads ref_logprobs and "
         "rollout_logprobs)"))] = "loss"
-    kl_estimator: Annotated[KLEstimator, Meta(description=(
-        "k1: log-ratio, k2: squared log-ratio / 2, k3: Schulman's unbiased estimator"))] = "k3"
+    kl_estimator: Annotated[str, Meta(description=(
+        "k1: log-ratio, k2: squared log-ratio / 2, k3: Schulman's unbiased estimator, or module:function "
+        "(docs/algorithms.md)"))] = "k3"
     loss_agg: Annotated[LossAggregation, Meta(description=(
         "How per-token losses become one number per step: token-mean (mean over all its tokens), "
         "seq-mean-token-mean (mean over sequences of each one's token mean), seq-mean-token-sum (mean over "
@@ -98,7 +99,8 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"LossConfig.dual_clip must be > 1 (e.g. 3.0) or None (off), got {self.dual_clip}")
         if self.norm_tokens is not None and self.norm_tokens < 1:
             raise ValueError(f"LossConfig.norm_tokens must be >= 1 or None (algo.max_new_tokens), got {self.norm_tokens}")
-        for name, registry in (("policy_loss", POLICY_LOSSES), ("correction", CORRECTIONS)):
+        for name, registry in (("policy_loss", POLICY_LOSSES), ("correction", CORRECTIONS),
+                               ("kl_estimator", KL_ESTIMATORS)):
             try:
                 registry.resolve(getattr(self, name))
             except UnknownAlgorithmError as exc:
@@ -206,7 +208,7 @@ def per_token_loss(
 
 
 def kl_reward_penalty(rollout_logprobs: Tensor, ref_logprobs: Tensor, coef: float,
-                      estimator: KLEstimator = "k1") -> float:
+                      estimator: str = "k1") -> float:
     """What KL in the reward takes from one response's reward: ``coef`` x the sum over its tokens
     of the KL estimate of the behaviour policy (its rollout logprobs) from the reference [R]."""
     return coef * float(kl_penalty(rollout_logprobs.float(), ref_logprobs.float(), estimator).sum())

@@ -85,8 +85,17 @@ def test_kl_estimators_hand_computed() -> None:
     torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([log2]))
     torch.testing.assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([0.5 * log2 * log2]))
     torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([0.5 + log2 - 1.0]))
-    with pytest.raises(ValueError, match="k4"):
-        kl_penalty(logp, ref, "k4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'.*registered: k1, k2, k3"):
+        kl_penalty(logp, ref, "k4")
+    # a user's estimator by module:function, and the gradient flows through logprobs only
+    logp = logp.clone().requires_grad_()
+    ref = ref.clone().requires_grad_()
+    user = kl_penalty(logp, ref, "tests.algos.user_algos:squared_log_ratio")
+    torch.testing.assert_close(user, torch.tensor([log2 * log2]))
+    user.sum().backward()
+    assert logp.grad is not None and ref.grad is None
+    with pytest.raises(ValueError, match=r"LossConfig.kl_estimator.*did you mean 'k3'"):
+        LossConfig(kl_estimator="k33")
 
 
 def test_per_token_loss_combines_tis_and_kl() -> None:
