@@ -15,6 +15,7 @@ Ratio: a preset's median seconds over grpo's. Last line: one JSON object.
 
     python ops/bench/presets.py                          # both tasks, every preset, 3 repetitions
     python ops/bench/presets.py --tasks max --reps 5 --presets grpo,gspo
+    python ops/bench/presets.py --config configs/grpo_digits_colocated.yaml --tasks max --reps 1
 """
 
 from __future__ import annotations
@@ -39,14 +40,14 @@ TASKS: dict[str, tuple[dict[str, Any], int, float]] = {
 }
 
 
-def one_run(task: str, preset: str, seed: int, max_steps: int) -> dict[str, Any]:
+def one_run(config_path: Path, task: str, preset: str, seed: int, max_steps: int) -> dict[str, Any]:
     import yaml
 
     import streamrl
 
-    config = yaml.safe_load(CONFIG.read_text())
+    config = yaml.safe_load(config_path.read_text())
     section, max_new_tokens, target = TASKS[task]
-    config.update(task={**section, "seed": seed}, config_dir=str(CONFIG.parent))
+    config.update(task={**section, "seed": seed}, config_dir=str(config_path.resolve().parent))
     with tempfile.TemporaryDirectory() as tmp:
         overrides = [f"preset={preset}", f"seed={seed}", f"model.tiny.seed={seed}", f"algo.max_new_tokens={max_new_tokens}",
                      f"algo.steps={max_steps}", f"algo.stop_reward={target}", f"output.run_dir={tmp}",
@@ -67,16 +68,18 @@ def main() -> None:
     parser.add_argument("--presets", default=",".join(preset_names()), help="comma-separated preset names")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--config", type=Path, default=CONFIG,
+                        help="the run config (its placement); it should start from preset: grpo and set no loss")
     args = parser.parse_args()
     tasks, presets = args.tasks.split(","), args.presets.split(",")
     if "grpo" not in presets:
         presets.insert(0, "grpo")  # the baseline
-    print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"{args.config}; load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in range(args.reps):
         for task in tasks:
             for preset in presets:
-                r = one_run(task, preset, rep, args.max_steps)
+                r = one_run(args.config, task, preset, rep, args.max_steps)
                 runs.setdefault((task, preset), []).append(r)
                 print(f"rep {rep} {task} {preset}: {r['steps']} steps, {r['seconds']:.1f} s, last5 "
                       f"{r['last5']:.3f}{'' if r['reached'] else ' (target missed)'}", flush=True)
