@@ -434,13 +434,15 @@ class FSDPTrainEngine:
     def _reduced_sums(self) -> list[float]:
         """The step's running sums added over the dp ranks (tp ranks share their dp rank's samples).
 
-        The last three entries count the dp ranks per loss aggregation mode: a rank that only
-        padded knows no mode of its own and takes the others'.
+        Then the summed norm_tokens of the ranks that accumulated, and last the count of dp ranks
+        per loss aggregation mode: a rank that only padded knows no mode or norm_tokens of its own
+        and takes the others' (every accumulating rank has the step's LossConfig).
         """
         s = self._sums
         modes = [1.0 if s.mode == mode else 0.0 for mode in LOSS_AGGREGATIONS]
         values = [s.loss, s.tokens, s.sequences, s.skipped_tokens, s.skipped_sequences, s.micro_batches,
-                  s.clipped, s.approx_kl, s.entropy, s.kl, s.kl_tokens, s.is_weight, s.is_tokens, *modes]
+                  s.clipped, s.approx_kl, s.entropy, s.kl, s.kl_tokens, s.is_weight, s.is_tokens,
+                  float(s.norm_tokens or 0), *modes]
         t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device_type)
         if self.dp_size > 1:
             dist.all_reduce(t, group=self.dp_mesh.get_group())
@@ -458,10 +460,10 @@ class FSDPTrainEngine:
         self.check_on_device()
         reduced = self._reduced_sums()
         (loss, tokens, seqs, skipped_tokens, skipped_seqs, micro_batches, clipped, approx_kl, entropy, kl,
-         kl_tokens, is_weight, is_tokens) = reduced[:13]
+         kl_tokens, is_weight, is_tokens, norm_tokens_sum) = reduced[:14]
         # The decision below is taken from all-reduced values, so every rank raises alike and
         # none is left waiting in the next collective.
-        modes = [mode for mode, count in zip(LOSS_AGGREGATIONS, reduced[13:], strict=True) if count > 0]
+        modes = [mode for mode, count in zip(LOSS_AGGREGATIONS, reduced[14:], strict=True) if count > 0]
         if not modes:
             raise NothingAccumulatedError(
                 f"step() called before any accumulate() since the last step (on all {self.dp_size} dp ranks)"
@@ -475,8 +477,9 @@ class FSDPTrainEngine:
         mode = modes[0]
         all_tokens = int(tokens + skipped_tokens) if global_tokens is None else global_tokens
         all_seqs = int(seqs + skipped_seqs) if global_sequences is None else global_sequences
-        # seq-mean-token-sum-norm's constant: the same on every rank (the step's LossConfig)
-        denominator = loss_denominator(mode, all_tokens, all_seqs, self._sums.norm_tokens or 1)  # type: ignore[arg-type]
+        # seq-mean-token-sum-norm's constant: the step's LossConfig's, from the ranks that accumulated
+        norm_tokens = max(round(norm_tokens_sum / sum(reduced[14:])), 1)
+        denominator = loss_denominator(mode, all_tokens, all_seqs, norm_tokens)  # type: ignore[arg-type]
         grads = [local(p.grad) for p in self.params if p.grad is not None]
         if denominator > 0 and grads:
             torch._foreach_div_(grads, float(denominator))

@@ -7,7 +7,8 @@ micro-batches of 2, except on the "uneven" steps, where the last dp rank packs i
 one micro-batch and pads with ``accumulate_padding`` to match the others' count, and on the
 "idle" steps, where every odd sample (all of dp rank 1's at dp=2) has advantage 0, so that rank
 runs only zero-gradient micro-batches, and on the "lopsided" steps, where dp rank 0 takes every
-sample and the others only pad. Loss modes cycle over the three aggregations.
+sample and the others only pad. Loss modes cycle over three aggregations; the lopsided steps use
+seq-mean-token-sum-norm, whose constant a rank that only padded must learn from the others.
 
 Tensors come back through safetensors files in the test's directory (no pickle); small values
 as JSON through the harness.
@@ -72,7 +73,8 @@ def step_samples(step: int) -> tuple[list[TrainSample], LossConfig]:
         samples.append(TrainSample(prompts[i % 3], response, advantage, rollout_logprobs=noise[0],
                                    old_logprobs=old, ref_logprobs=ref))
     kl_coef = 0.05 if step % 6 == 5 else 0.0
-    return samples, LossConfig(loss_agg=MODES[step % 3], kl_coef=kl_coef)  # type: ignore[arg-type]
+    mode = "seq-mean-token-sum-norm" if step % 7 == 6 else MODES[step % 3]
+    return samples, LossConfig(loss_agg=mode, kl_coef=kl_coef, norm_tokens=5)  # type: ignore[arg-type]
 
 
 def micro_batches(samples: list[TrainSample], dp_rank: int, dp: int, step: int) -> list[list[TrainSample]]:

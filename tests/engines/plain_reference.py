@@ -61,10 +61,11 @@ class PlainReference:
         self.tokens += int(lens.sum())
         self.sequences += len(batch)
         self.mode = config.loss_agg
+        self.norm_tokens = config.norm_tokens or 1
 
     def step(self) -> dict[str, float]:
         assert self.mode is not None
-        denominator = max(loss_denominator(self.mode, self.tokens, self.sequences), 1)  # type: ignore[arg-type]
+        denominator = max(loss_denominator(self.mode, self.tokens, self.sequences, self.norm_tokens), 1)  # type: ignore[arg-type]
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad /= denominator
