@@ -108,6 +108,16 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if not self.temperature > 0.0:
             raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
 
+    @property
+    def kl_in_loss(self) -> bool:
+        """The trainer adds kl_coef x each token's KL to the loss."""
+        return self.kl_coef > 0.0 and self.kl_in == "loss"
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """The advantage stage takes kl_coef x each response's summed KL from its reward."""
+        return self.kl_coef > 0.0 and self.kl_in == "reward"
+
 
 def group_advantages(
     rewards: Tensor, group_ids: Tensor, normalize_std: bool = True, eps: float = 1e-6
@@ -140,8 +150,7 @@ def zero_at_zero_advantage(config: LossConfig) -> bool:
     """Whether a sample with advantage 0 has exactly zero loss and gradient under ``config``: true
     for the built-in policy losses without a KL term or an entropy bonus, so the trainer may skip such samples (a
     GRPO group whose rewards are all equal costs nothing). A user's loss is always computed."""
-    kl_in_loss = config.kl_coef > 0.0 and config.kl_in == "loss"
-    return not kl_in_loss and config.entropy_coef == 0.0 and config.policy_loss in ZERO_AT_ZERO_ADVANTAGE
+    return not config.kl_in_loss and config.entropy_coef == 0.0 and config.policy_loss in ZERO_AT_ZERO_ADVANTAGE
 
 
 ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "cispo"})
@@ -192,13 +201,12 @@ def per_token_loss(
     stats["clipped"] = clipped.to(torch.float32)
     delta = (logprobs - behaviour).detach()
     stats["approx_kl"] = 0.5 * delta * delta  # KL(behaviour || current), second-order estimate
-    kl_in_loss = config.kl_coef > 0.0 and config.kl_in == "loss"
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, config.kl_estimator)
         stats["kl"] = kl.detach()
-        if kl_in_loss:
+        if config.kl_in_loss:
             loss = loss + config.kl_coef * kl
-    elif kl_in_loss:
+    elif config.kl_in_loss:
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logprobs for every sample (run the reference stage)")
     if config.entropy_coef > 0.0:
         if entropy is None:

@@ -29,7 +29,7 @@ class AdvantageStage:
         if not spec.whole_groups:
             raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: the advantage stage normalises rewards "
                               "within a group; set whole_groups: true")
-        if _kl_in_reward(cfg):
+        if cfg.algo.loss.kl_in_reward:
             missing = [c for c in ("ref_logprobs", "rollout_logprobs") if c not in spec.reads]
             if missing:
                 raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: algo.loss.kl_in: reward takes the KL "
@@ -43,7 +43,7 @@ class AdvantageStage:
         algo = ctx.config.algo
         self.estimator = ADVANTAGES.resolve(algo.advantage)
         self.options = dict(algo.advantage_options)
-        self.kl_in_reward = _kl_in_reward(ctx.config)
+        self.kl_in_reward = ctx.config.algo.loss.kl_in_reward
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         rewards = torch.tensor([float(r) for r in batch.columns["reward"]])
@@ -65,6 +65,3 @@ class AdvantageStage:
     async def close(self) -> None:
         pass
 
-
-def _kl_in_reward(cfg: RunConfig) -> bool:
-    return cfg.algo.loss.kl_coef > 0 and cfg.algo.loss.kl_in == "reward"
