@@ -120,6 +120,28 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "With chat_template: a system message put before every prompt's messages (null: none)"))] = None
 
 
+def overlong_buffer_tokens(algo: AlgoConfig) -> int:
+    """``algo.overlong_buffer`` in tokens (a float is a fraction of ``max_new_tokens``, rounded)."""
+    if isinstance(algo.overlong_buffer, float):
+        return round(algo.overlong_buffer * algo.max_new_tokens)
+    return algo.overlong_buffer
+
+
+class DynamicSamplingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage and teaches
+    nothing, so the pipeline's filter stage drops it and the source generates more until every step
+    has its batch_size samples of informative groups."""
+
+    enabled: Annotated[bool, Meta(description=(
+        "Drop groups whose rewards are all equal and generate more prompts until each optimizer step has "
+        "prompts_per_step x group_size samples of informative groups; needs the filter stage "
+        "(pipelines/dapo.yaml)"))] = False
+    max_rounds: Annotated[int, Meta(description=(
+        "Cap on over-generation: the source makes at most this many rounds of prompts_per_step prompts per "
+        "optimizer step (counted over the run); past it the run fails saying so, as the task is then too "
+        "easy or too hard for the policy. 0 = no cap"))] = 10
+
+
 class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The algorithm (GRPO) and its optimizer: run length, sampling, learning rate, staleness."""
 
@@ -148,9 +170,10 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_decay: Annotated[float, Meta(description="AdamW's decoupled weight decay")] = 0.0
     max_grad_norm: Annotated[float | None, Meta(description=(
         "Clip the global gradient norm to this; null = no clipping"))] = 1.0
-    overlong_buffer: Annotated[int, Meta(description=(
-        "DAPO's overlong reward shaping (tokens): a response longer than max_new_tokens - overlong_buffer "
-        "loses up to overlong_penalty of its reward, linearly, the whole of it at max_new_tokens; 0 = off"))] = 0
+    overlong_buffer: Annotated[int | float, Meta(description=(
+        "DAPO's overlong reward shaping: a response longer than max_new_tokens - overlong_buffer loses up to "
+        "overlong_penalty of its reward, linearly, the whole of it at max_new_tokens. An integer is tokens; a "
+        "float in (0, 1) is a fraction of max_new_tokens (DAPO: 0.2, 4096 of 20480); 0 = off"))] = 0
     overlong_penalty: Annotated[float, Meta(description=(
         "The reward a response at the length cap loses (with overlong_buffer > 0)"))] = 1.0
     advantage: Annotated[str, Meta(description=(
@@ -165,6 +188,9 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     old_logprobs: Annotated[Literal["rollout", "recompute"], Meta(description=(
         "Where the trainer's 'old' logprobs come from: the generator's sampled-token logprobs (rollout, no "
         "extra forward) or a no-grad forward in the trainer (recompute)"))] = "rollout"
+    dynamic_sampling: Annotated[DynamicSamplingConfig, Meta(description=(
+        "DAPO's dynamic sampling (variable generation per step, fixed trained samples per step)"))] = (
+        msgspec.field(default_factory=DynamicSamplingConfig))
     max_staleness: Annotated[int, Meta(description=(
         "How many policy versions generation may run ahead of training. 0: synchronous on-policy (step s is "
         "generated with the weights of step s). k >= 1: generation runs up to k policy versions ahead of "
@@ -348,7 +374,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     preset: Annotated[str | None, Meta(description=(
         "A named algorithm whose settings this config starts from (its own values win): grpo, dr_grpo, rloo, "
-        "reinforce_pp, gspo, cispo (streamrl/algos/presets/<name>.yaml), or a path to a YAML file of "
+        "reinforce_pp, gspo, cispo, dapo (streamrl/algos/presets/<name>.yaml), or a path to a YAML file of "
         "config fields; null = the defaults"))] = None
     pipeline: Annotated[str, Meta(description=(
         "The pipeline file (the stage graph), relative to the config file, the cwd, or the package"))] = (
@@ -411,9 +437,11 @@ def _check(cfg: RunConfig) -> list[str]:
         (a.group_size >= 2 or a.advantage not in ("grpo", "rloo"),
          f"algo.group_size must be >= 2 for algo.advantage: {a.advantage} (it compares the samples of a group)"),
         *_advantage_rules(a),
-        (0 <= a.overlong_buffer <= a.max_new_tokens,
-         f"algo.overlong_buffer must be in [0, algo.max_new_tokens={a.max_new_tokens}] (tokens; 0 = off), got "
-         f"{a.overlong_buffer}"),
+        (a.dynamic_sampling.max_rounds >= 0,
+         f"algo.dynamic_sampling.max_rounds must be >= 0 (0 = no cap), got {a.dynamic_sampling.max_rounds}"),
+        (0 <= a.overlong_buffer <= a.max_new_tokens and (isinstance(a.overlong_buffer, int) or a.overlong_buffer < 1),
+         f"algo.overlong_buffer must be an integer in [0, algo.max_new_tokens={a.max_new_tokens}] (tokens; 0 = off) "
+         f"or a float in (0, 1) (a fraction of max_new_tokens), got {a.overlong_buffer!r}"),
         (a.overlong_penalty >= 0 and math.isfinite(a.overlong_penalty),
          f"algo.overlong_penalty must be a finite number >= 0, got {a.overlong_penalty}"),
         (not (a.max_staleness > 0 and a.old_logprobs == "recompute" and a.loss.is_cap is None),

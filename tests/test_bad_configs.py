@@ -33,6 +33,7 @@ GRPO = REPO / "pipelines" / "grpo.yaml"
 GRPO_KL = REPO / "pipelines" / "grpo_kl.yaml"
 COLOCATED = REPO / "pipelines" / "grpo_colocated.yaml"
 DISAGGREGATED = REPO / "pipelines" / "grpo_disaggregated.yaml"
+DAPO = REPO / "pipelines" / "dapo.yaml"
 VALIDATION_BUDGET_S = 2.0  # nothing starts: validation is file reads and imports already done
 CLI_TIMEOUT_S = 120  # a fresh interpreter imports torch + transformers (several seconds on 2 busy cores)
 
@@ -164,8 +165,21 @@ CASES: dict[str, Case] = {
     "kl-in-reward-reads": Case(("stage 'advantage'", "algo.loss.kl_in: reward", "['ref_logprobs', 'rollout_logprobs']",
                                 "pipelines/grpo_kl_reward.yaml"),
                                config={"pipeline": str(GRPO_KL)}, overrides=("algo.loss.kl_coef=0.1", "algo.loss.kl_in=reward")),
-    "overlong-buffer": Case(("algo.overlong_buffer must be in [0, algo.max_new_tokens=4]", "got 5"),
+    "overlong-buffer": Case(("algo.overlong_buffer must be an integer in [0, algo.max_new_tokens=4]", "got 5"),
                             overrides=("algo.overlong_buffer=5",)),
+    "overlong-buffer-fraction": Case(("algo.overlong_buffer", "a float in (0, 1)", "got 1.5"),
+                                     overrides=("algo.overlong_buffer=1.5",)),
+    "dynamic-sampling-without-filter": Case(("algo.dynamic_sampling.enabled needs a stage that drops",
+                                             "streamrl.stages.filter:FilterStage", "pipelines/dapo.yaml"),
+                                            overrides=("preset=dapo",)),
+    "filter-without-dynamic-sampling": Case(("stage 'filter'", "set algo.dynamic_sampling.enabled: true"),
+                                            config={"pipeline": str(DAPO)}),
+    "filter-not-whole-groups": Case(("stage 'filter'", "set whole_groups: true"),
+                                    files={"dapo.yaml": _pipeline_with(DAPO, {"filter": {"whole_groups": False}})},
+                                    config={"pipeline": "{tmp}/dapo.yaml",
+                                            "algo": {"dynamic_sampling": {"enabled": True}}}),
+    "dynamic-sampling-cap": Case(("algo.dynamic_sampling.max_rounds must be >= 0", "got -1"),
+                                 overrides=("algo.dynamic_sampling.max_rounds=-1",)),
     "max-grad-norm-zero": Case(("algo.max_grad_norm must be > 0", "null for no clipping"),
                                overrides=("algo.max_grad_norm=0",)),
     "betas-out-of-range": Case(("algo.betas must both be in [0, 1)", "[0.9, 0.999]"),

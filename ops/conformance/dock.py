@@ -305,6 +305,20 @@ class Suite:
         expect(self.ack(reply["lease_id"], [idx[1]]).get("type") == "ok", "ack of the rest")
         expect_error(self.ack(reply["lease_id"]), "unknown_lease")
 
+    def c_d_ack_discard(self) -> None:
+        before = self.stats()
+        idx = self.fresh_samples(2)
+        reply = self.claim_exactly(idx)
+        ok, _ = self.ctl.ask({"type": "ack", "req_id": rid(), "client_id": self.client_id,
+                              "lease_id": reply["lease_id"], "discard": True})
+        expect(ok.get("type") == "ok", f"ack with discard answered with {ok}")
+        bad, _ = self.ctl.ask({"type": "ack", "req_id": rid(), "client_id": self.client_id,
+                               "lease_id": reply["lease_id"], "discard": 1})
+        expect_error(bad, "malformed")  # bool fields take msgpack booleans only (§3)
+        after = self.stats()
+        expect(after.get("samples_discarded", 0) - before.get("samples_discarded", 0) == 2,
+               f"samples_discarded went {before.get('samples_discarded')} -> {after.get('samples_discarded')}")
+
     def c_e_release_returns_samples(self) -> None:
         idx = self.fresh_samples(2)
         reply = self.claim_exactly(idx)

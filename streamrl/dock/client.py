@@ -511,13 +511,15 @@ class DockClient:
             await self._fan_out(get, self._split(indices))
         return out
 
-    async def ack(self, lease: Lease, indices: Sequence[int] | None = None) -> None:
-        """Done with (some of) the lease's samples: they are never delivered to this consumer again."""
+    async def ack(self, lease: Lease, indices: Sequence[int] | None = None, *, discard: bool = False) -> None:
+        """Done with (some of) the lease's samples: they are never delivered to this consumer again.
+        ``discard``: nor to any other consumer that has not claimed them yet (they leave the run)."""
         assert self._ctl is not None
         with tracer().span("ack", "dock_out", "dock", samples=len(indices) if indices is not None else len(lease)):
             await self._request(
                 self._ctl,
-                p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices is not None else None),
+                p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices is not None else None,
+                      discard=discard),
             )
         if indices is None or set(indices) >= set(lease.indices):
             self._leases.pop(lease.lease_id, None)
@@ -580,6 +582,12 @@ class DockClient:
             reply, _ = await self._request(conn, p.StatsRequest(self._next_id()))
             whs.append(reply.stats)
         return {"controller": ctl.stats, "warehouses": whs}
+
+    async def controller_statistics(self) -> dict[str, Any]:
+        """The controller's statistics only (one round trip): counters such as ``samples_discarded``."""
+        assert self._ctl is not None
+        reply, _ = await self._request(self._ctl, p.StatsRequest(self._next_id()))
+        return reply.stats
 
     def statistics(self) -> dict[str, Any]:
         """This client's own counters (no round trip)."""

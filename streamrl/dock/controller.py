@@ -408,12 +408,13 @@ class ControllerServer:
                     item = _PendingClaim(identity, msg, time.monotonic() + msg.timeout_s)
                     self._park(item)
                     self.pending_claims.setdefault(view.consumer, []).append(item)
-            case p.Ack(client_id=cid, lease_id=lid, indices=idx):
+            case p.Ack(client_id=cid, lease_id=lid, indices=idx, discard=discard):
                 self._touch(cid, role)
-                consumer = st.ack(cid, lid, idx, role)
+                consumers = st.ack(cid, lid, idx, role, discard=discard)
                 self._send(identity, p.Ok(msg.req_id))
                 self._serve_reserves()
-                self._serve_claims(consumer)  # this ack may be the one that ends the stream
+                for consumer in sorted(consumers):
+                    self._serve_claims(consumer)  # this ack may be the one that ends a stream
             case p.ColumnsReady(warehouse_id=wid, indices=idx, columns=cols, versions=vers, lengths=lens):
                 if self.warehouse_ids.get(identity) != wid:
                     # only the registered warehouse may say its data is stored: anyone else could

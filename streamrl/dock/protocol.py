@@ -154,6 +154,9 @@ class Ack(_Msg, tag="ack"):
     client_id: Name
     lease_id: Id
     indices: Ids | None = None  # None: the whole lease
+    # drop these samples from the run: every other consumer that has not claimed them never gets
+    # them (they count as done for it), e.g. a dynamic-sampling filter dropping uninformative groups
+    discard: bool = False
 
 
 class Release(_Msg, tag="release"):

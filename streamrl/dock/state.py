@@ -45,7 +45,8 @@ class ProtocolViolation(Exception):
 
 
 class _Sample:
-    __slots__ = ("group", "group_size", "group_start", "index", "length", "n_done", "ready", "state", "version")
+    __slots__ = ("discarded", "group", "group_size", "group_start", "index", "length", "n_done", "ready", "state",
+                 "version")
 
     def __init__(self, index: int, group: int, group_start: int, group_size: int, n_consumers: int) -> None:
         self.index = index
@@ -57,6 +58,7 @@ class _Sample:
         self.ready = 0  # bitmask over column ids
         self.state = bytearray(n_consumers)
         self.n_done = 0
+        self.discarded = False  # left the run (an ack with discard): never delivered again
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ class ControllerState:
         self.to_free: list[int] = []  # freed indices not yet announced to the warehouses
         self.counters = dict.fromkeys(
             ("reserved", "claims", "samples_claimed", "samples_acked", "samples_freed",
-             "samples_released", "dropped_stale", "leases_expired", "errors", "claimed_local", "claimed_remote",
+             "samples_released", "dropped_stale", "samples_discarded", "leases_expired", "errors", "claimed_local", "claimed_remote",
              "reservations_expired"),
             0,
         )
@@ -550,21 +552,65 @@ class ControllerState:
             self.policy.check_consumer(role, self.consumers[lease.consumer], what)
         return lease
 
-    def ack(self, client_id: str, lease_id: int, indices: list[int] | None, role: str | None = None) -> int:
-        """Mark (some of) a lease's samples DONE; returns the lease's consumer id."""
+    def ack(self, client_id: str, lease_id: int, indices: list[int] | None, role: str | None = None,
+            *, discard: bool = False) -> set[int]:
+        """Mark (some of) a lease's samples DONE; returns the consumers that may now be answered
+        (the lease's own; with ``discard`` also every consumer the samples were dropped for).
+
+        ``discard``: the samples leave the run. Every other consumer for which a sample is still
+        PENDING is marked DONE for it without delivery (it leaves that consumer's queue); one that
+        holds it CLAIMED keeps its lease and acks it as usual (released or expired, it is done for
+        that consumer too: a discarded sample is never delivered again)."""
         lease = self._lease_of(client_id, lease_id, role, "ack")
         targets = list(lease.indices) if indices is None else list(dict.fromkeys(indices))  # no duplicates
         stray = [i for i in targets if i not in lease.indices]
         if stray:
             raise ProtocolViolation("bad_field", f"indices {stray[:8]} are not in lease {lease_id}")
+        touched = {lease.consumer}
         for i in targets:
             lease.indices.discard(i)
             self.claimed_count[lease.consumer] -= 1
-            self._mark_done(self.samples[i], lease.consumer)
+            s = self.samples[i]
+            if discard:
+                touched |= self._discard(s, lease.consumer)
+            self._mark_done(s, lease.consumer)
         self.counters["samples_acked"] += len(targets)
+        if discard:
+            self.counters["samples_discarded"] += len(targets)
         if not lease.indices:
             self._drop_lease(lease)
-        return lease.consumer
+        return touched
+
+    def _discard(self, s: _Sample, by: int) -> set[int]:
+        """DONE without delivery for every consumer but ``by`` that has ``s`` PENDING; returns them."""
+        touched: set[int] = set()
+        s.discarded = True
+        for view_id, state in enumerate(s.state):
+            if view_id == by or state != PENDING:
+                continue
+            touched.add(view_id)
+            view = self.views[view_id]
+            if view is not None:
+                self._unqueue(view, s)
+            self._mark_done(s, view_id)
+        return touched
+
+    def _unqueue(self, view: _View, s: _Sample) -> None:
+        """Take PENDING ``s`` out of ``view``'s queue before it is marked DONE there (O(queue):
+        discards are rare next to claims)."""
+        if not view.whole_groups:
+            if (s.ready & view.reads_mask) == view.reads_mask:
+                view.queue.remove(s.index)
+            return
+        start = s.group_start
+        if start not in view.queued_groups:
+            return
+        view.queued_pending -= 1
+        left = [i for i in range(start, start + s.group_size) if i != s.index and i in self.samples
+                and self.samples[i].state[view.consumer] == PENDING]
+        if not left:  # the queued group has nothing left to deliver
+            view.queue.remove(start)
+            del view.queued_groups[start]
 
     def release(self, client_id: str, lease_id: int, role: str | None = None) -> int:
         """Give a lease's unacked samples back (front of the queue). Returns the consumer id."""
@@ -579,6 +625,9 @@ class ControllerState:
         self.claimed_count[lease.consumer] -= len(lease.indices)
         for i in sorted(lease.indices, reverse=True):
             s = self.samples[i]
+            if s.discarded:  # another consumer discarded it meanwhile: nothing to deliver again
+                self._mark_done(s, lease.consumer)
+                continue
             s.state[lease.consumer] = PENDING
             if (s.ready & view.reads_mask) == view.reads_mask:
                 self._enqueue(view, s, front=True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -88,6 +88,9 @@ class Output:
     versions: list[int] | None = None  # policy version that produced each sample
     lengths: list[int] | None = None  # tokens per sample (for length-balanced claims)
     group_size: int = 1  # sources only: consecutive samples that form a group
+    # processing stages only: True drops that sample from the run (no later stage gets it; the
+    # dock's discard, docs/dock-protocol.md §5.6); its values in ``columns`` are not stored
+    discard: list[bool] | None = None
 
 
 @dataclass
@@ -134,6 +137,9 @@ class StageContext:
     server_auth: ServerAuth | None = None
     # a run across hosts: the launcher's torch.distributed store, HOST:PORT ("" = a FileStore in run_dir)
     rendezvous_endpoint: str = ""
+    # the dock controller's statistics (one round trip; its counters, e.g. samples_discarded), set
+    # once the worker's dock client is open: a source reads it to generate as much as consumers drop
+    dock_statistics: Callable[[], Awaitable[dict[str, Any]]] | None = None
 
     @property
     def options(self) -> dict[str, Any]:

@@ -86,6 +86,8 @@ def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
     for name, values in out.columns.items():
         if len(values) != n:
             raise ValueError(f"column {name!r} has {len(values)} values for a batch of {n}")
+    if out.discard is not None and len(out.discard) != n:
+        raise ValueError(f"Output.discard has {len(out.discard)} flags for a batch of {n}")
     return out
 
 
@@ -212,6 +214,7 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                                   lease_ttl_s=cfg.resources.dock.lease_ttl_s,
                                   max_message_mib=cfg.resources.dock.max_message_mib,
                                   auth=auth, home_warehouse=spec.home_warehouse) as dock:
+                ctx.dock_statistics = dock.controller_statistics
                 with loop_scope:
                     try:
                         if sspec.is_source:
@@ -457,9 +460,18 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
         meter.end(len(lease), version=_versions(lease.versions), **({"out_version": _versions(out_versions)}
                                                                     if out_versions else {}))
     out = _as_output(result, spec, len(lease))
-    if out.columns:
+    indices = lease.indices
+    if out.discard is not None and any(out.discard):
+        # dropped from the run first: no later stage waits for them (the dock's discard)
+        keep = [k for k, drop in enumerate(out.discard) if not drop]
+        await dock.ack(lease, [i for i, drop in zip(indices, out.discard, strict=True) if drop], discard=True)
+        indices = [indices[k] for k in keep]
+        out = Output({name: [values[k] for k in keep] for name, values in out.columns.items()},
+                     versions=[out.versions[k] for k in keep] if out.versions is not None else None,
+                     lengths=[out.lengths[k] for k in keep] if out.lengths is not None else None)
+    if out.columns and indices:
         try:
-            await dock.put(lease.indices, out.columns, versions=out.versions, lengths=out.lengths)
+            await dock.put(indices, out.columns, versions=out.versions, lengths=out.lengths)
         except RemoteError as exc:
             if "already written" not in exc.message:
                 raise
@@ -468,7 +480,8 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
             # dropped and the samples acked, so each reaches the next stage once.
             log.warning("%s: samples %s were already written by a worker that died before acking; acking them",
                         spec.name, lease.indices[:8])
-    await dock.ack(lease)
+    if indices:  # else every sample was discarded: that ack was the lease's last
+        await dock.ack(lease)
 
 
 def main(argv: list[str] | None = None) -> int:

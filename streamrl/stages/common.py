@@ -147,6 +147,9 @@ class StepTally:
     response_tokens: int = 0
     sequence_tokens: int = 0  # prompt + response tokens trained on (for FLOP accounting)
     sample_keys: list[int] = field(default_factory=list)  # when the stage reads sample_key (checkpoints)
+    # dynamic sampling: rewards of samples the filter dropped, carried by the step's samples
+    # (column dropped_rewards, streamrl.stages.filter): the step's reward figures include them
+    dropped_rewards: list[float] = field(default_factory=list)
 
     def add(self, cols: Mapping[str, Sequence[Any]], versions: Sequence[int], version: int) -> None:
         """A micro-batch's columns and its samples' policy versions, at trainer version ``version``."""
@@ -155,6 +158,8 @@ class StepTally:
         self.rewards.extend(float(r) for r in cols.get("reward", []))
         self.staleness.extend(version - v for v in versions)
         self.sample_keys.extend(int(k) for k in cols.get("sample_key", []))
+        for carried in cols.get("dropped_rewards", []):
+            self.dropped_rewards.extend(float(r) for r in carried)
         self.response_tokens += sum(int(t.numel()) for t in responses)
         self.sequence_tokens += sum(int(p.numel()) + int(r.numel())
                                     for p, r in zip(cols["prompt_ids"], responses, strict=True))

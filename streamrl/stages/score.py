@@ -46,7 +46,7 @@ import msgspec
 from msgspec import Meta
 
 from streamrl.algos.shaping import overlong_penalty
-from streamrl.config import ConfigError, RunConfig
+from streamrl.config import ConfigError, RunConfig, overlong_buffer_tokens
 from streamrl.rewards import InProcessRewardBackend, RewardClient, RewardConfigError, RewardSample
 from streamrl.rewards.results import RewardBackend
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec
@@ -228,8 +228,8 @@ class ScoreStage:
                     named.setdefault(name, []).append(float(value))
         figures = {f"{name}_mean": sum(v) / len(v) for name, v in named.items() if name != "reward"}
         a = self.ctx.config.algo
-        if a.overlong_buffer > 0:  # DAPO's overlong shaping: part of the reward the advantage sees
-            shaped = [overlong_penalty(len(rid), a.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+        if overlong_buffer_tokens(a) > 0:  # DAPO's overlong shaping: part of the reward the advantage sees
+            shaped = [overlong_penalty(len(rid), a.max_new_tokens, overlong_buffer_tokens(a), a.overlong_penalty)
                       for rid in ids]
             rewards = [r + s for r, s in zip(rewards, shaped, strict=True)]
             figures["overlong_penalty_mean"] = sum(shaped) / max(len(shaped), 1)

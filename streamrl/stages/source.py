@@ -7,6 +7,20 @@ identity across resumes, see :mod:`streamrl.runtime.checkpoints`). Before the pr
 it waits for policy version s - max_staleness: with 0 the whole pipeline is synchronous
 on-policy; with k >= 1 generation may run k versions ahead of training.
 
+With ``algo.dynamic_sampling.enabled`` (DAPO: a filter stage drops groups whose rewards are all
+equal, :mod:`streamrl.stages.filter`) it makes *waves* of groups instead of one batch per step,
+drawing prompts one group at a time, so a sample's key is ``group * group_size + member`` (the
+same numbers as above when every wave is a whole step). Before each wave it reads the dock's
+counts of samples dropped (discarded by the filter, or too stale for the trainer) and fills the
+shortfall of the samples still alive against what the steps generation may run ahead to need,
+``batch_size x (version + 1 + max_staleness)`` (counted from this run's start or resume), at most
+``prompts_per_step`` groups a wave. Synchronous (``max_staleness: 0``) it first waits until the
+filter has judged everything it made, so a wave is exactly the groups the step still lacks:
+nothing is made that the step does not train on or the filter drop, and the waves (hence the
+samples) depend only on the seed, which is what makes a resumed run equal an uninterrupted one.
+``algo.dynamic_sampling.max_rounds`` caps the groups made per step. A sample's ``step`` column
+says which version may generate it (the newest at the time of its wave).
+
 Resumed (``ctx.resume``), it replays its prompt stream up to the checkpoint's position (the
 prompts are drawn again and dropped, which restores the RNG and a dataset's shuffled order
 exactly) and emits every sample the saved policy has not trained on: the keys at or above
@@ -23,10 +37,25 @@ import msgspec
 import torch
 from msgspec import Meta
 
+from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.checkpoints import TrainedKeys
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_stage_class
+from streamrl.runtime.policy import PolicyTimeout
 from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
 from streamrl.tasks.chat import render_prompt
+
+DEMAND_POLL_S = 0.05  # dynamic sampling: how often the source re-reads the dock's drop counts while it waits
+
+
+class OverGenerationCapReached(RuntimeError):
+    """Dynamic sampling made ``algo.dynamic_sampling.max_rounds`` rounds per step and the filter still
+    dropped too much for a step's quota."""
+
+
+def pipeline_discards(pipeline: PipelineSpec) -> bool:
+    """Whether a stage of ``pipeline`` drops samples from the run (its class says ``discards = True``)."""
+    return any(getattr(import_stage_class(s.cls), "discards", False) is True for s in pipeline.stages)
 
 
 class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -40,6 +69,18 @@ class SourceStage:
     Options = SourceOptions  # checked when the pipeline loads
     uses_model_and_task = True  # the pre-run checks load the run's tokenizer and task (streamrl.runtime.prerun)
 
+    @classmethod
+    def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+        """Before anything starts (``validate_pipeline``): dynamic sampling has a stage that drops groups."""
+        if cfg.algo.dynamic_sampling.enabled and not pipeline_discards(pipeline):
+            raise ConfigError(f"{pipeline.where}: algo.dynamic_sampling.enabled needs a stage that drops "
+                              "uninformative groups (streamrl.stages.filter:FilterStage between score and advantage, "
+                              "as pipelines/dapo.yaml has); use that pipeline or set enabled: false")
+        if cfg.algo.dynamic_sampling.enabled and "sample_key" not in spec.writes:
+            raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: algo.dynamic_sampling needs sample keys (which "
+                              "samples a step trained, which a checkpoint covers): add sample_key to the source's "
+                              "writes and the train stage's reads, as pipelines/dapo.yaml does")
+
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         cfg = ctx.config
@@ -51,36 +92,104 @@ class SourceStage:
         self.with_keys = "sample_key" in ctx.spec.writes
         self.trained = TrainedKeys()
         self.pending: list[Output] = []  # a resumed step's partial groups, emitted one group size at a time
+        self.dynamic = cfg.algo.dynamic_sampling.enabled
+        # dynamic sampling: the filter stages (their dock consumers' done counts are what they judged)
+        self.filters = [s.name for s in ctx.pipeline.stages if getattr(import_stage_class(s.cls), "discards", False)
+                        ] if self.dynamic and ctx.pipeline is not None else []
+        self.first_version = 0  # the policy version this run (or this resume) started from
+        self.emitted = 0  # samples emitted since then (dynamic sampling's demand count)
+        self.groups_made = 0  # dynamic sampling: groups drawn over the run (keys: group * group_size + member)
+        self.wave: tuple[int, int] | None = None  # the next wave's (groups, version), once the demand is there
         if ctx.resume is not None:
             st = ctx.resume.state
             self.trained = TrainedKeys(st.trained_below, st.trained_extra)
-            first = st.trained_below // cfg.batch_size
-            for _ in range(first):  # replay: the same draws as the interrupted run made
-                self.task.make_prompts(self.rng, cfg.algo.prompts_per_step)
-            self.step = first
+            self.first_version = st.version
+            a = cfg.algo
+            if self.dynamic:
+                self.groups_made = st.trained_below // a.group_size
+                for _ in range(self.groups_made):  # replay: the same draws as the interrupted run made
+                    self.task.make_prompts(self.rng, 1)
+            else:
+                self.step = st.trained_below // cfg.batch_size
+                for _ in range(self.step):
+                    self.task.make_prompts(self.rng, a.prompts_per_step)
 
     async def wait_ready(self) -> None:
         """Before the prompts of step s: policy version s - max_staleness (the runtime awaits this
         before ``produce``, so the wait does not count as the source's busy time)."""
         a = self.ctx.config.algo
-        if self.gate and self.step < a.steps and not self.pending:
+        if self.dynamic:
+            if not self.pending and self.wave is None:
+                self.wave = await self._wait_for_demand()
+        elif self.gate and self.step < a.steps and not self.pending:
             await self.ctx.policy.wait_version(self.step - a.max_staleness)
+
+    async def _wait_for_demand(self) -> tuple[int, int]:
+        """Dynamic sampling: until the samples alive (made, not dropped) fall short of what the steps
+        generation may run ahead to need (synchronous: and the filter has judged all it was given).
+        Returns (the groups to make, the newest policy version known)."""
+        cfg, a, policy = self.ctx.config, self.ctx.config.algo, self.ctx.policy
+        assert self.ctx.dock_statistics is not None, "a source runs with its worker's dock client open"
+        while True:
+            version = policy.known_version
+            stats = await self.ctx.dock_statistics()
+            discarded = int(stats.get("samples_discarded", 0))
+            dropped = discarded + int(stats.get("dropped_stale", 0))
+            judged = sum(int(stats["consumers"].get(name, {}).get("done", 0)) for name in self.filters)
+            steps = min(version - self.first_version + 1 + a.max_staleness, a.steps - self.first_version)
+            short = cfg.batch_size * steps - (self.emitted - dropped)
+            settled = a.max_staleness > 0 or judged >= self.emitted  # synchronous: every wave judged
+            self.ctx.report_metrics({"groups_made": float(self.groups_made), "discarded_samples": float(discarded),
+                                     "stale_samples": float(dropped - discarded)})
+            if short > 0 and settled:
+                groups = min(-(-short // a.group_size), a.prompts_per_step)
+                cap = a.dynamic_sampling.max_rounds * a.prompts_per_step * steps
+                if cap and self.groups_made + groups > cap:
+                    raise OverGenerationCapReached(
+                        f"dynamic sampling needs more than {cap} groups for its first {steps} step(s) "
+                        f"(algo.dynamic_sampling.max_rounds={a.dynamic_sampling.max_rounds} rounds of "
+                        f"prompts_per_step={a.prompts_per_step} per step): the filter dropped {discarded} of the "
+                        f"{self.emitted} samples made, groups whose rewards are all equal. Raise max_rounds (0 = no "
+                        "cap); if most groups are all solved or all failed, the prompts are too easy or too hard for "
+                        "the policy, or stop earlier (algo.stop_reward)")
+                return groups, version
+            try:  # a new version raises the demand; drops and judgements are seen at the next poll
+                await policy.wait_version(version + 1, timeout_s=DEMAND_POLL_S)
+            except PolicyTimeout:
+                pass
 
     async def produce(self) -> Output | None:
         a = self.ctx.config.algo
+        if self.dynamic:
+            while not self.pending:  # (a resumed wave may hold only samples trained already)
+                await self.wait_ready()  # at once when the runtime already awaited it
+                assert self.wave is not None
+                (groups, version), self.wave = self.wave, None
+                # the wave may be generated by the newest version there is (its step - max_staleness)
+                self.pending = self._make_wave(groups, version + a.max_staleness)
+                self.emitted += sum(len(out.columns["prompt"]) for out in self.pending)
+            return self.pending.pop(0)
         while not self.pending:
             if self.step >= a.steps:
                 return None
             await self.wait_ready()  # at once when the runtime already awaited it
-            self.pending = self._make_step()
+            prompts = self.task.make_prompts(self.rng, a.prompts_per_step)
+            self.pending = self._outputs(prompts, self.step * self.ctx.config.batch_size, self.step)
             self.step += 1
         return self.pending.pop(0)
 
-    def _make_step(self) -> list[Output]:
-        """The samples of source step ``self.step`` not yet trained on, as Outputs of one group size each."""
+    def _make_wave(self, groups: int, step: int) -> list[Output]:
+        """Dynamic sampling: the next ``groups`` groups, prompts drawn one group at a time (a resume
+        replays the same draws whatever the waves were)."""
+        first = self.groups_made
+        prompts = [p for _ in range(groups) for p in self.task.make_prompts(self.rng, 1)]
+        self.groups_made += groups
+        return self._outputs(prompts, first * self.ctx.config.algo.group_size, step)
+
+    def _outputs(self, prompts: list[Any], base: int, step: int) -> list[Output]:
+        """The samples of ``prompts`` (one group each, keys from ``base``) not yet trained on, as
+        Outputs of one group size each; their ``step`` column is ``step``."""
         a, t = self.ctx.config.algo, self.ctx.config.task
-        prompts = self.task.make_prompts(self.rng, a.prompts_per_step)
-        base = self.step * self.ctx.config.batch_size
         by_size: dict[int, dict[str, list[Any]]] = {}
         for g, p in enumerate(prompts):
             keys = [base + g * a.group_size + j for j in range(a.group_size)]
@@ -96,7 +205,7 @@ class SourceStage:
                 columns["prompt_ids"].append(ids)
                 columns["prompt"].append(p.text)
                 columns["answer"].append(p.answer)
-                columns["step"].append(self.step)
+                columns["step"].append(step)
                 columns["sample_key"].append(k)
         outputs = []
         for size in sorted(by_size, reverse=True):  # whole groups first

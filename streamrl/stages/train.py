@@ -112,6 +112,10 @@ class TrainStage:
             raise ConfigError(f"{pipeline.where}: output.checkpoint_every with algo.max_staleness > 0 needs the train "
                               "stage to read 'sample_key' (and the source to write it), so that a resume neither "
                               "repeats nor loses a sample: add sample_key to both, as pipelines/grpo.yaml does")
+        if cfg.algo.dynamic_sampling.enabled and "sample_key" not in spec.reads:
+            # a step's samples are no longer one source step: only their keys say which were trained
+            raise ConfigError(f"{at}: algo.dynamic_sampling needs the train stage to read 'sample_key' (and the "
+                              "source to write it), as pipelines/dapo.yaml does")
         tp, batch = opts.tensor_parallel, cfg.batch_size
         if spec.workers % tp:
             raise ConfigError(f"{at}: options.tensor_parallel={tp} must divide workers={spec.workers} (each "
@@ -199,6 +203,7 @@ class TrainStage:
                                                    norm_tokens=a.loss.norm_tokens or a.max_new_tokens)
         self.version = 0
         self.with_keys = "sample_key" in ctx.spec.reads  # which samples a checkpoint has trained on
+        self.dynamic_sampling = a.dynamic_sampling.enabled
         self.trained = TrainedKeys()
         self.repeated_samples = 0  # samples trained on more than once (sample_key): must stay 0
         if ctx.resume is not None:
@@ -281,6 +286,12 @@ class TrainStage:
             log.error("train: %d samples of step %d were trained on before", repeated, self.version)
         self.repeated_samples += repeated
         self.trained.add(got)
+        a = self.ctx.config.algo
+        if self.dynamic_sampling and a.max_staleness == 0 and got:
+            # Synchronous dynamic sampling: the step ends once the filter has judged every group the
+            # source made and the last wave was kept whole (streamrl.stages.source), so every key up to
+            # the end of the newest group trained here is consumed: trained, or dropped by the filter.
+            self.trained.add_range(self.trained.below, (max(got) // a.group_size + 1) * a.group_size)
 
     def _reset(self) -> None:
         self.tally = StepTally()
@@ -337,17 +348,27 @@ class TrainStage:
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
-        tally, r = self.tally, self.tally.rewards
+        tally = self.tally
+        # the reward figures: every sample the policy generated for the step, also those the
+        # dynamic-sampling filter dropped (they are not trained on)
+        r = tally.rewards + tally.dropped_rewards
         # Returns once every rank has its whole share of the step; in the colocated placement that
         # is also when all the generation this step waits for is done.
-        (r_sum, r_sq, g_seq_tok, st_sum) = await self.ctx.run_sync(
-            self._all_reduce, [sum(r), sum(x * x for x in r), float(tally.sequence_tokens),
-                               float(sum(tally.staleness))])
+        (r_sum, r_sq, r_n, n_dropped, g_seq_tok, st_sum) = await self.ctx.run_sync(
+            self._all_reduce, [sum(r), sum(x * x for x in r), float(len(r)), float(len(tally.dropped_rewards)),
+                               float(tally.sequence_tokens), float(sum(tally.staleness))])
         # a save asked for (SIGTERM) reaches the ranks at different moments: agree on it here
         asked = 1.0 if self.ctx.control.save_reason is not None else 0.0
         r_max, r_min = (max(r), min(r)) if r else (-math.inf, math.inf)
         (st_max, save_asked, r_max, neg_r_min) = await self.ctx.run_sync(
             self._all_reduce, [float(max(tally.staleness, default=0)), asked, r_max, -r_min], dist.ReduceOp.MAX)
+        uniform = 0.0
+        if self.dynamic_sampling:  # groups of 2+ samples on this rank whose rewards are all equal
+            groups: dict[int, list[float]] = {}
+            for key, reward in zip(tally.sample_keys, tally.rewards, strict=True):
+                groups.setdefault(key // self.ctx.config.algo.group_size, []).append(reward)
+            (uniform,) = await self.ctx.run_sync(
+                self._all_reduce, [float(sum(len(rs) > 1 and min(rs) == max(rs) for rs in groups.values()))])
         t_barrier = time.perf_counter()
         before = await self.hand_over.before_train()
         t_ready = time.perf_counter()
@@ -358,7 +379,7 @@ class TrainStage:
         t_train = time.perf_counter()
         self.version += 1
         await self.ctx.run_sync(self._record_trained, tally.sample_keys)
-        reason = self._stop_reason(r_sum / max(stats["sequences"], 1.0))
+        reason = self._stop_reason(r_sum / max(r_n, 1.0))
         out = self.ctx.config.output
         if save_asked:
             reason = (f"stopped on request after saving step {self.version} "
@@ -380,8 +401,8 @@ class TrainStage:
         self.t_step = now
         n = max(stats["sequences"], 1.0)
         tokens = stats["tokens"]
-        mean = r_sum / n
-        var = (r_sq - n * mean * mean) / (n - 1) if n > 1 else 0.0
+        mean = r_sum / max(r_n, 1.0)
+        var = (r_sq - r_n * mean * mean) / (r_n - 1) if r_n > 1 else 0.0
         metrics = {
             "reward_mean": mean,
             "reward_std": math.sqrt(max(var, 0.0)),
@@ -401,6 +422,7 @@ class TrainStage:
             "staleness_mean": st_sum / n,
             "staleness_max": st_max,
             "micro_batches": stats["micro_batches"],
+            "samples": stats["sequences"],  # trained on in this step (every rank's share)
             "step_time_s": wall,
             "wait_other_ranks_ms": (t_barrier - t0) * 1e3,
             "train_ms": (t_train - t_ready) * 1e3,
@@ -411,6 +433,9 @@ class TrainStage:
         }
         if "is_weight" in stats:
             metrics["is_weight"] = stats["is_weight"]
+        if self.dynamic_sampling:
+            metrics["dropped_samples"] = n_dropped  # judged uninformative by the filter, arrived with this step
+            metrics["uniform_groups"] = uniform  # trained groups whose rewards are all equal: the filter's job is 0
         if self.with_keys:
             metrics["repeated_samples"] = self.repeated_samples
         if self.rank == 0:

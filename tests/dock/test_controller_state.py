@@ -24,8 +24,8 @@ def claim(state: ControllerState, consumer: str, n: int, client: str = "c1", **k
 def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_none(
     data: st.DataObject, reserve_ttl_s: float | None
 ) -> None:
-    """With reserve expiry (a clock that ticks), every sample is acked by each consumer or expired
-    unwritten: never both, never twice, never neither."""
+    """With reserve expiry (a clock that ticks) and discards, every sample is acked by each consumer,
+    expired unwritten, or discarded before that consumer claimed it: exactly one, never twice."""
     group_size = data.draw(st.sampled_from([1, 2, 4]), label="group_size")
     whole = {c: data.draw(st.booleans(), label=f"whole_groups[{c}]") for c in CONSUMERS}
     state = ControllerState(CONSUMERS, capacity=16, n_warehouses=2, reserve_ttl_s=reserve_ttl_s)
@@ -33,6 +33,7 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
     expired: list[int] = []
     acked: dict[str, list[int]] = {c: [] for c in CONSUMERS}
     leases: dict[int, tuple[str, str, set[int]]] = {}  # lease -> (consumer, client, indices)
+    discarded: set[int] = set()
 
     def do_claim(consumer: str, client: str, n: int) -> None:
         reply = claim(state, consumer, n, client, whole_groups=whole[consumer])
@@ -41,15 +42,17 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
             for _, (c, _, held) in leases.items():
                 assert c != consumer or not (held & got), "a sample leased twice to one consumer"
             assert not (got & set(acked[consumer])), "an acked sample was delivered again"
+            assert not (got & discarded), "a discarded sample was delivered"
             if whole[consumer]:
                 starts = {s.index - s.index % group_size for s in reply.samples}
                 for g in starts:  # whole groups: every still-pending member comes together
-                    members = {i for i in range(g, g + group_size) if i not in acked[consumer] and i not in expired}
+                    members = {i for i in range(g, g + group_size)
+                               if i not in acked[consumer] and i not in expired and i not in discarded}
                     assert members <= got
             leases[reply.lease_id] = (consumer, client, got)
 
     for _ in range(data.draw(st.integers(5, 60), label="steps")):
-        op = data.draw(st.sampled_from(["reserve", "ready", "claim", "ack", "release", "expire", "tick"]))
+        op = data.draw(st.sampled_from(["reserve", "ready", "claim", "ack", "discard", "release", "expire", "tick"]))
         if op == "reserve" and state.free_slots >= group_size * 2:
             state.reserve(group_size * data.draw(st.integers(1, 2)), group_size, now=now)
         elif op == "tick":
@@ -67,6 +70,12 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
             consumer, client, held = leases.pop(lid)
             state.ack(client, lid, None)
             acked[consumer].extend(held)
+        elif op == "discard" and leases:
+            lid = data.draw(st.sampled_from(sorted(leases)))
+            consumer, client, held = leases.pop(lid)
+            state.ack(client, lid, None, discard=True)
+            acked[consumer].extend(held)
+            discarded.update(held)
         elif op == "release" and leases:
             lid = data.draw(st.sampled_from(sorted(leases)))
             consumer, client, _ = leases.pop(lid)
@@ -89,7 +98,9 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
             acked[consumer].extend(s.index for s in reply.samples)
         assert reply is not None and reply.end
     for consumer in CONSUMERS:
-        assert sorted(acked[consumer] + expired) == list(range(state.next_index)), f"{consumer}: lost or duplicated"
+        skipped = sorted(discarded - set(acked[consumer]))  # discarded before this consumer claimed them
+        assert sorted(acked[consumer] + expired + skipped) == list(range(state.next_index)), \
+            f"{consumer}: lost or duplicated"
     assert not state.samples and state.free_slots == state.capacity
 
 
@@ -306,7 +317,7 @@ def test_policy_claims_acks_and_releases_only_as_the_roles_own_consumer() -> Non
     with pytest.raises(ProtocolViolation) as exc:
         state.release("t1", reply.lease_id, role="stage:train")
     assert exc.value.code == "forbidden"
-    assert state.ack("t1", reply.lease_id, None, role="stage:gen") == 0
+    assert state.ack("t1", reply.lease_id, None, role="stage:gen") == {0}
 
 
 def test_policy_only_producers_reserve_and_close_the_input() -> None:
@@ -362,3 +373,49 @@ def test_an_expired_member_does_not_hold_back_the_rest_of_its_group_for_a_whole_
     req = p.Claim(1, "a", "adv", ["x"], 4, whole_groups=True)
     reply = state.try_claim(req, state.validate_claim(req), force=False)
     assert reply is not None and sorted(s.index for s in reply.samples) == idx[:3]
+
+
+def test_discard_drops_samples_for_every_consumer_that_has_not_claimed_them() -> None:
+    """A filter's discard: pending consumers never get the samples, whatever their view (queued
+    whole groups, per-sample queues, not yet ready); one that holds them claimed acks as usual."""
+    state = ControllerState(["filter", "adv", "train", "ref"], capacity=16, n_warehouses=1)
+    idx, _ = state.reserve(8, 4)  # two groups of 4
+    state.columns_ready(idx, ["reward", "x"], None, None)
+    ref = claim(state, "ref", 8)  # the reference stage holds all eight while the filter decides
+    adv_req = p.Claim(1, "c", "adv", ["reward"], 8, whole_groups=True)
+    state.validate_claim(adv_req)  # adv's view exists and has both groups queued
+    train_req = p.Claim(1, "c", "train", ["x", "advantage"], 8)
+    state.validate_claim(train_req)  # train's view exists; nothing ready for it yet
+    assert state.ready_count(state.views[1]) == 8
+    flt = claim(state, "filter", 8, whole_groups=True)
+    assert flt is not None and ref is not None
+    touched = state.ack("c1", flt.lease_id, idx[:4], discard=True)  # drop the first group
+    assert touched == {0, 1, 2}  # filter, adv and train had them pending; ref has them claimed
+    assert state.counters["samples_discarded"] == 4
+    assert state.ready_count(state.views[1]) == 4
+    got = state.try_claim(adv_req, state.views[1], force=True)
+    assert got is not None and sorted(s.index for s in got.samples) == idx[4:]
+    state.columns_ready(idx, ["advantage"], None, None)  # a late column does not revive them for train
+    got = state.try_claim(train_req, state.views[2], force=True)
+    assert got is not None and sorted(s.index for s in got.samples) == idx[4:]
+    state.ack("c1", flt.lease_id, None)
+    state.ack("c1", ref.lease_id, None)  # ref was the last holder of the discarded group: freed
+    assert all(i not in state.samples for i in idx[:4])
+    assert state.done_count == [8, 4, 4, 8]
+
+
+def test_discard_of_part_of_a_queued_group_keeps_the_rest_claimable() -> None:
+    state = ControllerState(["filter", "adv"], capacity=8, n_warehouses=1)
+    idx, _ = state.reserve(4, 4)
+    state.columns_ready(idx, ["reward", "x"], None, None)
+    adv_req = p.Claim(1, "c", "adv", ["reward"], 4, whole_groups=True)
+    state.validate_claim(adv_req)
+    flt = claim(state, "filter", 4)
+    assert flt is not None
+    state.ack("c1", flt.lease_id, idx[:3], discard=True)
+    assert state.ready_count(state.views[1]) == 1
+    got = state.try_claim(adv_req, state.views[1], force=True)
+    assert got is not None and [s.index for s in got.samples] == idx[3:]
+    state.ack("c1", flt.lease_id, [idx[3]], discard=True)  # claimed by adv: it keeps its lease
+    state.ack("c", got.lease_id, None)
+    assert not state.samples and state.counters["samples_discarded"] == 4
