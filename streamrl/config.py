@@ -142,6 +142,20 @@ class DynamicSamplingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         "easy or too hard for the policy. 0 = no cap"))] = 10
 
 
+class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """PPO's critic (pipelines/ppo.yaml's value and critic stages): a value model built like the
+    policy, trained on FSDP2 with its own AdamW."""
+
+    lr: Annotated[float, Meta(description="The critic's AdamW learning rate (constant)")] = 1e-3
+    betas: Annotated[tuple[float, float], Meta(description="The critic's AdamW (beta1, beta2)")] = (0.9, 0.999)
+    weight_decay: Annotated[float, Meta(description="The critic's AdamW decoupled weight decay")] = 0.0
+    max_grad_norm: Annotated[float | None, Meta(description=(
+        "Clip the critic's gradient norm to this; null = no clipping"))] = 1.0
+    value_clip: Annotated[float | None, Meta(description=(
+        "PPO's value clip c: the loss is max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), V_old the value "
+        "the advantages used; null = plain squared error"))] = 0.2
+
+
 class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The algorithm (GRPO) and its optimizer: run length, sampling, learning rate, staleness."""
 
@@ -199,6 +213,9 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "or with old_logprobs: recompute by loss.correction's importance weight (capped at loss.is_cap)"))] = 0
     stop_reward: Annotated[float | None, Meta(description=(
         "Stop early once a step's mean reward >= this; null = run every step"))] = None
+    critic: Annotated[CriticConfig, Meta(description=(
+        "PPO's critic (used by pipelines/ppo.yaml's critic stage; ignored without one)"))] = (
+        msgspec.field(default_factory=CriticConfig))
 
 
 def _limit(name: str, description: str) -> Any:
@@ -374,7 +391,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     preset: Annotated[str | None, Meta(description=(
         "A named algorithm whose settings this config starts from (its own values win): grpo, dr_grpo, rloo, "
-        "reinforce_pp, gspo, cispo, dapo (streamrl/algos/presets/<name>.yaml), or a path to a YAML file of "
+        "reinforce_pp, gspo, cispo, dapo, ppo (streamrl/algos/presets/<name>.yaml), or a path to a YAML file of "
         "config fields; null = the defaults"))] = None
     pipeline: Annotated[str, Meta(description=(
         "The pipeline file (the stage graph), relative to the config file, the cwd, or the package"))] = (
@@ -408,7 +425,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def _advantage_rules(a: AlgoConfig) -> list[tuple[bool, str]]:
     """algo.advantage names a registered estimator or a module:function that takes the options."""
-    from streamrl.algos.advantages import ADVANTAGES
+    from streamrl.algos.advantages import ADVANTAGES, takes_values
     from streamrl.algos.registry import UnknownAlgorithmError
 
     try:
@@ -416,7 +433,8 @@ def _advantage_rules(a: AlgoConfig) -> list[tuple[bool, str]]:
     except UnknownAlgorithmError as exc:
         return [(False, f"algo.advantage: {exc}")]
     try:
-        inspect.signature(estimator).bind(rewards=None, group_ids=None, **a.advantage_options)
+        inputs = {"values": None} if takes_values(estimator) else {}
+        inspect.signature(estimator).bind(rewards=None, group_ids=None, **inputs, **a.advantage_options)
     except TypeError as exc:
         return [(False, f"algo.advantage_options {sorted(a.advantage_options)} do not fit {a.advantage!r}: {exc}")]
     except ValueError:  # no signature to check
@@ -456,6 +474,14 @@ def _check(cfg: RunConfig) -> list[str]:
         (a.weight_decay >= 0 and math.isfinite(a.weight_decay), f"algo.weight_decay must be >= 0, got {a.weight_decay}"),
         (a.max_grad_norm is None or (a.max_grad_norm > 0 and math.isfinite(a.max_grad_norm)),
          f"algo.max_grad_norm must be > 0, or null for no clipping; got {a.max_grad_norm}"),
+        (a.critic.lr > 0 and math.isfinite(a.critic.lr), f"algo.critic.lr must be > 0 and finite, got {a.critic.lr}"),
+        (all(0 <= b < 1 for b in a.critic.betas),
+         f"algo.critic.betas must both be in [0, 1), e.g. [0.9, 0.999]; got {list(a.critic.betas)}"),
+        (a.critic.weight_decay >= 0, f"algo.critic.weight_decay must be >= 0, got {a.critic.weight_decay}"),
+        (a.critic.max_grad_norm is None or a.critic.max_grad_norm > 0,
+         f"algo.critic.max_grad_norm must be > 0, or null for no clipping; got {a.critic.max_grad_norm}"),
+        (a.critic.value_clip is None or a.critic.value_clip > 0,
+         f"algo.critic.value_clip must be > 0, or null for an unclipped value loss; got {a.critic.value_clip}"),
         (a.max_staleness >= 0, f"algo.max_staleness must be >= 0 (0 = synchronous on-policy), got {a.max_staleness}"),
         (a.stop_reward is None or math.isfinite(a.stop_reward),
          f"algo.stop_reward must be a finite number, or null to run all algo.steps; got {a.stop_reward}"),

@@ -32,6 +32,7 @@ from streamrl.config import (
 )
 from streamrl.engines.options import GenerateOptions
 from streamrl.stages.colocated import ReshardGenerateOptions
+from streamrl.stages.critic import CriticOptions
 from streamrl.stages.score import ScoreOptions
 from streamrl.stages.source import SourceOptions
 from streamrl.stages.train import TrainOptions
@@ -40,7 +41,7 @@ REGENERATE = "python -m streamrl.config_reference docs/config.md"
 TOP = "top"  # the section of RunConfig's own scalar fields
 
 # The built-in stages' options: (section, the stage's name in the built-in pipelines, the options
-# struct, the classes that take it). Stages not listed (advantage, reference, eval) take no options.
+# struct, the classes that take it). Stages not listed (advantage, reference, eval, value) take no options.
 STAGE_OPTIONS: list[tuple[str, str, type[msgspec.Struct], tuple[str, ...]]] = [
     ("options.source", "source", SourceOptions, ("streamrl.stages.source:SourceStage",)),
     ("options.generate", "generate", GenerateOptions, ("streamrl.stages.generate:GenerateStage",)),
@@ -48,8 +49,9 @@ STAGE_OPTIONS: list[tuple[str, str, type[msgspec.Struct], tuple[str, ...]]] = [
      ("streamrl.stages.colocated:ColocatedGenerateStage", "streamrl.stages.disaggregated:DisaggregatedGenerateStage")),
     ("options.train", "train", TrainOptions, ("streamrl.stages.train:TrainStage",)),
     ("options.score", "score", ScoreOptions, ("streamrl.stages.score:ScoreStage",)),
+    ("options.critic", "critic", CriticOptions, ("streamrl.stages.critic:CriticStage",)),
 ]
-NO_OPTIONS = ("advantage", "reference", "eval")
+NO_OPTIONS = ("advantage", "reference", "eval", "value")
 
 
 @dataclass(frozen=True)

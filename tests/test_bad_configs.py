@@ -34,6 +34,7 @@ GRPO_KL = REPO / "pipelines" / "grpo_kl.yaml"
 COLOCATED = REPO / "pipelines" / "grpo_colocated.yaml"
 DISAGGREGATED = REPO / "pipelines" / "grpo_disaggregated.yaml"
 DAPO = REPO / "pipelines" / "dapo.yaml"
+PPO = REPO / "pipelines" / "ppo.yaml"
 VALIDATION_BUDGET_S = 2.0  # nothing starts: validation is file reads and imports already done
 CLI_TIMEOUT_S = 120  # a fresh interpreter imports torch + transformers (several seconds on 2 busy cores)
 
@@ -48,7 +49,8 @@ class Case:
     overrides: tuple[str, ...] = ()
     files: dict[str, str | bytes] = field(default_factory=dict)  # written into {tmp} first
     source: str | None = None  # load this file of `files` as the config instead of the dict
-    pipeline_edit: dict[str, dict[str, Any]] | None = None  # stage name -> fields set in grpo.yaml
+    pipeline_edit: dict[str, dict[str, Any]] | None = None  # stage name -> fields set in edit_of
+    edit_of: Path = GRPO  # the pipeline pipeline_edit changes
 
 
 def _base(tmp: Path) -> dict[str, Any]:
@@ -148,7 +150,21 @@ CASES: dict[str, Case] = {
     "group-size-one": Case(("algo.group_size must be >= 2", "algo.advantage: grpo"),
                            overrides=("algo.group_size=1",)),
     "advantage-name": Case(("algo.advantage", "unknown advantage estimator 'rlo'", "did you mean 'rloo'",
-                            "registered: dr_grpo, grpo, reinforce_pp, rloo"), overrides=("algo.advantage=rlo",)),
+                            "registered: dr_grpo, gae, grpo, reinforce_pp, rloo"), overrides=("algo.advantage=rlo",)),
+    # an estimator that needs a critic, without one (the pre-run check)
+    "gae-without-critic": Case(("algo.advantage: gae needs a critic", "no stage writes 'values'", "pipelines/ppo.yaml"),
+                               config={"preset": "ppo"}),
+    "value-stage-not-colocated": Case(("stage 'value'", "set `colocate_with:` to the critic stage", "pipelines/ppo.yaml"),
+                                      config={"preset": "ppo"}, edit_of=PPO,
+                                      pipeline_edit={"value": {"colocate_with": None}}),
+    "gae-advantage-without-returns": Case(("stage 'advantage'", "algo.advantage: gae", "['returns']",
+                                           "pipelines/ppo.yaml"),
+                                          config={"preset": "ppo"}, edit_of=PPO,
+                                          pipeline_edit={"advantage": {"writes": ["advantage"]},
+                                                         "critic": {"reads": ["prompt_ids", "response_ids", "values",
+                                                                              "advantage"]}}),
+    "critic-value-clip": Case(("algo.critic.value_clip must be > 0", "null"),
+                              config={"preset": "ppo", "pipeline": str(PPO)}, overrides=("algo.critic.value_clip=0",)),
     "advantage-module": Case(("algo.advantage", "no function 'nope'"), overrides=("algo.advantage=streamrl.algos:nope",)),
     "advantage-options": Case(("algo.advantage_options ['epsilon'] do not fit 'grpo'", "epsilon"),
                               overrides=("algo.advantage_options={epsilon: 0.1}",)),
@@ -369,7 +385,7 @@ def _prepare(case: Case, tmp: Path, model: Path) -> tuple[Any, list[str], list[s
         source = _merge(_base(tmp), _fill(case.config, subs))
         if case.pipeline_edit is not None:
             edited = tmp / "edited.yaml"
-            edited.write_text(_pipeline_with(GRPO, case.pipeline_edit))
+            edited.write_text(_pipeline_with(case.edit_of, case.pipeline_edit))
             source["pipeline"] = str(edited)
     return source, list(case.overrides), [_fill(n, subs) for n in case.needles]
 
@@ -403,6 +419,8 @@ def test_the_good_variants_pass(tmp_path: Path, model_dir: Path) -> None:
         ({"pipeline": str(GRPO_KL)}, ["algo.loss.kl_coef=0.1"]),
         ({"pipeline": str(REPO / "pipelines" / "grpo_kl_reward.yaml")}, ["algo.loss.kl_coef=0.1", "algo.loss.kl_in=reward"]),
         ({"preset": "gspo"}, ["algo.advantage=rloo"]),
+        ({"preset": "ppo", "pipeline": str(PPO)}, []),
+        ({"preset": "ppo", "pipeline": str(PPO)}, ["output.checkpoint_every=5"]),
         ({}, ["algo.max_staleness=1", "algo.old_logprobs=recompute"]),
         ({"pipeline": str(COLOCATED)}, ["stages.train.options={backend: gloo, bucket_bytes: 1024}"]),
         ({}, ["stages.score.options={backend: zmq, endpoints: ['tcp://127.0.0.1:5555', 'ipc:///tmp/r.sock', "

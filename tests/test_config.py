@@ -236,7 +236,7 @@ def test_load_config_accepts_a_runconfig_and_applies_overrides() -> None:
     assert again.model == base.model
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo"])
 def test_every_preset_loads_and_its_own_values_win(name: str) -> None:
     from streamrl.algos import ADVANTAGES, POLICY_LOSSES
     from streamrl.config import preset_names, read_preset

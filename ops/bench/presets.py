@@ -16,6 +16,9 @@ Ratio: a preset's median seconds over grpo's. Last line: one JSON object.
     python ops/bench/presets.py                          # both tasks, every preset, 3 repetitions
     python ops/bench/presets.py --tasks max --reps 5 --presets grpo,gspo
     python ops/bench/presets.py --config configs/grpo_digits_colocated.yaml --tasks max --reps 1
+
+A preset that needs stages of its own runs on its pipeline instead of the config's (PIPELINES: ppo
+on pipelines/ppo.yaml, the separate placement, whatever --config says).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ TASKS: dict[str, tuple[dict[str, Any], int, float]] = {
     "max": ({"name": "digits-max", "options": {"n_digits": 3}}, 4, 0.9),
     "reverse": ({"name": "digits-reverse", "options": {"min_digits": 2, "max_digits": 2}}, 3, 0.5),
 }
+# presets whose algorithm needs more stages than the config's pipeline has (ppo: the critic's)
+PIPELINES: dict[str, Path] = {"ppo": ROOT / "pipelines" / "ppo.yaml"}
 
 
 def one_run(config_path: Path, task: str, preset: str, seed: int, max_steps: int) -> dict[str, Any]:
@@ -53,6 +58,8 @@ def one_run(config_path: Path, task: str, preset: str, seed: int, max_steps: int
                      f"algo.steps={max_steps}", f"algo.stop_reward={target}", f"output.run_dir={tmp}",
                      "output.progress=none", "output.tensorboard=false", "output.plot=false",
                      "output.checkpoint=false"]
+        if preset in PIPELINES:
+            overrides.append(f"pipeline={PIPELINES[preset]}")
         result = streamrl.run(config, overrides)
     rewards = [m["reward_mean"] for m in result.metrics]
     reached = bool(rewards) and rewards[-1] >= target

@@ -32,6 +32,7 @@ __all__ = [
     "CorrectionFn",
     "PolicyLossFn",
     "cispo",
+    "clipped_value_loss",
     "gspo",
     "masked_is",
     "ppo_clip",
@@ -201,3 +202,20 @@ def masked_is(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float) -> Ten
         raise ValueError(f"mis: cap must be > 0, got {cap}")
     ratio = torch.exp(old_logprobs - rollout_logprobs).detach()
     return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None
+                       ) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token (the critic's): max((V - R)^2, (clip(V, V_old ± c) - R)^2).
+
+    ``values`` [N] the critic's prediction now (with gradient), ``old_values`` [N] its prediction
+    when the advantages were computed (the value stage's), ``returns`` [N] the targets (GAE's).
+    The clip keeps one step from moving a value far from the one the advantages used; ``clip``
+    None = plain squared error. Returns (loss [N], clipped [N] bool: the clipped term was the larger).
+    """
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    clipped = (clipped_values - returns) ** 2
+    return torch.maximum(unclipped, clipped), clipped > unclipped

@@ -26,11 +26,14 @@ class UnknownAlgorithmError(ValueError):
 
 class Registry(Generic[F]):
     """Named functions of one role; ``required``: the parameters every one of them must accept
-    (by name, as the caller passes them)."""
+    (by name, as the caller passes them); ``optional``: inputs the caller passes only to a function
+    that names them (e.g. an advantage estimator's ``values``, which only a pipeline with a critic
+    has), so a function may require them without a default."""
 
-    def __init__(self, role: str, required: tuple[str, ...]) -> None:
+    def __init__(self, role: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
         self.role = role
         self.required = required
+        self.optional = optional
         self._functions: dict[str, F] = {}
 
     def register(self, name: str) -> Callable[[F], F]:
@@ -85,7 +88,8 @@ class Registry(Generic[F]):
         named = {n for n, p in params.items()
                  if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
         missing = [r for r in self.required if r not in named and not takes_any]
-        extra = [n for n, p in params.items() if n not in self.required and p.default is inspect.Parameter.empty
+        passed = (*self.required, *self.optional)
+        extra = [n for n, p in params.items() if n not in passed and p.default is inspect.Parameter.empty
                  and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
         if missing or extra:
             what = []
