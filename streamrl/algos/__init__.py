@@ -1,8 +1,8 @@
 """streamrl.algos: the algorithm pieces as pure tensor functions, in registries called by name."""
 
 from streamrl.algos.advantages import ADVANTAGES
+from streamrl.algos.aggregation import AGGREGATIONS, divides_by
 from streamrl.algos.grpo import (
-    LOSS_AGGREGATIONS,
     LossConfig,
     aggregate_loss,
     group_advantages,
@@ -16,14 +16,15 @@ from streamrl.algos.registry import Registry, UnknownAlgorithmError
 
 __all__ = [
     "ADVANTAGES",
+    "AGGREGATIONS",
     "CORRECTIONS",
     "KL_ESTIMATORS",
-    "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "LossConfig",
     "Registry",
     "UnknownAlgorithmError",
     "aggregate_loss",
+    "divides_by",
     "group_advantages",
     "kl_penalty",
     "loss_denominator",

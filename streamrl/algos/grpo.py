@@ -21,13 +21,14 @@ import torch
 from msgspec import Meta
 from torch import Tensor
 
+from streamrl.algos.aggregation import AGGREGATIONS, denominator_of, denominator_value
 from streamrl.algos.kl import KL_ESTIMATORS, kl_penalty
 from streamrl.algos.losses import CORRECTIONS, POLICY_LOSSES
 from streamrl.algos.registry import UnknownAlgorithmError
 
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                      "seq-mean-token-sum-norm")
+# a name in streamrl.algos.aggregation.AGGREGATIONS (token-mean, seq-mean-token-mean,
+# seq-mean-token-sum, seq-mean-token-sum-norm) or a user's module:function
+LossAggregation = str
 
 
 class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,8 +65,9 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     loss_agg: Annotated[LossAggregation, Meta(description=(
         "How per-token losses become one number per step: token-mean (mean over all its tokens), "
         "seq-mean-token-mean (mean over sequences of each one's token mean), seq-mean-token-sum (mean over "
-        "sequences of each one's token sum) or seq-mean-token-sum-norm (Dr.GRPO: token sums over a constant, "
-        "sequences x norm_tokens, so a sequence's length does not scale its tokens' weight)"))] = "token-mean"
+        "sequences of each one's token sum), seq-mean-token-sum-norm (Dr.GRPO: token sums over a constant, "
+        "sequences x norm_tokens, so a sequence's length does not scale its tokens' weight), or "
+        "module:function (docs/algorithms.md)"))] = "token-mean"
     norm_tokens: Annotated[int | None, Meta(description=(
         "The constant token count of seq-mean-token-sum-norm (tokens); null = algo.max_new_tokens"))] = None
     correction: Annotated[str, Meta(description=(
@@ -100,11 +102,15 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if self.norm_tokens is not None and self.norm_tokens < 1:
             raise ValueError(f"LossConfig.norm_tokens must be >= 1 or None (algo.max_new_tokens), got {self.norm_tokens}")
         for name, registry in (("policy_loss", POLICY_LOSSES), ("correction", CORRECTIONS),
-                               ("kl_estimator", KL_ESTIMATORS)):
+                               ("kl_estimator", KL_ESTIMATORS), ("loss_agg", AGGREGATIONS)):
             try:
                 registry.resolve(getattr(self, name))
             except UnknownAlgorithmError as exc:
                 raise ValueError(f"LossConfig.{name}: {exc}") from None
+        try:
+            denominator_of(self.loss_agg)
+        except ValueError as exc:
+            raise ValueError(f"LossConfig.loss_agg: {exc}") from None
         if not self.temperature > 0.0:
             raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
 
@@ -222,36 +228,16 @@ def kl_reward_penalty(rollout_logprobs: Tensor, ref_logprobs: Tensor, coef: floa
     return coef * float(kl_penalty(rollout_logprobs.float(), ref_logprobs.float(), estimator).sum())
 
 
-def _lengths_from_index(seq_index: Tensor, n_seqs: int) -> Tensor:
-    return torch.bincount(seq_index, minlength=n_seqs).to(torch.float32)
-
-
 def unnormalized_loss(per_token: Tensor, seq_index: Tensor, n_seqs: int, mode: LossAggregation) -> Tensor:
-    """A scalar *sum* to backpropagate; divide its gradient by ``loss_denominator`` at the step.
-
-    token-mean: Σ_t ℓ_t (denominator: tokens). seq-mean-token-mean: Σ_s mean_t ℓ_st
-    (denominator: sequences; an empty sequence adds 0). seq-mean-token-sum: Σ_s Σ_t ℓ_st
-    (denominator: sequences). seq-mean-token-sum-norm: Σ_s Σ_t ℓ_st (denominator: sequences x a
-    constant token count, Dr.GRPO's).
-    """
-    if mode == "seq-mean-token-mean":
-        lengths = _lengths_from_index(seq_index, n_seqs).clamp(min=1.0)
-        return (per_token / lengths[seq_index]).sum()
-    if mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        return per_token.sum()
-    raise ValueError(f"loss aggregation {mode!r} is not one of {list(LOSS_AGGREGATIONS)}")
+    """A scalar *sum* to backpropagate: the aggregation ``mode``'s (streamrl.algos.aggregation);
+    divide its gradient by ``loss_denominator`` at the step."""
+    return AGGREGATIONS.resolve(mode)(per_token=per_token, seq_index=seq_index, n_seqs=n_seqs)
 
 
 def loss_denominator(mode: LossAggregation, tokens: int, sequences: int, norm_tokens: int = 1) -> int:
     """What the summed loss/gradient of a whole optimizer step is divided by (``norm_tokens``:
     seq-mean-token-sum-norm's constant)."""
-    if mode == "token-mean":
-        return tokens
-    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        return sequences
-    if mode == "seq-mean-token-sum-norm":
-        return sequences * norm_tokens
-    raise ValueError(f"loss aggregation {mode!r} is not one of {list(LOSS_AGGREGATIONS)}")
+    return denominator_value(denominator_of(mode), tokens, sequences, norm_tokens)
 
 
 def aggregate_loss(per_token: Tensor, seq_index: Tensor, n_seqs: int, mode: LossAggregation,

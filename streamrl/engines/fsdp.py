@@ -57,8 +57,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from transformers import PreTrainedTokenizerBase
 
+from streamrl.algos.aggregation import DENOMINATORS, denominator_of, denominator_value
 from streamrl.algos.grpo import (
-    LOSS_AGGREGATIONS,
     LossConfig,
     loss_denominator,
     per_token_loss,
@@ -439,7 +439,9 @@ class FSDPTrainEngine:
         and takes the others' (every accumulating rank has the step's LossConfig).
         """
         s = self._sums
-        modes = [1.0 if s.mode == mode else 0.0 for mode in LOSS_AGGREGATIONS]
+        # the step's denominator kind, one count per kind: every aggregation (a user's too) has one
+        kind = denominator_of(s.mode) if s.mode is not None else None
+        modes = [1.0 if kind == k else 0.0 for k in DENOMINATORS]
         values = [s.loss, s.tokens, s.sequences, s.skipped_tokens, s.skipped_sequences, s.micro_batches,
                   s.clipped, s.approx_kl, s.entropy, s.kl, s.kl_tokens, s.is_weight, s.is_tokens,
                   float(s.norm_tokens or 0), *modes]
@@ -463,7 +465,7 @@ class FSDPTrainEngine:
          kl_tokens, is_weight, is_tokens, norm_tokens_sum) = reduced[:14]
         # The decision below is taken from all-reduced values, so every rank raises alike and
         # none is left waiting in the next collective.
-        modes = [mode for mode, count in zip(LOSS_AGGREGATIONS, reduced[14:], strict=True) if count > 0]
+        modes = [kind for kind, count in zip(DENOMINATORS, reduced[14:], strict=True) if count > 0]
         if not modes:
             raise NothingAccumulatedError(
                 f"step() called before any accumulate() since the last step (on all {self.dp_size} dp ranks)"
@@ -471,7 +473,7 @@ class FSDPTrainEngine:
         if len(modes) > 1:
             self.zero_grad()
             raise ValueError(
-                f"the dp ranks accumulated with different loss_agg modes {modes} in one step; "
+                f"the dp ranks accumulated with loss aggregations of different denominators {modes} in one step; "
                 "every rank must use the step's LossConfig (the step's gradients were dropped)"
             )
         mode = modes[0]
@@ -479,7 +481,7 @@ class FSDPTrainEngine:
         all_seqs = int(seqs + skipped_seqs) if global_sequences is None else global_sequences
         # seq-mean-token-sum-norm's constant: the step's LossConfig's, from the ranks that accumulated
         norm_tokens = max(round(norm_tokens_sum / sum(reduced[14:])), 1)
-        denominator = loss_denominator(mode, all_tokens, all_seqs, norm_tokens)  # type: ignore[arg-type]
+        denominator = denominator_value(mode, all_tokens, all_seqs, norm_tokens)
         grads = [local(p.grad) for p in self.params if p.grad is not None]
         if denominator > 0 and grads:
             torch._foreach_div_(grads, float(denominator))

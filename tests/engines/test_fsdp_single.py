@@ -32,7 +32,8 @@ from tests.engines.conftest import encode
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 
-MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+# the built-ins and a user's aggregation (module:function): the engine streams whichever is named
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "tests.algos.user_algos:sqrt_length"]
 PACKED = FSDPOptions()
 PADDED = FSDPOptions(pack_prompts=False)
 
