@@ -17,8 +17,9 @@ Ratio: a preset's median seconds over grpo's. Last line: one JSON object.
     python ops/bench/presets.py --tasks max --reps 5 --presets grpo,gspo
     python ops/bench/presets.py --config configs/grpo_digits_colocated.yaml --tasks max --reps 1
 
-A preset that needs stages of its own runs on its pipeline instead of the config's (PIPELINES: ppo
-on pipelines/ppo.yaml, the separate placement, whatever --config says).
+A preset that needs stages of its own runs on its pipeline for the config's placement instead of
+the config's pipeline (PIPELINES: dapo on pipelines/dapo.yaml or dapo_colocated.yaml, ppo on
+pipelines/ppo.yaml or ppo_colocated.yaml).
 """
 
 from __future__ import annotations
@@ -41,8 +42,20 @@ TASKS: dict[str, tuple[dict[str, Any], int, float]] = {
     "max": ({"name": "digits-max", "options": {"n_digits": 3}}, 4, 0.9),
     "reverse": ({"name": "digits-reverse", "options": {"min_digits": 2, "max_digits": 2}}, 3, 0.5),
 }
-# presets whose algorithm needs more stages than the config's pipeline has (ppo: the critic's)
-PIPELINES: dict[str, Path] = {"ppo": ROOT / "pipelines" / "ppo.yaml"}
+# presets whose algorithm needs more stages than the config's pipeline has (dapo: the filter; ppo: the
+# critic's), per placement
+PIPELINES: dict[str, dict[str, Path]] = {
+    "dapo": {"separate": ROOT / "pipelines" / "dapo.yaml", "colocated": ROOT / "pipelines" / "dapo_colocated.yaml"},
+    "ppo": {"separate": ROOT / "pipelines" / "ppo.yaml", "colocated": ROOT / "pipelines" / "ppo_colocated.yaml"},
+}
+
+
+def placement_of(config: dict[str, Any], config_path: Path) -> str:
+    """The placement of the config's pipeline file (separate when it says none)."""
+    import yaml
+
+    pipeline = (config_path.resolve().parent / config["pipeline"]).resolve()
+    return str(yaml.safe_load(pipeline.read_text()).get("placement", "separate"))
 
 
 def one_run(config_path: Path, task: str, preset: str, seed: int, max_steps: int) -> dict[str, Any]:
@@ -59,7 +72,10 @@ def one_run(config_path: Path, task: str, preset: str, seed: int, max_steps: int
                      "output.progress=none", "output.tensorboard=false", "output.plot=false",
                      "output.checkpoint=false"]
         if preset in PIPELINES:
-            overrides.append(f"pipeline={PIPELINES[preset]}")
+            placement = placement_of(config, config_path)
+            if placement not in PIPELINES[preset]:
+                raise SystemExit(f"preset {preset} has no pipeline for the {placement} placement here")
+            overrides.append(f"pipeline={PIPELINES[preset][placement]}")
         result = streamrl.run(config, overrides)
     rewards = [m["reward_mean"] for m in result.metrics]
     reached = bool(rewards) and rewards[-1] >= target

@@ -102,3 +102,19 @@ def test_a_cap_too_small_for_the_task_fails_the_run_naming_the_field(tmp_path: P
     with pytest.raises(StageError, match=r"stage 'source'.*algo\.dynamic_sampling\.max_rounds=1 rounds"):
         run(config, ["output.checkpoint_every=0"], run_dir=tmp_path / "run")
     assert_run_cleaned(tmp_path / "run", os.getpid(), before)
+
+
+@pytest.mark.timeout(240)
+def test_dynamic_sampling_in_the_colocated_placement(tmp_path: Path) -> None:
+    """pipelines/dapo_colocated.yaml: the generate workers live in the train ranks' processes and
+    generate only while the trainer waits, yet the source's waves still fill every step."""
+    before = ipc_dirs()
+    config = REPO / "configs" / "grpo_digits_colocated.yaml"
+    result = run(config, ["preset=dapo", f"pipeline={REPO / 'pipelines' / 'dapo_colocated.yaml'}", "algo.steps=6",
+                          "algo.stop_reward=null", "output.progress=none", "output.tensorboard=false",
+                          "output.plot=false", "output.checkpoint=false"], run_dir=tmp_path / "run")
+    rows = result.metrics
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["samples"] == 64 and r["uniform_groups"] == 0 for r in rows), rows
+    assert sum(r["dropped_samples"] for r in rows) > 0
+    assert_run_cleaned(result.run_dir, os.getpid(), before)

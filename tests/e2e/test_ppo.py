@@ -62,3 +62,18 @@ def test_the_critic_is_checkpointed_and_a_resume_continues_it_exactly(tmp_path: 
         again = rows[row["step"]]
         assert {k: again[k] for k in EXACT} == {k: row[k] for k in EXACT}, row["step"]
     assert_run_cleaned(resumed.run_dir, os.getpid(), before)
+
+
+@pytest.mark.timeout(240)
+def test_ppo_in_the_colocated_placement(tmp_path: Path) -> None:
+    """pipelines/ppo_colocated.yaml: the policy trains on 2 ranks that also generate (the reshard
+    hands each version over in place) while the critic and its value stage share their own process."""
+    before = ipc_dirs()
+    config = REPO / "configs" / "grpo_digits_colocated.yaml"
+    result = streamrl.run(str(config), ["preset=ppo", f"pipeline={REPO / 'pipelines' / 'ppo_colocated.yaml'}",
+                                        "algo.steps=4", "algo.stop_reward=null", f"output.run_dir={tmp_path}", *QUIET])
+    assert [row["step"] for row in result.metrics] == [1, 2, 3, 4]
+    assert all(row["samples"] == 64 for row in result.metrics)
+    assert result.metrics[-1]["critic/version"] >= 3  # the critic trained alongside (its row may lag by one)
+    assert all("advantage/value_mean" in row for row in result.metrics)
+    assert_run_cleaned(result.run_dir, os.getpid(), before)
