@@ -121,9 +121,10 @@ class TaskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def overlong_buffer_tokens(algo: AlgoConfig) -> int:
-    """``algo.overlong_buffer`` in tokens (a float is a fraction of ``max_new_tokens``, rounded)."""
+    """``algo.overlong_buffer`` in tokens. A float is a fraction of ``max_new_tokens`` in whole tokens,
+    rounded down: a cap of a few tokens gets no buffer rather than a one-token cliff at the cap."""
     if isinstance(algo.overlong_buffer, float):
-        return round(algo.overlong_buffer * algo.max_new_tokens)
+        return math.floor(algo.overlong_buffer * algo.max_new_tokens)
     return algo.overlong_buffer
 
 
@@ -187,7 +188,7 @@ class AlgoConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     overlong_buffer: Annotated[int | float, Meta(description=(
         "DAPO's overlong reward shaping: a response longer than max_new_tokens - overlong_buffer loses up to "
         "overlong_penalty of its reward, linearly, the whole of it at max_new_tokens. An integer is tokens; a "
-        "float in (0, 1) is a fraction of max_new_tokens (DAPO: 0.2, 4096 of 20480); 0 = off"))] = 0
+        "float in (0, 1) is a fraction of max_new_tokens, rounded down (DAPO: 0.2, 4096 of 20480); 0 = off"))] = 0
     overlong_penalty: Annotated[float, Meta(description=(
         "The reward a response at the length cap loses (with overlong_buffer > 0)"))] = 1.0
     advantage: Annotated[str, Meta(description=(

@@ -99,6 +99,7 @@ class SourceStage:
         self.first_version = 0  # the policy version this run (or this resume) started from
         self.emitted = 0  # samples emitted since then (dynamic sampling's demand count)
         self.groups_made = 0  # dynamic sampling: groups drawn over the run (keys: group * group_size + member)
+        self.first_group = 0  # groups_made when this run (or this resume) began
         self.wave: tuple[int, int] | None = None  # the next wave's (groups, version), once the demand is there
         if ctx.resume is not None:
             st = ctx.resume.state
@@ -106,7 +107,7 @@ class SourceStage:
             self.first_version = st.version
             a = cfg.algo
             if self.dynamic:
-                self.groups_made = st.trained_below // a.group_size
+                self.groups_made = self.first_group = st.trained_below // a.group_size
                 for _ in range(self.groups_made):  # replay: the same draws as the interrupted run made
                     self.task.make_prompts(self.rng, 1)
             else:
@@ -143,10 +144,10 @@ class SourceStage:
                                      "stale_samples": float(dropped - discarded)})
             if short > 0 and settled:
                 groups = min(-(-short // a.group_size), a.prompts_per_step)
-                cap = a.dynamic_sampling.max_rounds * a.prompts_per_step * steps
-                if cap and self.groups_made + groups > cap:
+                cap = a.dynamic_sampling.max_rounds * a.prompts_per_step * steps  # since this run (or resume) began
+                if cap and self.groups_made - self.first_group + groups > cap:
                     raise OverGenerationCapReached(
-                        f"dynamic sampling needs more than {cap} groups for its first {steps} step(s) "
+                        f"dynamic sampling needs more than {cap} groups for {steps} step(s) "
                         f"(algo.dynamic_sampling.max_rounds={a.dynamic_sampling.max_rounds} rounds of "
                         f"prompts_per_step={a.prompts_per_step} per step): the filter dropped {discarded} of the "
                         f"{self.emitted} samples made, groups whose rewards are all equal. Raise max_rounds (0 = no "
