@@ -45,7 +45,7 @@ from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
 from streamrl.tasks.chat import render_prompt
 
-DEMAND_POLL_S = 0.05  # dynamic sampling: how often the source re-reads the dock's drop counts while it waits
+DEMAND_POLL_S = 0.01  # dynamic sampling: how often the source re-reads the dock's drop counts while it waits
 
 
 class OverGenerationCapReached(RuntimeError):

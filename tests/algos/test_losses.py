@@ -302,3 +302,16 @@ def test_zero_advantage_gives_zero_loss_and_gradient(name: str) -> None:
                  seq_index=torch.tensor([0, 0, 1]), config=ClipConfig(dual_clip=3.0))
     (grad,) = torch.autograd.grad(loss.sum(), logprobs)
     assert torch.all(loss == 0) and torch.all(grad == 0)
+
+
+def test_a_users_policy_loss_named_as_module_function_is_what_the_trainer_computes() -> None:
+    from streamrl.algos.grpo import LossConfig, per_token_loss
+
+    config = LossConfig(policy_loss="tests.algos.user_algos:reinforce")
+    logp = torch.tensor([-0.5, -1.0, -2.0], requires_grad=True)
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    loss, stats = per_token_loss(logp, adv, config, old_logprobs=logp.detach() - 0.3)
+    torch.testing.assert_close(loss, -adv * logp)
+    assert stats["clipped"].sum() == 0
+    with pytest.raises(ValueError, match=r"policy_loss: .*reinforce_x.* has no function"):
+        LossConfig(policy_loss="tests.algos.user_algos:reinforce_x")

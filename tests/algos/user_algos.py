@@ -29,3 +29,9 @@ def sqrt_length(per_token: Tensor, seq_index: Tensor, n_seqs: int) -> Tensor:
 def undeclared_aggregation(per_token: Tensor, seq_index: Tensor, n_seqs: int) -> Tensor:
     """An aggregation without @divides_by: refused, it does not say its denominator."""
     return per_token.sum()
+
+
+def reinforce(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, seq_index: Tensor,
+              config: object) -> tuple[Tensor, Tensor]:
+    """A policy loss of one's own: plain REINFORCE, -A·logp per token, nothing clipped."""
+    return -advantages * logprobs, torch.zeros_like(logprobs, dtype=torch.bool)

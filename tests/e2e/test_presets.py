@@ -2,10 +2,11 @@
 the advantage stage and the trainer in their own processes, by name.
 
 configs/grpo_digits.yaml with ``preset=cispo`` and ``algo.advantage`` a user function giving every
-sample +1 (or -1). With a constant advantage A, CISPO's per-token loss is -w·A·logprob with w ≈ 1
-on-policy, so a step's loss is about -A times the mean sampled-token logprob: clearly positive for
-A = +1 and negative for A = -1 (GRPO's group-centred advantages would give about 0). That shows
-the user's estimator produced what the trainer trained on, and that the trainer ran CISPO.
+sample +1 (or -1; that run also names a user's policy loss, plain REINFORCE). With a constant
+advantage A, CISPO's per-token loss is -w·A·logprob with w ≈ 1 on-policy, REINFORCE's -A·logprob,
+so a step's loss is about -A times the mean sampled-token logprob: clearly positive for A = +1 and
+negative for A = -1 (GRPO's group-centred advantages would give about 0). That shows the user's
+estimator produced what the trainer trained on, and that the trainer ran the loss named.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def test_a_preset_and_a_user_estimator_run_in_the_stage_processes(tmp_path: Path
                      f"algo.advantage_options={{value: {value}}}", f"algo.steps={STEPS}", "algo.stop_reward=null",
                      f"output.run_dir={tmp_path / str(value)}", "output.progress=none", "output.tensorboard=false",
                      "output.plot=false", "output.checkpoint=false"]
-        result = streamrl.run(str(DIGITS), overrides)
+        loss = "cispo" if value > 0 else "tests.algos.user_algos:reinforce"
+        result = streamrl.run(str(DIGITS), [*overrides, f"algo.loss.policy_loss={loss}"])
         assert result.steps == STEPS
         losses[value] = [row["loss"] for row in result.metrics]
         written = yaml.safe_load((result.run_dir / "config.yaml").read_text())
-        assert written["preset"] == "cispo" and written["algo"]["loss"]["policy_loss"] == "cispo"
+        assert written["preset"] == "cispo" and written["algo"]["loss"]["policy_loss"] == loss
         assert written["algo"]["loss"]["clip_low"] == 1.0 and written["algo"]["advantage_options"] == {"value": value}
         assert_run_cleaned(result.run_dir, os.getpid(), before)
     # -logprob of a sampled token of a random-init tiny model is ~ln(vocab): well above 0.5
