@@ -362,9 +362,12 @@ def _check_weights_from(spec: PipelineSpec, names: dict[str, StageSpec], where: 
     if source.name == s.name or source.is_source or s.is_source:
         raise ConfigError(f"{at}: weights come from a train stage other than itself and the source")
     for stage in spec.stages:
-        if stage.colocate_with is not None:
-            raise ConfigError(f"{where}: stage {stage.name!r} colocate_with is not supported with placement "
-                              "'disaggregated' (generation and training run in separate processes)")
+        # generation and the policy's training run in separate processes here; other stages may
+        # still share a process (PPO's value stage with its critic)
+        if stage.colocate_with is not None and {stage.name, stage.colocate_with} & {s.name, source.name}:
+            raise ConfigError(f"{where}: stage {stage.name!r} colocate_with: {stage.colocate_with!r}: with placement "
+                              f"'disaggregated' the generate stage {s.name!r} and the train stage {source.name!r} "
+                              "run in processes of their own")
 
 
 def _check_acyclic(spec: PipelineSpec, writer: dict[str, str], where: str) -> None:

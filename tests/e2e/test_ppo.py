@@ -65,12 +65,14 @@ def test_the_critic_is_checkpointed_and_a_resume_continues_it_exactly(tmp_path: 
 
 
 @pytest.mark.timeout(240)
-def test_ppo_in_the_colocated_placement(tmp_path: Path) -> None:
-    """pipelines/ppo_colocated.yaml: the policy trains on 2 ranks that also generate (the reshard
-    hands each version over in place) while the critic and its value stage share their own process."""
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_ppo_in_the_reshard_placements(tmp_path: Path, placement: str) -> None:
+    """pipelines/ppo_<placement>.yaml: the policy trains on 2 ranks and hands each version to
+    generation through the reshard (colocated: in place; disaggregated: to 2 generate workers)
+    while the critic and its value stage share a process of their own."""
     before = ipc_dirs()
-    config = REPO / "configs" / "grpo_digits_colocated.yaml"
-    result = streamrl.run(str(config), ["preset=ppo", f"pipeline={REPO / 'pipelines' / 'ppo_colocated.yaml'}",
+    config = REPO / "configs" / f"grpo_digits_{placement}.yaml"
+    result = streamrl.run(str(config), ["preset=ppo", f"pipeline={REPO / 'pipelines' / f'ppo_{placement}.yaml'}",
                                         "algo.steps=4", "algo.stop_reward=null", f"output.run_dir={tmp_path}", *QUIET])
     assert [row["step"] for row in result.metrics] == [1, 2, 3, 4]
     assert all(row["samples"] == 64 for row in result.metrics)

@@ -73,7 +73,9 @@ def test_the_shipped_pipeline_runs_every_worker_in_its_own_process() -> None:
     ("dis", {"score.weights_from": "train"}, "needs exactly one stage with weights_from (the generate stage"),
     ("dis", {"placement": "separate"}, "weights_from: 'train' needs `placement: disaggregated`"),
     ("dis", {"generate.colocate_with": "train", "generate.workers": 2},
-     "colocate_with is not supported with placement 'disaggregated'"),
+     "with placement 'disaggregated' the generate stage 'generate' and the train stage 'train' run in processes"),
+    ("dis", {"score.colocate_with": "train", "score.workers": 2},
+     "stage 'score' colocate_with: 'train': with placement 'disaggregated'"),
     # a stage class built for the other reshard placement says so
     ("col", {"placement": "disaggregated", "generate.colocate_with": None, "generate.weights_from": "train"},
      "works only with `placement: colocated`"),
