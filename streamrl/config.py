@@ -147,7 +147,9 @@ class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """PPO's critic (pipelines/ppo.yaml's value and critic stages): a value model built like the
     policy, trained on FSDP2 with its own AdamW."""
 
-    lr: Annotated[float, Meta(description="The critic's AdamW learning rate (constant)")] = 1e-3
+    lr: Annotated[float, Meta(description=(
+        "The critic's AdamW peak learning rate; it follows the policy's algo.lr_schedule, warmup_steps and "
+        "total_steps"))] = 1e-3
     betas: Annotated[tuple[float, float], Meta(description="The critic's AdamW (beta1, beta2)")] = (0.9, 0.999)
     weight_decay: Annotated[float, Meta(description="The critic's AdamW decoupled weight decay")] = 0.0
     max_grad_norm: Annotated[float | None, Meta(description=(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -41,6 +42,7 @@ from streamrl.config import ConfigError, RunConfig
 from streamrl.engines.checkpoint import load_checkpoint, save_checkpoint
 from streamrl.engines.critic import FSDPCriticEngine
 from streamrl.engines.fsdp import FSDPOptions
+from streamrl.engines.schedule import lr_scheduler
 from streamrl.models.value import CausalLMValueModel
 from streamrl.runtime.checkpoints import checkpoint_name, fsync_tree
 from streamrl.runtime.pipeline import NoOptions, PipelineSpec, StageSpec, import_stage_class
@@ -129,9 +131,15 @@ class CriticStage:
                                     options=FSDPOptions(dtype=cfg.model.dtype))
 
         self.engine = await ctx.run_sync(build)
+        # the policy's schedule shape (algo.lr_schedule, warmup_steps, total_steps) on the critic's own lr
+        self.lr_schedule = lr_scheduler(self.engine.optimizer, cfg.algo)
         self.version = 0
         if ctx.resume is not None:
             self.version = await ctx.run_sync(self._load, Path(ctx.resume.path), ctx.resume.state.version)
+            with warnings.catch_warnings():  # replayed, not stepped after optimizer steps: torch warns
+                warnings.simplefilter("ignore")
+                for _ in range(self.version):  # the schedules are functions of the step: replay is exact
+                    self.lr_schedule.step()
         self.consumed = 0
         self.shared.engine, self.shared.version = self.engine, self.version
         self.shared.ready.set()
@@ -154,6 +162,7 @@ class CriticStage:
     async def _step(self) -> None:
         async with self.shared.lock:
             stats = await self.ctx.run_sync(self.engine.step)
+        self.lr_schedule.step()
         self.version += 1
         self.consumed = 0
         shared = self.shared
@@ -162,7 +171,7 @@ class CriticStage:
         shared.stepped = anyio.Event()
         # joins the policy's step rows as critic/<name> (the critic's own step may lag by one row)
         self.ctx.report_metrics({"value_loss": stats["loss"], "value_clip_fraction": stats["clip_fraction"],
-                                 "grad_norm": stats["grad_norm"], "version": float(self.version)})
+                                 "grad_norm": stats["grad_norm"], "lr": stats["lr"], "version": float(self.version)})
         every = self.ctx.config.output.checkpoint_every
         if every and self.version % every == 0:
             async with self.shared.lock:

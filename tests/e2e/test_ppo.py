@@ -5,6 +5,7 @@ critic stage the value model on its own FSDP2 engine; every process stops at the
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -73,8 +74,14 @@ def test_ppo_in_the_reshard_placements(tmp_path: Path, placement: str) -> None:
     before = ipc_dirs()
     config = REPO / "configs" / f"grpo_digits_{placement}.yaml"
     result = streamrl.run(str(config), ["preset=ppo", f"pipeline={REPO / 'pipelines' / f'ppo_{placement}.yaml'}",
-                                        "algo.steps=4", "algo.stop_reward=null", f"output.run_dir={tmp_path}", *QUIET])
+                                        "algo.steps=4", "algo.stop_reward=null", "algo.lr_schedule=linear",
+                                        f"output.run_dir={tmp_path}", *QUIET])
     assert [row["step"] for row in result.metrics] == [1, 2, 3, 4]
+    # the critic's lr follows the policy's schedule from its own peak (linear to 0 at step 4)
+    critic_lrs = [row["critic/lr"] for row in result.metrics if "critic/lr" in row]
+    # (a row may repeat the critic's previous step)
+    assert all(b <= a for a, b in itertools.pairwise(critic_lrs)) and critic_lrs[-1] < critic_lrs[0] <= 1e-3, \
+        critic_lrs
     assert all(row["samples"] == 64 for row in result.metrics)
     assert result.metrics[-1]["critic/version"] >= 3  # the critic trained alongside (its row may lag by one)
     assert all("advantage/value_mean" in row for row in result.metrics)
