@@ -101,6 +101,7 @@ class SourceStage:
         self.groups_made = 0  # dynamic sampling: groups drawn over the run (keys: group * group_size + member)
         self.first_group = 0  # groups_made when this run (or this resume) began
         self.wave: tuple[int, int] | None = None  # the next wave's (groups, version), once the demand is there
+        self.reported: dict[str, float] = {}  # the dynamic-sampling figures last sent as stage metrics
         if ctx.resume is not None:
             st = ctx.resume.state
             self.trained = TrainedKeys(st.trained_below, st.trained_extra)
@@ -140,8 +141,11 @@ class SourceStage:
             steps = min(version - self.first_version + 1 + a.max_staleness, a.steps - self.first_version)
             short = cfg.batch_size * steps - (self.emitted - dropped)
             settled = a.max_staleness > 0 or judged >= self.emitted  # synchronous: every wave judged
-            self.ctx.report_metrics({"groups_made": float(self.groups_made), "discarded_samples": float(discarded),
-                                     "stale_samples": float(dropped - discarded)})
+            figures = {"groups_made": float(self.groups_made), "discarded_samples": float(discarded),
+                       "stale_samples": float(dropped - discarded)}
+            if figures != self.reported:  # not one message per poll
+                self.ctx.report_metrics(figures)
+                self.reported = figures
             if short > 0 and settled:
                 groups = min(-(-short // a.group_size), a.prompts_per_step)
                 cap = a.dynamic_sampling.max_rounds * a.prompts_per_step * steps  # since this run (or resume) began
