@@ -218,13 +218,14 @@ class VllmRolloutEngine:
                 self.llm.collective_rpc("streamrl_reload", args=(weights,))
             else:
                 self._load_across_processes(weights)
+            # cached prompt KV blocks were computed with the old weights (inside the try: the engine
+            # core may die here too, and this call then raises vLLM's EngineDeadError)
+            self.llm.reset_prefix_cache()
         except Exception as exc:
             if self._engine_dead():
                 raise VllmEngineDeadError(f"vLLM failed to install weights: {type(exc).__name__}: {exc}; "
                                           f"{self._core_exit()}") from exc
             raise
-        # cached prompt KV blocks were computed with the old weights
-        self.llm.reset_prefix_cache()
         self.versions_loaded += 1
 
     def _load_across_processes(self, weights: Iterable[tuple[str, Tensor]]) -> None:
