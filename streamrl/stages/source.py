@@ -53,9 +53,9 @@ class OverGenerationCapReached(RuntimeError):
     dropped too much for a step's quota."""
 
 
-def pipeline_discards(pipeline: PipelineSpec) -> bool:
-    """Whether a stage of ``pipeline`` drops samples from the run (its class says ``discards = True``)."""
-    return any(getattr(import_stage_class(s.cls), "discards", False) is True for s in pipeline.stages)
+def discarding_stages(pipeline: PipelineSpec) -> list[str]:
+    """The stages of ``pipeline`` that drop samples from the run (their class says ``discards = True``)."""
+    return [s.name for s in pipeline.stages if getattr(import_stage_class(s.cls), "discards", False) is True]
 
 
 class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -72,7 +72,7 @@ class SourceStage:
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
         """Before anything starts (``validate_pipeline``): dynamic sampling has a stage that drops groups."""
-        if cfg.algo.dynamic_sampling.enabled and not pipeline_discards(pipeline):
+        if cfg.algo.dynamic_sampling.enabled and not discarding_stages(pipeline):
             raise ConfigError(f"{pipeline.where}: algo.dynamic_sampling.enabled needs a stage that drops "
                               "uninformative groups (streamrl.stages.filter:FilterStage between score and advantage, "
                               "as pipelines/dapo.yaml has); use that pipeline or set enabled: false")
@@ -94,8 +94,7 @@ class SourceStage:
         self.pending: list[Output] = []  # a resumed step's partial groups, emitted one group size at a time
         self.dynamic = cfg.algo.dynamic_sampling.enabled
         # dynamic sampling: the filter stages (their dock consumers' done counts are what they judged)
-        self.filters = [s.name for s in ctx.pipeline.stages if getattr(import_stage_class(s.cls), "discards", False)
-                        ] if self.dynamic and ctx.pipeline is not None else []
+        self.filters = discarding_stages(ctx.pipeline) if self.dynamic and ctx.pipeline is not None else []
         self.first_version = 0  # the policy version this run (or this resume) started from
         self.emitted = 0  # samples emitted since then (dynamic sampling's demand count)
         self.groups_made = 0  # dynamic sampling: groups drawn over the run (keys: group * group_size + member)
