@@ -131,7 +131,7 @@ def overlong_buffer_tokens(algo: AlgoConfig) -> int:
 class DynamicSamplingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage and teaches
     nothing, so the pipeline's filter stage drops it and the source generates more until every step
-    has its batch_size samples of informative groups."""
+    has its batch_size samples of informative groups (or, with ``token_budget``, its response tokens)."""
 
     enabled: Annotated[bool, Meta(description=(
         "Drop groups whose rewards are all equal and generate more prompts until each optimizer step has "
@@ -141,6 +141,13 @@ class DynamicSamplingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         "Cap on over-generation: the source makes at most this many rounds of prompts_per_step prompts per "
         "optimizer step (counted over the run); past it the run fails saying so, as the task is then too "
         "easy or too hard for the policy. 0 = no cap"))] = 10
+    token_budget: Annotated[int, Meta(description=(
+        "Response tokens per optimizer step, summed over the train stage's workers; 0 = a step is "
+        "prompts_per_step x group_size samples. With a budget a step's size varies: each model replica "
+        "claims micro-batch after micro-batch (the same count on every rank) until the step's response "
+        "tokens reach the budget, and prompts_per_step x group_size is only the source's estimate of a "
+        "step. Needs algo.max_staleness >= 1: the samples a step leaves when it reaches its budget train "
+        "in the next one"))] = 0
 
 
 class CriticConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -460,6 +467,17 @@ def _check(cfg: RunConfig) -> list[str]:
         *_advantage_rules(a),
         (a.dynamic_sampling.max_rounds >= 0,
          f"algo.dynamic_sampling.max_rounds must be >= 0 (0 = no cap), got {a.dynamic_sampling.max_rounds}"),
+        (a.dynamic_sampling.token_budget >= 0,
+         f"algo.dynamic_sampling.token_budget must be >= 0 (response tokens per step; 0 = a step is "
+         f"prompts_per_step x group_size samples), got {a.dynamic_sampling.token_budget}"),
+        (a.dynamic_sampling.token_budget <= 0 or a.dynamic_sampling.enabled,
+         "algo.dynamic_sampling.token_budget needs algo.dynamic_sampling.enabled: true (the source's waves, "
+         "pipelines/dapo.yaml's filter); enable it, or set token_budget: 0"),
+        (a.dynamic_sampling.token_budget <= 0 or a.max_staleness >= 1,
+         f"algo.dynamic_sampling.token_budget={a.dynamic_sampling.token_budget} needs algo.max_staleness >= 1: "
+         "a step ends inside the samples generated for it, and those left over train in the next step, one "
+         "version later (a synchronous run could not train them); set max_staleness: 1, or token_budget: 0 "
+         "for steps of prompts_per_step x group_size samples"),
         (0 <= a.overlong_buffer <= a.max_new_tokens and (isinstance(a.overlong_buffer, int) or a.overlong_buffer < 1),
          f"algo.overlong_buffer must be an integer in [0, algo.max_new_tokens={a.max_new_tokens}] (tokens; 0 = off) "
          f"or a float in (0, 1) (a fraction of max_new_tokens), got {a.overlong_buffer!r}"),

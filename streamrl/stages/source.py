@@ -14,7 +14,12 @@ same numbers as above when every wave is a whole step). Before each wave it read
 counts of samples dropped (discarded by the filter, or too stale for the trainer) and fills the
 shortfall of the samples still alive against what the steps generation may run ahead to need,
 ``batch_size x (version + 1 + max_staleness)`` (counted from this run's start or resume), at most
-``prompts_per_step`` groups a wave. Synchronous (``max_staleness: 0``) it first waits until the
+``prompts_per_step`` groups a wave. With ``algo.dynamic_sampling.token_budget`` a step's size is
+the trainer's to decide (it trains micro-batch rounds until the step's response tokens reach the
+budget), so the source keeps samples on their way to the trainer (made, not yet taken by it nor
+dropped) instead: ``max_staleness`` steps of the mean size so far (``batch_size`` before the first
+step) and one round more, enough that the trainer never waits for want of samples and, at a steady
+step size, none waits past ``max_staleness`` versions. Synchronous (``max_staleness: 0``) it first waits until the
 filter has judged everything it made, so a wave is exactly the groups the step still lacks:
 nothing is made that the step does not train on or the filter drop, and the waves (hence the
 samples) depend only on the seed, which is what makes a resumed run equal an uninterrupted one.
@@ -30,6 +35,7 @@ comes back with its other samples only, as a smaller group.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Annotated, Any
 
@@ -39,7 +45,7 @@ from msgspec import Meta
 
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.checkpoints import TrainedKeys
-from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_stage_class
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_stage_class, is_trainer
 from streamrl.runtime.policy import PolicyTimeout
 from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
@@ -56,6 +62,14 @@ class OverGenerationCapReached(RuntimeError):
 def discarding_stages(pipeline: PipelineSpec) -> list[str]:
     """The stages of ``pipeline`` that drop samples from the run (their class says ``discards = True``)."""
     return [s.name for s in pipeline.stages if getattr(import_stage_class(s.cls), "discards", False) is True]
+
+
+def _round_samples(train: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> int:
+    """Samples a train stage takes per micro-batch round: one claim of each model replica."""
+    cls = import_stage_class(train.cls)
+    step_samples = getattr(cls, "step_samples", None)
+    share = step_samples(train, pipeline, cfg) if callable(step_samples) else cfg.batch_size
+    return cfg.batch_size // share * min(train.micro_batch, share)
 
 
 class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -95,10 +109,18 @@ class SourceStage:
         self.dynamic = cfg.algo.dynamic_sampling.enabled
         # dynamic sampling: the filter stages (their dock consumers' done counts are what they judged)
         self.filters = discarding_stages(ctx.pipeline) if self.dynamic and ctx.pipeline is not None else []
+        # a token budget: the train stages (their dock counts say what they took) and their round size
+        self.trainers: list[str] = []
+        self.round = cfg.batch_size
+        if self.dynamic and ctx.pipeline is not None:
+            trainers = [st for st in ctx.pipeline.stages if is_trainer(import_stage_class(st.cls))]
+            self.trainers = [st.name for st in trainers]
+            self.round = max((_round_samples(st, ctx.pipeline, cfg) for st in trainers), default=cfg.batch_size)
         self.first_version = 0  # the policy version this run (or this resume) started from
         self.emitted = 0  # samples emitted since then (dynamic sampling's demand count)
         self.groups_made = 0  # dynamic sampling: groups drawn over the run (keys: group * group_size + member)
         self.first_group = 0  # groups_made when this run (or this resume) began
+        self.boundary = (0, 0)  # a token budget: (a version, samples the trainer had taken when the source saw it)
         self.wave: tuple[int, int] | None = None  # the next wave's (groups, version), once the demand is there
         self.reported: dict[str, float] = {}  # the dynamic-sampling figures last sent as stage metrics
         if ctx.resume is not None:
@@ -138,7 +160,10 @@ class SourceStage:
             dropped = discarded + int(stats.get("dropped_stale", 0))
             judged = sum(int(stats["consumers"].get(name, {}).get("done", 0)) for name in self.filters)
             steps = min(version - self.first_version + 1 + a.max_staleness, a.steps - self.first_version)
-            short = cfg.batch_size * steps - (self.emitted - dropped)
+            if a.dynamic_sampling.token_budget:
+                short = self._short_of_rounds(stats, version, dropped)
+            else:
+                short = cfg.batch_size * steps - (self.emitted - dropped)
             settled = a.max_staleness > 0 or judged >= self.emitted  # synchronous: every wave judged
             figures = {"groups_made": float(self.groups_made), "discarded_samples": float(discarded),
                        "stale_samples": float(dropped - discarded)}
@@ -155,12 +180,37 @@ class SourceStage:
                         f"prompts_per_step={a.prompts_per_step} per step): the filter dropped {discarded} of the "
                         f"{self.emitted} samples made, groups whose rewards are all equal. Raise max_rounds (0 = no "
                         "cap); if most groups are all solved or all failed, the prompts are too easy or too hard for "
-                        "the policy, or stop earlier (algo.stop_reward)")
+                        "the policy, or stop earlier (algo.stop_reward)" + (
+                            f". With algo.dynamic_sampling.token_budget={a.dynamic_sampling.token_budget} the cap "
+                            "counts rounds of prompts_per_step: set prompts_per_step x group_size near a step's "
+                            "samples (the budget over the mean response length)" if a.dynamic_sampling.token_budget
+                            else ""))
                 return groups, version
             try:  # a new version raises the demand; drops and judgements are seen at the next poll
                 await policy.wait_version(version + 1, timeout_s=DEMAND_POLL_S)
             except PolicyTimeout:
                 pass
+
+    def _short_of_rounds(self, stats: dict[str, Any], version: int, dropped: int) -> int:
+        """A token budget: the samples the trainer lacks to finish its step and train ``max_staleness``
+        more, at the mean step size so far, and never less than one round (a trainer waiting in a
+        claim lacks a round: then this is > 0)."""
+        a = self.ctx.config.algo
+        if not self.first_version <= version < a.steps:  # (resumed: the checkpoint's version is not yet seen)
+            return 0
+        counts = [stats["consumers"].get(name, {}) for name in self.trainers]
+        done = sum(int(c.get("done", 0)) for c in counts) - dropped  # drops are done for the trainer too
+        taken = done + sum(int(c.get("claimed", 0)) for c in counts)  # trained, or in training now
+        if version != self.boundary[0]:
+            # the first look at this version: the samples the trainer acked so far are its steps up to
+            # it (its last round may not be acked yet; the samples it holds may already be the next
+            # step's: the boundary errs low, hence the partial step high and the demand low)
+            self.boundary = (version, done)
+        steps = version - self.first_version
+        size = self.boundary[1] / steps if steps > 0 else float(self.ctx.config.batch_size)
+        ahead = min(a.max_staleness, a.steps - version - 1)
+        need = max(size - (taken - self.boundary[1]), 0.0) + size * ahead
+        return max(math.ceil(need), self.round) - (self.emitted - dropped - taken)
 
     async def produce(self) -> Output | None:
         a = self.ctx.config.algo

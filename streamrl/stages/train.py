@@ -12,8 +12,12 @@ share of every step, ``batch_size / R`` samples, in micro-batches of the same si
 
 Normalisation is exact across ranks: the engine backpropagates sums and divides by the step's
 token / sequence count summed over the ranks, so R ranks give the update one rank gives on the
-same samples. The placement decides only the hand-over (:mod:`streamrl.stages.handover`):
-``separate`` publishes full snapshots on the policy channel, ``colocated`` reshards into this
+same samples. With ``algo.dynamic_sampling.token_budget`` a step's size varies instead: every
+replica claims micro-batches of the same size, and after each one the ranks sum the step's
+response tokens (one all-reduce) and step together once it reaches the budget, so the shares stay
+equal across ranks and every sample still lands in exactly one step.
+
+The placement decides only the hand-over (:mod:`streamrl.stages.handover`): ``separate`` publishes full snapshots on the policy channel, ``colocated`` reshards into this
 process's inference weights and swaps the training state out, ``disaggregated`` streams buckets
 to separate generation workers. In the colocated placement the micro-batches wait until every
 rank has its share (generation on this rank may still feed the others) and train then.
@@ -204,6 +208,7 @@ class TrainStage:
         self.version = 0
         self.with_keys = "sample_key" in ctx.spec.reads  # which samples a checkpoint has trained on
         self.dynamic_sampling = a.dynamic_sampling.enabled
+        self.token_budget = a.dynamic_sampling.token_budget  # response tokens per step over the ranks; 0: per_rank samples
         self.trained = TrainedKeys()
         self.repeated_samples = 0  # samples trained on more than once (sample_key): must stay 0
         if ctx.resume is not None:
@@ -300,8 +305,9 @@ class TrainStage:
     def claim_size(self) -> ClaimSize:
         # every rank claims the same sizes in the same order, so every rank runs the same number
         # of forward/backward collectives per step
-        return step_claim(self.ctx.spec.micro_batch, self.per_rank - self.tally.consumed, self.version,
-                          self.ctx.config.algo.max_staleness)
+        # (a token budget: micro-batches of the same size until the step's tokens reach it)
+        remaining = self.per_rank if self.token_budget else self.per_rank - self.tally.consumed
+        return step_claim(self.ctx.spec.micro_batch, remaining, self.version, self.ctx.config.algo.max_staleness)
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         if self.channel is not None:  # the replica's other ranks train on it too
@@ -330,7 +336,12 @@ class TrainStage:
         else:
             self.pending.append(cols)
         self.tally.add(cols, versions, self.version)
-        if self.tally.consumed >= self.per_rank:
+        if self.token_budget:
+            # every rank takes one micro-batch per round, so every rank is in this all-reduce as often
+            (tokens,) = await self.ctx.run_sync(self._all_reduce, [float(self.tally.response_tokens)])
+            if tokens >= self.token_budget:
+                await self._step()
+        elif self.tally.consumed >= self.per_rank:
             await self._step()
 
     def _accumulate(self, cols: dict[str, Any]) -> None:

@@ -118,3 +118,43 @@ def test_dynamic_sampling_in_the_colocated_placement(tmp_path: Path) -> None:
     assert all(r["samples"] == 64 and r["uniform_groups"] == 0 for r in rows), rows
     assert sum(r["dropped_samples"] for r in rows) > 0
     assert_run_cleaned(result.run_dir, os.getpid(), before)
+
+
+@pytest.mark.timeout(300)
+def test_a_token_budget_makes_steps_of_varying_size_split_evenly_over_two_ranks(tmp_path: Path) -> None:
+    """algo.dynamic_sampling.token_budget with 2 train ranks: each rank claims micro-batches of one
+    group, so a step is rounds of 2 groups, ending at the first round whose response tokens reach the
+    budget; the samples left over train in the next step (max_staleness 1). Every sample made is
+    trained once, dropped by the filter, dropped as too stale (counted, and made again), or still in
+    flight at the end; resumed from the middle, still none is trained twice."""
+    budget, max_tokens = 40, 3
+    round_samples = 2 * G
+    before = ipc_dirs()
+    config = _config(tmp_path, max_staleness=1, max_new_tokens=max_tokens,
+                     dynamic_sampling={"enabled": True, "token_budget": budget})
+    cfg = yaml.safe_load(config.read_text())
+    # digits-reverse: responses of 1 to 3 tokens, so what a budget buys varies
+    cfg["task"] = {"name": "digits-reverse", "options": {"min_digits": 2, "max_digits": 2}}
+    cfg["stages"]["train"] = {"micro_batch": G, "workers": 2}
+    config.write_text(yaml.safe_dump(cfg))
+    first = run(config, run_dir=tmp_path / "run")
+    rows = first.metrics
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        assert r["samples"] % round_samples == 0, r["samples"]  # whole rounds: the ranks' shares are equal
+        # the step ended at the first round that reached the budget
+        assert budget <= r["response_tokens"] < budget + round_samples * max_tokens, (r["step"], r["response_tokens"])
+        assert r["uniform_groups"] == 0 and r["repeated_samples"] == 0
+    trained = sum(r["samples"] for r in rows)
+    final = json.loads((first.run_dir / "checkpoints" / f"step-{STEPS:08d}" / "state.json").read_text())
+    # the ledger holds every sample trained, each once (the keys below trained_below, and the extra ones)
+    assert final["trained_below"] + len(final["trained_extra"]) == trained
+    last = rows[-1]
+    in_flight = last["source/groups_made"] * G - trained - last["source/discarded_samples"] - last["source/stale_samples"]
+    # what the source keeps ahead: the rest of a step and max_staleness more (about a step each here,
+    # a step being P * G samples or a few rounds more), a round, and one wave
+    assert 0 <= in_flight <= 3 * P * G + round_samples + P * G, in_flight
+    assert_run_cleaned(first.run_dir, os.getpid(), before)
+
+    resumed = _rerun_from_middle(config, first.run_dir)
+    assert all(r["repeated_samples"] == 0 and budget <= r["response_tokens"] for r in resumed)
