@@ -433,6 +433,17 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return cap if cap is not None else (self.algo.max_staleness + 2) * self.batch_size
 
 
+def _optimizer_rules(o: AlgoConfig | CriticConfig, at: str) -> list[tuple[bool, str]]:
+    """AdamW's settings, the policy's (``algo``) or the critic's (``algo.critic``)."""
+    return [
+        (o.lr > 0 and math.isfinite(o.lr), f"{at}.lr must be > 0 and finite, e.g. 1e-3; got {o.lr}"),
+        (all(0 <= b < 1 for b in o.betas), f"{at}.betas must both be in [0, 1), e.g. [0.9, 0.999]; got {list(o.betas)}"),
+        (o.weight_decay >= 0 and math.isfinite(o.weight_decay), f"{at}.weight_decay must be >= 0, got {o.weight_decay}"),
+        (o.max_grad_norm is None or (o.max_grad_norm > 0 and math.isfinite(o.max_grad_norm)),
+         f"{at}.max_grad_norm must be > 0, or null for no clipping; got {o.max_grad_norm}"),
+    ]
+
+
 def _advantage_rules(a: AlgoConfig) -> list[tuple[bool, str]]:
     """algo.advantage names a registered estimator or a module:function that takes the options."""
     from streamrl.algos.advantages import ADVANTAGES, takes_values
@@ -490,17 +501,8 @@ def _check(cfg: RunConfig) -> list[str]:
         (a.temperature > 0 and math.isfinite(a.temperature), f"algo.temperature must be > 0 and finite, got {a.temperature}"),
         (0 < a.top_p <= 1, f"algo.top_p must be in (0, 1] (1.0 = off), got {a.top_p}"),
         (a.top_k >= 0, f"algo.top_k must be >= 0 (0 = off), got {a.top_k}"),
-        (a.lr > 0 and math.isfinite(a.lr), f"algo.lr must be > 0 and finite, e.g. 1e-3; got {a.lr}"),
-        (all(0 <= b < 1 for b in a.betas), f"algo.betas must both be in [0, 1), e.g. [0.9, 0.999]; got {list(a.betas)}"),
-        (a.weight_decay >= 0 and math.isfinite(a.weight_decay), f"algo.weight_decay must be >= 0, got {a.weight_decay}"),
-        (a.max_grad_norm is None or (a.max_grad_norm > 0 and math.isfinite(a.max_grad_norm)),
-         f"algo.max_grad_norm must be > 0, or null for no clipping; got {a.max_grad_norm}"),
-        (a.critic.lr > 0 and math.isfinite(a.critic.lr), f"algo.critic.lr must be > 0 and finite, got {a.critic.lr}"),
-        (all(0 <= b < 1 for b in a.critic.betas),
-         f"algo.critic.betas must both be in [0, 1), e.g. [0.9, 0.999]; got {list(a.critic.betas)}"),
-        (a.critic.weight_decay >= 0, f"algo.critic.weight_decay must be >= 0, got {a.critic.weight_decay}"),
-        (a.critic.max_grad_norm is None or a.critic.max_grad_norm > 0,
-         f"algo.critic.max_grad_norm must be > 0, or null for no clipping; got {a.critic.max_grad_norm}"),
+        *_optimizer_rules(a, "algo"),  # the policy's AdamW
+        *_optimizer_rules(a.critic, "algo.critic"),  # PPO's critic has its own
         (a.critic.value_clip is None or a.critic.value_clip > 0,
          f"algo.critic.value_clip must be > 0, or null for an unclipped value loss; got {a.critic.value_clip}"),
         (a.max_staleness >= 0, f"algo.max_staleness must be >= 0 (0 = synchronous on-policy), got {a.max_staleness}"),
