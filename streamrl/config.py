@@ -142,7 +142,8 @@ class DynamicSamplingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         "optimizer step (counted over the run); past it the run fails saying so, as the task is then too "
         "easy or too hard for the policy. 0 = no cap"))] = 10
     token_budget: Annotated[int, Meta(description=(
-        "Response tokens per optimizer step, summed over the train stage's workers; 0 = a step is "
+        "Response tokens trained per optimizer step (loss_mask 1, where a stage writes one), summed over the "
+        "train stage's workers; 0 = a step is "
         "prompts_per_step x group_size samples. With a budget a step's size varies: each model replica "
         "claims micro-batch after micro-batch (the same count on every rank) until the step's response "
         "tokens reach the budget, and prompts_per_step x group_size is only the source's estimate of a "

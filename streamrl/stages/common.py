@@ -145,6 +145,7 @@ class StepTally:
     rewards: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)  # trainer version - sample version
     response_tokens: int = 0
+    loss_tokens: int = 0  # response tokens the loss counts (loss_mask 1; all of them without a mask)
     sequence_tokens: int = 0  # prompt + response tokens trained on (for FLOP accounting)
     sample_keys: list[int] = field(default_factory=list)  # when the stage reads sample_key (checkpoints)
     # dynamic sampling: rewards of samples the filter dropped, carried by the step's samples
@@ -161,5 +162,8 @@ class StepTally:
         for carried in cols.get("dropped_rewards", []):
             self.dropped_rewards.extend(float(r) for r in carried)
         self.response_tokens += sum(int(t.numel()) for t in responses)
+        masks = cols.get("loss_mask")
+        self.loss_tokens += (sum(int(m.to(torch.bool).sum()) for m in masks) if masks is not None
+                             else sum(int(t.numel()) for t in responses))
         self.sequence_tokens += sum(int(p.numel()) + int(r.numel())
                                     for p, r in zip(cols["prompt_ids"], responses, strict=True))

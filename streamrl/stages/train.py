@@ -338,7 +338,7 @@ class TrainStage:
         self.tally.add(cols, versions, self.version)
         if self.token_budget:
             # every rank takes one micro-batch per round, so every rank is in this all-reduce as often
-            (tokens,) = await self.ctx.run_sync(self._all_reduce, [float(self.tally.response_tokens)])
+            (tokens,) = await self.ctx.run_sync(self._all_reduce, [float(self.tally.loss_tokens)])
             if tokens >= self.token_budget:
                 await self._step()
         elif self.tally.consumed >= self.per_rank:
