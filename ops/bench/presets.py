@@ -58,25 +58,36 @@ def placement_of(config: dict[str, Any], config_path: Path) -> str:
     return str(yaml.safe_load(pipeline.read_text()).get("placement", "separate"))
 
 
-def one_run(config_path: Path, task: str, preset: str, seed: int, max_steps: int) -> dict[str, Any]:
+def run_args(config_path: Path, task: str, preset: str, seed: int, max_steps: int,
+             run_dir: str | Path) -> tuple[dict[str, Any], list[str]]:
+    """``streamrl.run``'s arguments for one run of ``preset`` on ``task`` in the config's placement:
+    the config with the task's section (seeded), and the overrides (the preset, the seed, the task's
+    token cap and target, the step cap, ``run_dir``, no progress line, tensorboard, plot or
+    checkpoint; a preset of PIPELINES on its pipeline for the placement). Also used by
+    tests/e2e/test_presets_learn.py."""
     import yaml
-
-    import streamrl
 
     config = yaml.safe_load(config_path.read_text())
     section, max_new_tokens, target = TASKS[task]
     config.update(task={**section, "seed": seed}, config_dir=str(config_path.resolve().parent))
+    overrides = [f"preset={preset}", f"seed={seed}", f"model.tiny.seed={seed}", f"algo.max_new_tokens={max_new_tokens}",
+                 f"algo.steps={max_steps}", f"algo.stop_reward={target}", f"output.run_dir={run_dir}",
+                 "output.progress=none", "output.tensorboard=false", "output.plot=false",
+                 "output.checkpoint=false"]
+    if preset in PIPELINES:
+        placement = placement_of(config, config_path)
+        if placement not in PIPELINES[preset]:
+            raise SystemExit(f"preset {preset} has no pipeline for the {placement} placement here")
+        overrides.append(f"pipeline={PIPELINES[preset][placement]}")
+    return config, overrides
+
+
+def one_run(config_path: Path, task: str, preset: str, seed: int, max_steps: int) -> dict[str, Any]:
+    import streamrl
+
+    target = TASKS[task][2]
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = [f"preset={preset}", f"seed={seed}", f"model.tiny.seed={seed}", f"algo.max_new_tokens={max_new_tokens}",
-                     f"algo.steps={max_steps}", f"algo.stop_reward={target}", f"output.run_dir={tmp}",
-                     "output.progress=none", "output.tensorboard=false", "output.plot=false",
-                     "output.checkpoint=false"]
-        if preset in PIPELINES:
-            placement = placement_of(config, config_path)
-            if placement not in PIPELINES[preset]:
-                raise SystemExit(f"preset {preset} has no pipeline for the {placement} placement here")
-            overrides.append(f"pipeline={PIPELINES[preset][placement]}")
-        result = streamrl.run(config, overrides)
+        result = streamrl.run(*run_args(config_path, task, preset, seed, max_steps, tmp))
     rewards = [m["reward_mean"] for m in result.metrics]
     reached = bool(rewards) and rewards[-1] >= target
     return {"steps": result.steps if reached else max_steps, "reached": reached,
