@@ -35,7 +35,7 @@ from msgspec import Meta
 
 from streamrl.algos.grpo import LossConfig
 from streamrl.dock.limits import LIMIT_BOUNDS, DockLimits
-from streamrl.models.build import TinyModelSpec
+from streamrl.models.spec import TinyModelSpec
 
 
 class ConfigError(ValueError):

@@ -524,6 +524,7 @@ _AUDITED_RUN = textwrap.dedent("""
     sys.addaudithook(hook)
     import importlib.util
     import streamrl.cli, streamrl.runtime.launcher, streamrl.runtime.pipeline, streamrl.rewards.cli
+    import streamrl.models.build, streamrl.stages.source, streamrl.stages.train  # imported on first use
     import transformers, huggingface_hub
     if importlib.util.find_spec("trio"):  # its import probes libc with `ldconfig -p`: not a start of ours
         import trio
@@ -532,8 +533,14 @@ _AUDITED_RUN = textwrap.dedent("""
     try:
         code = streamrl.cli.main(sys.argv[2:])
     finally:
+        elapsed = time.perf_counter() - t0
+        import multiprocessing, os
+        multiprocessing.active_children()  # (joins any that ended)
+        children = [c for t in os.listdir(f"/proc/{os.getpid()}/task")  # every child still there, any kind
+                    for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()]
+        cmdlines = [open(f"/proc/{c}/cmdline").read().replace("\\0", " ")[:200] for c in children]
         with open(sys.argv[1], "w") as f:
-            json.dump({"elapsed_s": time.perf_counter() - t0, "events": events}, f)
+            json.dump({"elapsed_s": elapsed, "events": events, "children": cmdlines}, f)
     sys.exit(code)
 """)
 
@@ -552,9 +559,14 @@ def test_run_on_a_bad_config_exits_2_and_starts_nothing(tmp_path: Path) -> None:
     assert "streamrl: config error:" in proc.stderr and "algo.max_new_tokens=61" in proc.stderr
     assert "Traceback" not in proc.stderr
     audit = json.loads(report.read_text())
-    started = [e for e in audit["events"] if e[0] != "os.mkdir"]
+    # `streamrl run` starts the workers' forkserver while it checks the pipeline (its imports overlap
+    # the checks); a failed check stops it again: no process left, its socket dir removed
+    forkserver_dirs = [e for e in audit["events"] if e[0] == "tempfile.mkdtemp" and "/pymp-" in e[1]]
+    assert all(not Path(e[1].split("'")[1]).exists() for e in forkserver_dirs), forkserver_dirs
+    assert audit["children"] == [], audit["children"]  # no process started by the failed run is left
+    started = [e for e in audit["events"] if e[0] != "os.mkdir" and e not in forkserver_dirs]
     assert started == [], started  # no worker, dock server or /tmp/srl-* control dir was made
-    made = [e for e in audit["events"] if e[0] == "os.mkdir"]
+    made = [e for e in audit["events"] if e[0] == "os.mkdir" and "/pymp-" not in e[1]]  # (the forkserver's: above)
     assert made == [], made
     assert not (tmp_path / "runs").exists()  # no run dir, so no worker logs
     assert audit["elapsed_s"] < VALIDATION_BUDGET_S, audit["elapsed_s"]

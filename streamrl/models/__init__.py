@@ -1,38 +1,26 @@
-"""streamrl.models: tiny models and tokenizers built in code, HF loading, the functional forward."""
+"""streamrl.models: tiny models and tokenizers built in code, HF loading, the functional forward.
 
-from streamrl.models.build import (
-    DeviceUnavailableError,
-    ModelLoadError,
-    TinyModelSpec,
-    build_model,
-    load_model,
-    resolve_device,
-    save_pretrained_dir,
-)
-from streamrl.models.functional import (
-    FunctionalCausalLM,
-    FunctionalForward,
-    KVCache,
-    UnsupportedModelError,
-    unsupported_config_reason,
-    unsupported_reason,
-)
-from streamrl.models.tokenizer import VOCAB_TOKENS, build_char_tokenizer
+The names below are imported on first use (PEP 562), so ``streamrl.models.spec`` (what the run
+config needs) loads without torch or transformers.
+"""
 
-__all__ = [
-    "VOCAB_TOKENS",
-    "DeviceUnavailableError",
-    "FunctionalCausalLM",
-    "FunctionalForward",
-    "KVCache",
-    "ModelLoadError",
-    "TinyModelSpec",
-    "UnsupportedModelError",
-    "build_char_tokenizer",
-    "build_model",
-    "load_model",
-    "resolve_device",
-    "save_pretrained_dir",
-    "unsupported_config_reason",
-    "unsupported_reason",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOME = {
+    "DeviceUnavailableError": "build", "ModelLoadError": "build", "build_model": "build", "load_model": "build",
+    "resolve_device": "build", "save_pretrained_dir": "build", "TinyModelSpec": "spec",
+    "FunctionalCausalLM": "functional", "FunctionalForward": "functional", "KVCache": "functional",
+    "UnsupportedModelError": "functional", "unsupported_config_reason": "functional",
+    "unsupported_reason": "functional", "VOCAB_TOKENS": "tokenizer", "build_char_tokenizer": "tokenizer",
+}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'streamrl.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"streamrl.models.{home}"), name)

@@ -20,6 +20,7 @@ import abc
 import contextlib
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,6 +56,39 @@ _PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.stages
             "streamrl.stages.train", "streamrl.stages.colocated", "streamrl.stages.disaggregated"]
 _mp = multiprocessing.get_context("forkserver")
 _mp.set_forkserver_preload(_PRELOAD)
+
+
+_started_helpers: list[str] = []  # what start_forkserver started: its stop_forkserver stops those only
+
+
+def start_forkserver() -> None:
+    """Start the workers' forkserver now (idempotent): its imports (torch, transformers, the
+    built-in stages: seconds of CPU) then run while the launcher checks the run and starts the dock,
+    instead of after, when the first worker is forked. The server exits with the launcher."""
+    from multiprocessing import forkserver, resource_tracker
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
+        _started_helpers.append("forkserver")
+    if getattr(resource_tracker._resource_tracker, "_pid", None) is None:
+        _started_helpers.append("resource tracker")  # the forkserver starts multiprocessing's tracker
+    forkserver.ensure_running()
+
+
+def stop_forkserver() -> None:
+    """Stop a forkserver :func:`start_forkserver` started (a run that failed its checks starts no
+    worker, so none is left behind): killed, as it may still be importing, then reaped, and its
+    socket removed."""
+    from multiprocessing import forkserver, resource_tracker
+
+    # CPython's one ForkServer and ResourceTracker (their _stop has no public name)
+    server, pid = forkserver._forkserver, getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if "forkserver" in _started_helpers and pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        server._stop()
+    if "resource tracker" in _started_helpers:
+        resource_tracker._resource_tracker._stop()
+    _started_helpers.clear()
 
 
 Dock = LocalDock | ThreadDock | RayDock

@@ -42,7 +42,13 @@ from streamrl.runtime.checkpoints import (
     latest_checkpoint,
     resume_from,
 )
-from streamrl.runtime.launch_backends import BACKENDS, LaunchBackend, _Worker
+from streamrl.runtime.launch_backends import (
+    BACKENDS,
+    LaunchBackend,
+    _Worker,
+    start_forkserver,
+    stop_forkserver,
+)
 from streamrl.runtime.orphans import SHM_DIR, make_private_dir, remove_dead_owners
 from streamrl.runtime.pipeline import PipelineSpec, import_stage_class, is_trainer
 from streamrl.runtime.prerun import load_pipeline, resolve_run_length
@@ -112,11 +118,16 @@ def run(config: str | Path | dict[str, Any] | RunConfig | None = None, overrides
 
 
 async def arun(config: str | Path | dict[str, Any] | RunConfig | None = None, overrides: list[str] | None = None,
-               *, run_dir: str | Path | None = None, resume: str | Path | None = None) -> RunResult:
+               *, run_dir: str | Path | None = None, resume: str | Path | None = None,
+               warm_start: bool = False) -> RunResult:
     """Validate the config and pipeline, launch everything, stream metrics, stop cleanly.
 
     ``resume=RUN_DIR`` continues that run from its newest complete checkpoint, in the same
     directory (``config`` defaults to the run's own config.yaml; ``overrides`` still apply).
+    ``warm_start`` (what ``streamrl run`` does: a fresh process, where start-up is most of a short
+    run): start the workers' forkserver before the pipeline checks, so that its imports overlap
+    theirs; it is stopped again if they fail. A process that calls ``run`` repeatedly keeps one
+    forkserver from its first run on either way.
     """
     t_launch = time.monotonic()
     if resume is not None:
@@ -133,7 +144,19 @@ async def arun(config: str | Path | dict[str, Any] | RunConfig | None = None, ov
     if config is None:
         raise ConfigError("no config: pass a config file (or resume=RUN_DIR to continue a run)")
     cfg = resolve_run_length(load_config(config, overrides))
-    pipeline = load_pipeline(cfg)
+    warm = warm_start and cfg.resources.launch == "processes"
+    if warm:
+        # the workers' forkserver imports torch, transformers and the stages (seconds of CPU) while
+        # the launcher checks the pipeline, which imports the same
+        start_forkserver()
+    try:
+        pipeline = load_pipeline(cfg)
+    except BaseException:
+        if warm:
+            stop_forkserver()  # a run that failed its checks leaves no process behind
+        raise
+    if cfg.resources.launch == "processes":
+        start_forkserver()  # (idempotent) its imports overlap the launcher's own start-up
     rdir = Path(run_dir) if run_dir is not None else _new_run_dir(cfg)
     if resume is None and complete_checkpoints(rdir):
         raise ResumeError(
