@@ -298,6 +298,7 @@ class AgentEndpoint:
                 if cont.forked:
                     self.stats.forks += 1
                     session.ended.extend(session.candidates)
+                    session.candidates = []  # (held once: a failure below must not count them twice)
                 else:
                     self.stats.continued += 1
             completions = await _gather(self.backend, prompt.ids, req.n, max_tokens=max_tokens,
