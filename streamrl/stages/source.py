@@ -17,9 +17,10 @@ shortfall of the samples still alive against what the steps generation may run a
 ``prompts_per_step`` groups a wave. With ``algo.dynamic_sampling.token_budget`` a step's size is
 the trainer's to decide (it trains micro-batch rounds until the step's response tokens reach the
 budget), so the source keeps samples on their way to the trainer (made, not yet taken by it nor
-dropped) instead: ``max_staleness`` steps of the mean size so far (``batch_size`` before the first
-step) and one round more, enough that the trainer never waits for want of samples and, at a steady
-step size, none waits past ``max_staleness`` versions. Synchronous (``max_staleness: 0``) it first waits until the
+dropped) instead: the rest of the current step and ``max_staleness`` steps more, at the mean step
+size so far (``batch_size`` before the first step), and never less than one round, so the
+trainer never waits for want of samples and, at a steady step size, none waits past
+``max_staleness`` versions. Synchronous (``max_staleness: 0``) it first waits until the
 filter has judged everything it made, so a wave is exactly the groups the step still lacks:
 nothing is made that the step does not train on or the filter drop, and the waves (hence the
 samples) depend only on the seed, which is what makes a resumed run equal an uninterrupted one.
