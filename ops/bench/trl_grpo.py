@@ -489,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BenchArgumentError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    import resource
+
+    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # (KiB on Linux)
     out = Path(result["curve_csv"]).parent
     (out / "result.json").write_text(json.dumps(result, indent=2))
     print("RESULT_JSON " + json.dumps(result), flush=True)
