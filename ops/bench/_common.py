@@ -74,3 +74,17 @@ def print_json_line(
     """The benchmark's last output line: one JSON object, flushed."""
     obj = {"name": name, "figures": figures, "baseline": baseline, "ratio": ratio, "target": target, **extra}
     print(json.dumps(_finite(obj), separators=(",", ":"), sort_keys=False), flush=True)
+
+
+def proc_status_mib(pid: int, field: str) -> float | None:
+    """A memory line of /proc/PID/status in MiB (``VmRSS``: now; ``VmHWM``: the peak so far), or None
+    when the process is gone."""
+    from pathlib import Path
+
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None

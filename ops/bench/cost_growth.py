@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_json_line, print_table
+from _common import print_json_line, print_table, proc_status_mib
 from grpo_vs_trl import (
     DEFAULT_TRL_VENV,
     ROOT,
@@ -83,16 +83,6 @@ def init_sha(size: str) -> str:
     return weights_sha256(build_model(TinyModelSpec(**shape(size), seed=0), build_char_tokenizer()))
 
 
-def _vm_hwm_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return None
-
-
 class PeakWatch:
     """Polls the processes a run lists in logs/pids.json and keeps each one's peak RSS."""
 
@@ -119,7 +109,7 @@ class PeakWatch:
                 roles = {k: v for k, v in pids.items() if isinstance(v, int)}
                 roles.update({f"dock-{i}": p for i, p in enumerate(pids.get("dock", []))})
                 for role, pid in roles.items():
-                    mib = _vm_hwm_mib(pid)
+                    mib = proc_status_mib(pid, "VmHWM")
                     if mib is not None:
                         self.peak[role] = max(self.peak.get(role, 0.0), mib)
 

@@ -30,20 +30,10 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_json_line, print_table
+from _common import print_json_line, print_table, proc_status_mib
 from grpo_vs_trl import ROOT, streamrl_config
 
 POLL_S = 0.2
-
-
-def _rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return None
 
 
 def watch(runs_dir: Path, at: list[int], out: dict[int, dict[str, float]], stop: threading.Event) -> None:
@@ -58,7 +48,7 @@ def watch(runs_dir: Path, at: list[int], out: dict[int, dict[str, float]], stop:
                 continue
             roles = {k: v for k, v in pids.items() if isinstance(v, int)}
             roles.update({f"dock-{i}": p for i, p in enumerate(pids.get("dock", []))})
-            now = {role: mib for role, pid in roles.items() if (mib := _rss_mib(pid)) is not None}
+            now = {role: mib for role, pid in roles.items() if (mib := proc_status_mib(pid, "VmRSS")) is not None}
             if len(now) < len(roles):  # the run is ending (a process exited): not a reading of it running
                 continue
             for step in at:
