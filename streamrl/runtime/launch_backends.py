@@ -38,7 +38,7 @@ from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
 from streamrl.runtime.orphans import claim_dir
-from streamrl.runtime.pipeline import PipelineSpec, import_stage_class, is_trainer
+from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
 from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess, free_port
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
 from streamrl.security import RunCredentials, stage_role
@@ -335,7 +335,7 @@ class RayLaunch(LaunchBackend):
         worker 0's node (a port free there now); the rendezvous store on the driver node's address."""
         assert self.ray is not None and self.ray.driver_node is not None
         # the built-in trainer (or a subclass) serves the policy channel from its worker 0
-        trainers = [s for s in self.pipeline.stages if is_trainer(import_stage_class(s.cls))]
+        trainers = trainer_stages(self.pipeline)
         publisher = next((name for name in self.ray.worker_hosts
                           for s in trainers if f"{s.name}-0" in name.split("+")), None)
         if publisher is None:  # no built-in trainer: serve the channel's address from the driver's node

@@ -50,7 +50,7 @@ from streamrl.runtime.launch_backends import (
     stop_forkserver,
 )
 from streamrl.runtime.orphans import SHM_DIR, make_private_dir, remove_dead_owners
-from streamrl.runtime.pipeline import PipelineSpec, import_stage_class, is_trainer
+from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
 from streamrl.runtime.prerun import load_pipeline, resolve_run_length
 from streamrl.runtime.rendezvous import RendezvousServer
 from streamrl.runtime.run_metrics import RunMetrics
@@ -287,7 +287,7 @@ class _Launch:
             server_auth = backend.auth.server()
             server = c.ControlServer(control, token=token, workers={(w.stage, w.index) for w in self.workers},
                                      auth=server_auth)
-            trainers = {s.name for s in self.pipeline.stages if is_trainer(import_stage_class(s.cls))}
+            trainers = {s.name for s in trainer_stages(self.pipeline)}
             # colocated and disaggregated stages join torch.distributed through FileStores here
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:

@@ -428,8 +428,7 @@ def _check_whole_groups(s: StageSpec, cls: type, pipeline: PipelineSpec, cfg: Ru
     if not s.whole_groups or not callable(getattr(cls, "claim_size", None)):
         return
     G = cfg.algo.group_size
-    step_samples = getattr(cls, "step_samples", None)
-    share = step_samples(s, pipeline, cfg) if callable(step_samples) else cfg.batch_size
+    share = step_share(s, cls, pipeline, cfg)
     if s.micro_batch % G or share % G:
         raise ConfigError(f"{pipeline.where}: stage {s.name!r}: whole_groups: true with micro_batch={s.micro_batch} "
                           f"and {share} samples per step: both must be multiples of algo.group_size={G}, or claims "
@@ -496,3 +495,15 @@ def is_trainer(cls: type | None) -> bool:
     """A stage class that trains the policy and publishes its versions (``publishes_policy = True``:
     the built-in train stage and its subclasses): its worker 0 serves the policy channel."""
     return cls is not None and getattr(cls, "publishes_policy", False) is True
+
+
+def trainer_stages(pipeline: PipelineSpec) -> list[StageSpec]:
+    """The stages of ``pipeline`` whose class is a trainer (:func:`is_trainer`)."""
+    return [s for s in pipeline.stages if is_trainer(import_stage_class(s.cls))]
+
+
+def step_share(s: StageSpec, cls: type | None, pipeline: PipelineSpec, cfg: RunConfig) -> int:
+    """Samples of each step one worker of stage ``s`` claims: its class's ``step_samples(spec,
+    pipeline, cfg)``, or the whole step where the class does not say."""
+    step_samples = getattr(cls, "step_samples", None)
+    return int(step_samples(s, pipeline, cfg)) if callable(step_samples) else cfg.batch_size

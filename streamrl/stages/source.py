@@ -46,7 +46,7 @@ from msgspec import Meta
 
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.checkpoints import TrainedKeys
-from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_stage_class, is_trainer
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_stage_class, step_share, trainer_stages
 from streamrl.runtime.policy import PolicyTimeout
 from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
@@ -67,9 +67,7 @@ def discarding_stages(pipeline: PipelineSpec) -> list[str]:
 
 def _round_samples(train: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> int:
     """Samples a train stage takes per micro-batch round: one claim of each model replica."""
-    cls = import_stage_class(train.cls)
-    step_samples = getattr(cls, "step_samples", None)
-    share = step_samples(train, pipeline, cfg) if callable(step_samples) else cfg.batch_size
+    share = step_share(train, import_stage_class(train.cls), pipeline, cfg)
     return cfg.batch_size // share * min(train.micro_batch, share)
 
 
@@ -114,7 +112,7 @@ class SourceStage:
         self.trainers: list[str] = []
         self.round = cfg.batch_size
         if self.dynamic and ctx.pipeline is not None:
-            trainers = [st for st in ctx.pipeline.stages if is_trainer(import_stage_class(st.cls))]
+            trainers = trainer_stages(ctx.pipeline)
             self.trainers = [st.name for st in trainers]
             self.round = max((_round_samples(st, ctx.pipeline, cfg) for st in trainers), default=cfg.batch_size)
         self.first_version = 0  # the policy version this run (or this resume) started from
