@@ -155,8 +155,8 @@ async def arun(config: str | Path | dict[str, Any] | RunConfig | None = None, ov
         if warm:
             stop_forkserver()  # a run that failed its checks leaves no process behind
         raise
-    if cfg.resources.launch == "processes":
-        start_forkserver()  # (idempotent) its imports overlap the launcher's own start-up
+    if cfg.resources.launch == "processes" and not warm:
+        start_forkserver()  # its imports overlap the launcher's own start-up
     rdir = Path(run_dir) if run_dir is not None else _new_run_dir(cfg)
     if resume is None and complete_checkpoints(rdir):
         raise ResumeError(

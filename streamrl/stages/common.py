@@ -161,9 +161,9 @@ class StepTally:
         self.sample_keys.extend(int(k) for k in cols.get("sample_key", []))
         for carried in cols.get("dropped_rewards", []):
             self.dropped_rewards.extend(float(r) for r in carried)
-        self.response_tokens += sum(int(t.numel()) for t in responses)
+        tokens = sum(int(t.numel()) for t in responses)
+        self.response_tokens += tokens
         masks = cols.get("loss_mask")
-        self.loss_tokens += (sum(int(m.to(torch.bool).sum()) for m in masks) if masks is not None
-                             else sum(int(t.numel()) for t in responses))
+        self.loss_tokens += sum(int(m.to(torch.bool).sum()) for m in masks) if masks is not None else tokens
         self.sequence_tokens += sum(int(p.numel()) + int(r.numel())
                                     for p, r in zip(cols["prompt_ids"], responses, strict=True))

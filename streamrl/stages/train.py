@@ -17,9 +17,10 @@ replica claims micro-batches of the same size, and after each one the ranks sum 
 response tokens (one all-reduce) and step together once it reaches the budget, so the shares stay
 equal across ranks and every sample still lands in exactly one step.
 
-The placement decides only the hand-over (:mod:`streamrl.stages.handover`): ``separate`` publishes full snapshots on the policy channel, ``colocated`` reshards into this
-process's inference weights and swaps the training state out, ``disaggregated`` streams buckets
-to separate generation workers. In the colocated placement the micro-batches wait until every
+The placement decides only the hand-over (:mod:`streamrl.stages.handover`): ``separate``
+publishes full snapshots on the policy channel, ``colocated`` reshards into this process's
+inference weights and swaps the training state out, ``disaggregated`` streams buckets to
+separate generation workers. In the colocated placement the micro-batches wait until every
 rank has its share (generation on this rank may still feed the others) and train then.
 """
 
