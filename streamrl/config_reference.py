@@ -31,6 +31,7 @@ from streamrl.config import (
     struct_in,
 )
 from streamrl.engines.options import GenerateOptions
+from streamrl.stages.agent import AgentOptions
 from streamrl.stages.colocated import ReshardGenerateOptions
 from streamrl.stages.critic import CriticOptions
 from streamrl.stages.score import ScoreOptions
@@ -50,6 +51,7 @@ STAGE_OPTIONS: list[tuple[str, str, type[msgspec.Struct], tuple[str, ...]]] = [
     ("options.train", "train", TrainOptions, ("streamrl.stages.train:TrainStage",)),
     ("options.score", "score", ScoreOptions, ("streamrl.stages.score:ScoreStage",)),
     ("options.critic", "critic", CriticOptions, ("streamrl.stages.critic:CriticStage",)),
+    ("options.agent", "agent", AgentOptions, ("streamrl.stages.agent:AgentStage",)),
 ]
 NO_OPTIONS = ("advantage", "reference", "eval", "value")
 

@@ -35,6 +35,7 @@ COLOCATED = REPO / "pipelines" / "grpo_colocated.yaml"
 DISAGGREGATED = REPO / "pipelines" / "grpo_disaggregated.yaml"
 DAPO = REPO / "pipelines" / "dapo.yaml"
 PPO = REPO / "pipelines" / "ppo.yaml"
+AGENT = REPO / "pipelines" / "agent.yaml"
 VALIDATION_BUDGET_S = 2.0  # nothing starts: validation is file reads and imports already done
 CLI_TIMEOUT_S = 120  # a fresh interpreter imports torch + transformers (several seconds on 2 busy cores)
 
@@ -87,6 +88,12 @@ GOOD_ROW = {"prompt": "12=", "answer": "21"}
 def _jsonl(rows: str, **options: Any) -> dict[str, Any]:
     """A case config for the jsonl task over {tmp}/p.jsonl (files={"p.jsonl": rows})."""
     return {"task": {"name": "jsonl", "options": {"path": "{tmp}/p.jsonl", "reward": "digits-reverse", **options}}}
+
+
+def _agent(options: dict[str, Any]) -> dict[str, Any]:
+    """A case config for the agent pipeline on digits-guess with these agent stage options."""
+    return {"pipeline": str(AGENT), "model": {"extra_chars": "?:|uat"}, "task": {"name": "digits-calc"},
+            "stages": {"agent": {"options": options}}}
 
 
 def _pipeline_with(p: Path, edits: dict[str, dict[str, Any]]) -> str:
@@ -322,6 +329,22 @@ CASES: dict[str, Case] = {
                                         overrides=("stages.score.options={backend: zmq}",)),
     "score-reward-not-importable": Case(("stage 'score' options.reward", "no_such_module_srl", "cannot import"),
                                         overrides=("stages.score.options={reward: 'no_such_module_srl:fn'}",)),
+    # ---------------------------------------------------------------- the agent stage
+    "agent-without-rollout": Case(("stage 'agent'", "options.rollout is required", "'module:function'"),
+                                  config=_agent({})),
+    "agent-rollout-not-async": Case(("options.rollout 'streamrl.tasks.calculator:calculator' must be an async function",),
+                                    config=_agent({"rollout": "streamrl.tasks.calculator:calculator"})),
+    "agent-rollout-args": Case(("options.rollout_args {'turn': 4} do not fit", "unexpected keyword argument 'turn'"),
+                               config=_agent({"rollout": "streamrl.tasks.calculator:solve", "rollout_args": {"turn": 4}})),
+    "agent-tool-parser": Case(("stage 'agent'", "'hermez'"),
+                              config=_agent({"rollout": "streamrl.tasks.calculator:solve", "tool_parser": "hermez"})),
+    "agent-writes-unknown": Case(("stage 'agent'", "it cannot write ['values']"),
+                                 config=_agent({"rollout": "streamrl.tasks.calculator:solve"}), edit_of=AGENT,
+                                 pipeline_edit={"agent": {"writes": ["prompt_ids", "response_ids", "rollout_logprobs",
+                                                                     "loss_mask", "reward", "values"]}}),
+    "source-writes-unknown": Case(("stage 'source' writes ['sample_id']", "which the source does not make"),
+                                  pipeline_edit={"source": {"writes": ["prompt_ids", "prompt", "answer", "step",
+                                                                       "sample_key", "sample_id"]}}),
     # ---------------------------------------------------------------- prompt files (jsonl task)
     "jsonl-without-path": Case(("task.options", "task 'jsonl'", "'path'"),
                                config={"task": {"name": "jsonl", "options": {"reward": "digits-reverse"}}}),
@@ -435,6 +458,7 @@ def test_the_good_variants_pass(tmp_path: Path, model_dir: Path) -> None:
         ({"pipeline": str(REPO / "pipelines" / "grpo_kl_reward.yaml")}, ["algo.loss.kl_coef=0.1", "algo.loss.kl_in=reward"]),
         ({"preset": "gspo"}, ["algo.advantage=rloo"]),
         ({"preset": "ppo", "pipeline": str(PPO)}, []),
+        (_agent({"rollout": "streamrl.tasks.calculator:solve", "rollout_args": {"turns": 2}}), []),
         ({"preset": "ppo", "pipeline": str(PPO)}, ["output.checkpoint_every=5"]),
         ({}, ["algo.max_staleness=1", "algo.old_logprobs=recompute"]),
         ({"pipeline": str(COLOCATED)}, ["stages.train.options={backend: gloo, bucket_bytes: 1024}"]),

@@ -39,6 +39,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,8 @@ class EndpointStatistics:
     tool_call_errors: int = 0
     sessions_ended: int = 0
     sessions_expired: int = 0
+    # seconds from a chat request's arrival to its answer, the most recent ones (for percentiles)
+    turn_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
     @property
     def fork_rate(self) -> float:
@@ -182,7 +185,8 @@ class AgentEndpoint:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._runner is not None:
-            await self._runner.cleanup()
+            with anyio.CancelScope(shield=True):  # the port closes even when the server's task is cancelled
+                await self._runner.cleanup()
         self.backend.close()
         if self._tasks is not None:
             self._tasks.cancel_scope.cancel()
@@ -194,9 +198,14 @@ class AgentEndpoint:
         return out
 
     def statistics(self) -> dict[str, float]:
+        """The counters, the fork rate, the sessions open, and the p50 / p99 seconds per turn
+        (of the most recent chat requests)."""
         s = self.stats
-        return {**{k: float(v) for k, v in vars(s).items()}, "fork_rate": s.fork_rate,
-                "sessions_open": float(len(self.sessions))}
+        counts = {k: float(v) for k, v in vars(s).items() if k != "turn_latency_s"}
+        latency = sorted(s.turn_latency_s)
+        pick = (lambda q: latency[min(len(latency) - 1, int(q * len(latency)))]) if latency else (lambda q: 0.0)
+        return {**counts, "fork_rate": s.fork_rate, "sessions_open": float(len(self.sessions)),
+                "turn_latency_p50_s": pick(0.5), "turn_latency_p99_s": pick(0.99)}
 
     async def _expire_idle(self) -> None:
         while True:
@@ -279,6 +288,7 @@ class AgentEndpoint:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.stats.requests += 1
+        arrived = time.perf_counter()
         req: ChatRequest = await self._read(request, ChatRequest)
         max_tokens = self._check_common(req.model, req.n, req.temperature, req.top_p,
                                         req.max_completion_tokens or req.max_tokens)
@@ -312,6 +322,7 @@ class AgentEndpoint:
                 trajectories.append(trajectory)
             if session is not None:
                 session.candidates = trajectories
+            self.stats.turn_latency_s.append(time.perf_counter() - arrived)
         finally:
             if session is not None:
                 session.busy = False
@@ -388,14 +399,21 @@ class AgentEndpoint:
         req: RewardRequest = await self._read(request, RewardRequest)
         if not -1e6 <= req.reward <= 1e6:  # NaN fails this too
             raise BadRequest(400, f"reward must be a finite number in [-1e6, 1e6], got {req.reward}", "reward")
-        session = self.sessions.pop(sid, None)
-        if session is None:
+        trajectories = self.end_session(sid, req.reward)
+        if trajectories is None:
             raise BadRequest(404, f"no open session {sid!r} (never opened, already rewarded, or expired after "
                                   f"{self.config.session_idle_s:.0f} s idle)", "session", "not_found_error")
-        trajectories = [*session.ended, *session.candidates]
-        self.finished.extend(FinishedTrajectory(sid, t, req.reward) for t in trajectories if t.sampled_tokens)
-        self.stats.sessions_ended += 1
+        self.finished.extend(trajectories)
         return web.json_response({"session": sid, "trajectories": len(trajectories)})
+
+    def end_session(self, sid: str, reward: float) -> list[FinishedTrajectory] | None:
+        """End session ``sid`` with ``reward``: its trajectories with sampled tokens, those it forked
+        away from first and its last request's choices last (None: no such open session)."""
+        session = self.sessions.pop(sid, None)
+        if session is None:
+            return None
+        self.stats.sessions_ended += 1
+        return [FinishedTrajectory(sid, t, reward) for t in [*session.ended, *session.candidates] if t.sampled_tokens]
 
     def _session(self, sid: str | None) -> Session | None:
         if sid is None:

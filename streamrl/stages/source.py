@@ -1,9 +1,10 @@
 """The source stage: prompts from a task, ``group_size`` samples per prompt, one step at a time.
 
-It writes ``prompt_ids`` (tokens: the prompt rendered through the chat template when
-``task.chat_template`` is set), ``prompt`` and ``answer`` (text) and ``step``, and, when the
-pipeline declares it among its writes, ``sample_key`` (``step * batch_size + slot``: a sample's
-identity across resumes, see :mod:`streamrl.runtime.checkpoints`). Before the prompts of step s
+It writes those of these columns the pipeline declares among its writes: ``prompt_ids`` (tokens:
+the prompt rendered through the chat template when ``task.chat_template`` is set), ``prompt`` and
+``answer`` (text), ``step``, and ``sample_key`` (``step * batch_size + slot``: a sample's identity
+across resumes, see :mod:`streamrl.runtime.checkpoints`). An agent pipeline leaves ``prompt_ids``
+out: its agent stage renders the conversation itself (:mod:`streamrl.stages.agent`). Before the prompts of step s
 it waits for policy version s - max_staleness: with 0 the whole pipeline is synchronous
 on-policy; with k >= 1 generation may run k versions ahead of training.
 
@@ -52,6 +53,7 @@ from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
 from streamrl.tasks.chat import render_prompt
 
+SOURCE_COLUMNS = ("prompt_ids", "prompt", "answer", "step", "sample_key")  # what it can write
 DEMAND_POLL_S = 0.01  # dynamic sampling: how often the source re-reads the dock's drop counts while it waits
 
 
@@ -84,7 +86,12 @@ class SourceStage:
 
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
-        """Before anything starts (``validate_pipeline``): dynamic sampling has a stage that drops groups."""
+        """Before anything starts (``validate_pipeline``): it can make every column it declares, and
+        dynamic sampling has a stage that drops groups."""
+        unknown = [c for c in spec.writes if c not in SOURCE_COLUMNS]
+        if unknown:
+            raise ConfigError(f"{pipeline.where}: stage {spec.name!r} writes {unknown}, which the source does not "
+                              f"make; it writes any of {list(SOURCE_COLUMNS)}")
         if cfg.algo.dynamic_sampling.enabled and not discarding_stages(pipeline):
             raise ConfigError(f"{pipeline.where}: algo.dynamic_sampling.enabled needs a stage that drops "
                               "uninformative groups (streamrl.stages.filter:FilterStage between score and advantage, "
@@ -103,6 +110,7 @@ class SourceStage:
         self.step = 0
         self.gate = msgspec.convert(ctx.options, SourceOptions).gate_on_policy
         self.with_keys = "sample_key" in ctx.spec.writes
+        self.columns = [c for c in SOURCE_COLUMNS if c in ctx.spec.writes]
         self.trained = TrainedKeys()
         self.pending: list[Output] = []  # a resumed step's partial groups, emitted one group size at a time
         self.dynamic = cfg.algo.dynamic_sampling.enabled
@@ -252,8 +260,7 @@ class SourceStage:
             # the chat template (task.chat_template) carries its own special tokens: add none
             text = render_prompt(p, self.tokenizer, chat_template=t.chat_template, system_prompt=t.system_prompt)
             ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.int64)
-            columns = by_size.setdefault(len(keys), {"prompt_ids": [], "prompt": [], "answer": [], "step": [],
-                                                     "sample_key": []})
+            columns = by_size.setdefault(len(keys), {c: [] for c in SOURCE_COLUMNS})
             for k in keys:
                 columns["prompt_ids"].append(ids)
                 columns["prompt"].append(p.text)
@@ -262,10 +269,7 @@ class SourceStage:
                 columns["sample_key"].append(k)
         outputs = []
         for size in sorted(by_size, reverse=True):  # whole groups first
-            columns = by_size[size]
-            if not self.with_keys:
-                del columns["sample_key"]
-            outputs.append(Output(columns, group_size=size))
+            outputs.append(Output({c: by_size[size][c] for c in self.columns}, group_size=size))
         return outputs
 
     async def close(self) -> None:

@@ -1,6 +1,7 @@
 """Tasks by name: ``get_task("digits-max", n_digits=3)``.
 
 Built-ins: digits-max, digits-last, digits-sum, digits-reverse (``streamrl.tasks.digits``),
+digits-calc (digits-sum with a calculator tool, for the agent stage: ``streamrl.tasks.calculator``),
 ``dataset`` (``path=`` a JSONL / JSON / Parquet file or a datasets directory, ``reward=`` a named
 reward, a weighted mapping of them, or "module:function"; :func:`streamrl.tasks.dataset.dataset_task`)
 and ``jsonl`` (JSONL files only).
@@ -17,7 +18,7 @@ from typing import Any
 
 from streamrl.config import did_you_mean
 from streamrl.rewards.named import NAMED_REWARDS, RewardSpecError, WeightedReward, check_weights
-from streamrl.tasks import digits
+from streamrl.tasks import calculator, digits
 from streamrl.tasks.base import RewardFn, Task, TaskOptionError
 from streamrl.tasks.dataset import DatasetTask, check_dataset_task, dataset_task, load_prompts_jsonl
 
@@ -83,6 +84,7 @@ _FACTORIES: dict[str, Callable[..., Task]] = {
     "digits-last": digits.digits_last,
     "digits-sum": digits.digits_sum,
     "digits-reverse": digits.digits_reverse,
+    "digits-calc": calculator.digits_calc,
     "jsonl": _jsonl_task,
     "dataset": dataset_task,
 }

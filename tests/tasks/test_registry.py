@@ -23,7 +23,7 @@ from streamrl.tasks import (
 def test_unknown_task_suggests_close_names() -> None:
     with pytest.raises(UnknownTaskError, match="did you mean 'digits-max'"):
         get_task("digit-max")
-    with pytest.raises(UnknownTaskError, match="known tasks: dataset, digits-last"):
+    with pytest.raises(UnknownTaskError, match="known tasks: dataset, digits-calc, digits-last"):
         get_task("zzz")
 
 

@@ -1,0 +1,123 @@
+"""The agent stage in real runs: an unmodified openai-SDK agent with a calculator tool
+(streamrl.tasks.calculator:solve) answers digit sums against the live policy's endpoint, and the
+policy learns to call the tool; weight updates land in the middle of sessions; a SIGKILLed agent worker is restarted and the dock's
+ledger stays exact; an agent that fails ends the run with a message naming it and its sample."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import streamrl
+from streamrl.runtime.stage import StageError
+from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs, processes_with_files_under, wait_gone
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "agent_calc.yaml"
+QUIET = ["output.progress=none", "output.tensorboard=false", "output.plot=false", "output.checkpoint=false"]
+
+
+def _agent_rows(metrics: list[dict[str, Any]], name: str) -> list[float]:
+    return [row[f"agent/{name}"] for row in metrics if f"agent/{name}" in row]
+
+
+@pytest.mark.timeout(240)
+def test_the_calculator_agent_learns_to_call_its_tool_and_trains_only_the_sampled_tokens(tmp_path: Path) -> None:
+    """64 sessions per step, up to 3 turns each, synchronous. From a random init (seed 0) the policy
+    hardly ever calls the calculator in the first steps, and most of its calls are malformed; by
+    step 60 nearly every session calls it once, well-formed, and answers on the next turn, and the
+    mean reward rose from about 0.01 (first 10 steps) to about 0.2 (last 10)."""
+    before = ipc_dirs()
+    result = streamrl.run(str(CONFIG), ["algo.steps=60", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
+                                        *QUIET])
+    assert result.steps == 60
+    rewards = [row["reward_mean"] for row in result.metrics]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= first + 0.15, f"no learning: first 10 steps {first:.3f}, last 10 {last:.3f}: {rewards}"
+    calls = _agent_rows(result.metrics, "tool_calls")
+    turns = _agent_rows(result.metrics, "turns_per_trajectory")
+    assert sum(calls[:5]) < 0.2 * 5 * 64 and sum(calls[-10:]) >= 0.8 * 10 * 64, calls
+    assert all(1.0 <= t <= 3.0 for t in turns) and sum(turns[-10:]) / 10 >= 1.8, turns
+    assert sum(_agent_rows(result.metrics, "tool_call_errors")) > 0  # malformed calls: counted, the run went on
+    for row in result.metrics:
+        assert row["repeated_samples"] == 0 and row["staleness_max"] == 0
+        # trained tokens: at most 3 turns x 2 sampled tokens per session; the tool's answers and the
+        # template between the turns are in the response but masked out (loss_mask 0)
+        assert 0 < row["response_tokens"] <= 64 * 6
+    assert all(f == 0.0 for f in _agent_rows(result.metrics, "fork_rate"))  # the agent only appends: never a fork
+    assert all(m == 0.0 for m in _agent_rows(result.metrics, "mixed_version_trajectories"))
+    assert all(b == 0.0 for b in _agent_rows(result.metrics, "bad_requests"))
+    p50, p99 = _agent_rows(result.metrics, "turn_latency_p50_s")[-1], _agent_rows(result.metrics,
+                                                                                  "turn_latency_p99_s")[-1]
+    assert 0 < p50 <= p99 < 30
+    assert_run_cleaned(result.run_dir, os.getpid(), before)
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count('"reward_mean"') if path.exists() else 0
+
+
+@pytest.mark.timeout(240)
+def test_weights_land_mid_session_and_a_killed_agent_worker_loses_nothing(tmp_path: Path) -> None:
+    """One generation ahead (max_staleness 1) with weight_updates: in_session, so new versions are
+    installed while sessions run (an agent of three turns with a slow tool between them, so a session
+    outlasts a training step); the agent worker is SIGKILLed at step 4 with sessions open. The run finishes every step, the restarted worker plays the dead one's samples again, and
+    every sample reaches every stage exactly once."""
+    steps, batch = 12, 16
+    run_dir = tmp_path / "run"
+    killed: list[int] = []
+
+    def kill_agent() -> None:
+        deadline = time.monotonic() + 120
+        while _steps_done(run_dir) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if time.monotonic() < deadline:
+            pid = int(json.loads((run_dir / "logs" / "pids.json").read_text())["agent-0"])
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    killer = threading.Thread(target=kill_agent, daemon=True)
+    killer.start()
+    result = streamrl.run(str(CONFIG), [
+        f"algo.steps={steps}", "algo.stop_reward=null", "algo.max_staleness=1", "algo.prompts_per_step=4",
+        "algo.group_size=4", "stages.agent.micro_batch=16", "stages.advantage.micro_batch=16",
+        "stages.train.micro_batch=16", "stages.agent.options.weight_updates=in_session",
+        "stages.agent.options.rollout=tests.stages.agent_fns:three_slow_turns", "stages.agent.options.rollout_args={}",
+        "stages.agent.options.tool_parser=hermes",
+        "resources.dock.lease_ttl_s=1.0", "resources.max_restarts=2", *QUIET], run_dir=run_dir)
+    killer.join(5)
+    assert len(killed) == 1
+    assert result.steps == steps and result.restarts == {"agent-0": 1}
+    stats = result.dock_statistics
+    assert stats["reserved_total"] == steps * batch
+    assert {name: c["done"] for name, c in stats["consumers"].items()} == dict.fromkeys(
+        ["agent", "advantage", "train"], steps * batch)
+    assert all(row["repeated_samples"] == 0 for row in result.metrics)
+    assert max(row["staleness_max"] for row in result.metrics) <= 1
+    # versions moved during games: some trajectories hold tokens of two versions (each token keeps its own)
+    assert sum(_agent_rows(result.metrics, "mixed_version_trajectories")) > 0
+    assert not wait_gone(processes_with_files_under(run_dir), 10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("agent", "needle"), [
+    ("fails_after_one_turn", "raised ValueError: the tool server is down"),
+    ("never_asks", "returned without a completion from the policy in its session"),
+])
+def test_an_agent_that_fails_ends_the_run_naming_it_and_its_sample(tmp_path: Path, agent: str, needle: str) -> None:
+    spec = f"tests.stages.agent_fns:{agent}"
+    with pytest.raises(StageError) as failed:
+        streamrl.run(str(CONFIG), ["algo.steps=2", "algo.prompts_per_step=2", "algo.group_size=2",
+                                   f"stages.agent.options.rollout={spec}",
+                                   f"output.run_dir={tmp_path}", *QUIET])
+    message = str(failed.value)
+    assert "stage 'agent' worker 0 failed" in message and f"options.rollout {spec!r} on sample" in message
+    assert needle in message and "answer=" in message
