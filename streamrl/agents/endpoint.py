@@ -192,6 +192,14 @@ class AgentEndpoint:
             self._tasks.cancel_scope.cancel()
             await self._tasks.__aexit__(None, None, None)
 
+    def take_session(self, sid: str) -> list[FinishedTrajectory]:
+        """The finished trajectories of session ``sid`` (ended by ``POST /rl/sessions/{id}/reward``),
+        taken out of :meth:`take_finished`'s list."""
+        mine = [f for f in self.finished if f.session == sid]
+        if mine:
+            self.finished = [f for f in self.finished if f.session != sid]
+        return mine
+
     def take_finished(self) -> list[FinishedTrajectory]:
         """The trajectories of the sessions ended since the last call."""
         out, self.finished = self.finished, []

@@ -11,7 +11,11 @@ is ``options.rollout``, a ``module:function``::
 ``client`` is pointed at the endpoint with a session of its own (its API key is
 ``<run key>:<session>``), so unmodified ``openai`` code works inside it; ``sample`` holds the
 columns the stage reads (``prompt``, ``answer``, ...) and ``model``, the model name to send. It
-returns the sample's reward. The session's last trajectory becomes the sample
+returns the sample's reward, or None when the session was ended with ``POST
+/rl/sessions/{id}/reward`` (the reward posted is the sample's). Two built-in rollouts cover the
+other ways to write an agent: :func:`streamrl.agents.external.run_process` (any process pointed at
+the endpoint, which posts its reward) and :func:`streamrl.agents.gym.run_env` (a ``reset`` /
+``step`` environment that the stage drives). The session's last trajectory becomes the sample
 (:mod:`streamrl.agents.trajectory`): ``prompt_ids`` are its tokens before the first sampled one,
 ``response_ids`` the rest, ``loss_mask`` 1 exactly on the tokens the policy sampled (template and
 tool / user turns 0), ``rollout_logprobs`` their sampling logprobs (0 where the mask is 0). A
@@ -234,14 +238,21 @@ class AgentStage:
         except Exception as exc:
             self.endpoint.end_session(sid, 0.0)
             raise AgentError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        if reward is None:  # the agent ended the session itself: POST /rl/sessions/{id}/reward
+            finished = self.endpoint.take_session(sid)
+            if not finished and self.endpoint.end_session(sid, 0.0) is not None:
+                raise AgentError(f"{where} returned None but its session was not rewarded: return the reward, or "
+                                 f"POST {{\"reward\": ...}} to /rl/sessions/{sid}/reward before returning")
+        elif isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
             self.endpoint.end_session(sid, 0.0)
-            raise AgentError(f"{where} returned {reward!r}; it must return the reward, a finite number")
-        finished = self.endpoint.end_session(sid, float(reward))
+            raise AgentError(f"{where} returned {reward!r}; it must return the reward, a finite number (or None "
+                             "when it posted the reward to the session's /rl/sessions/{id}/reward)")
+        else:
+            finished = self.endpoint.end_session(sid, float(reward)) or []
         if not finished:
             raise AgentError(f"{where} returned without a completion from the policy in its session (its client's "
                              "requests carry the session; a client of its own would not)")
-        results[i] = (finished[-1].trajectory, float(reward))
+        results[i] = (finished[-1].trajectory, finished[-1].reward)
 
     def _output(self, played: list[tuple[Trajectory, float]]) -> Output:
         cols: dict[str, list[Any]] = {c: [] for c in AGENT_COLUMNS}

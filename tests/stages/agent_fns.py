@@ -28,3 +28,15 @@ async def three_slow_turns(client: Any, sample: dict[str, Any], pause_s: float =
         content = reply.choices[0].message.content or ""
         messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "?"}]
     return 1.0 if content == sample["answer"] else 0.0
+
+
+class EchoEnv:
+    """A gym-style environment: asks the prompt, then asks again; 0.5 per reply that is the answer."""
+
+    def reset(self, sample: dict[str, Any]) -> str:
+        self.answer, self.turn = sample["answer"], 0
+        return str(sample["prompt"])
+
+    def step(self, reply: str) -> tuple[str | None, float, bool]:
+        self.turn += 1
+        return "?", 0.5 * (reply == self.answer), self.turn == 2

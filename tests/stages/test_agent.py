@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import streamrl
 from streamrl.runtime.stage import StageError
@@ -121,3 +123,28 @@ def test_an_agent_that_fails_ends_the_run_naming_it_and_its_sample(tmp_path: Pat
     message = str(failed.value)
     assert "stage 'agent' worker 0 failed" in message and f"options.rollout {spec!r} on sample" in message
     assert needle in message and "answer=" in message
+
+
+@pytest.mark.timeout(120)
+def test_an_external_process_and_a_gym_environment_are_agents_too(tmp_path: Path) -> None:
+    """The two other ways to write an agent, one run each: a process pointed at the endpoint that
+    posts its reward (tests/stages/external_agent.py), and a reset/step environment the stage drives
+    (tests.stages.agent_fns:EchoEnv). Each sample's trajectory holds its 2 turns."""
+    ways = {
+        "external": {"rollout": "streamrl.agents.external:run_process",
+                     "rollout_args": {"command": [sys.executable, str(REPO / "tests" / "stages" / "external_agent.py")],
+                                      "timeout_s": 60}},
+        "gym": {"rollout": "streamrl.agents.gym:run_env",
+                "rollout_args": {"env": "tests.stages.agent_fns:EchoEnv", "max_turns": 4, "max_tokens": 2}},
+    }
+    for way, options in ways.items():
+        cfg = yaml.safe_load(CONFIG.read_text())
+        cfg["pipeline"] = str(REPO / "pipelines" / "agent.yaml")
+        cfg["stages"]["agent"]["options"].update(options, tool_parser="hermes")
+        result = streamrl.run(cfg, ["algo.steps=2", "algo.prompts_per_step=2", "algo.group_size=4",
+                                    f"output.run_dir={tmp_path / way}", *QUIET])
+        assert result.steps == 2, way
+        assert _agent_rows(result.metrics, "turns_per_trajectory")[-1] == 2.0, way
+        for row in result.metrics:
+            lowest = 0.25 if way == "external" else 0.0
+            assert lowest <= row["reward_min"] <= row["reward_max"] <= lowest + 1.0, (way, row)
