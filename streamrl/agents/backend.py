@@ -2,12 +2,21 @@
 requests batched together.
 
 :class:`BatchingBackend` wraps any :class:`~streamrl.engines.rollout_engine.RolloutEngine` (the
-built-in torch engine, vLLM). Requests wait at most ``window_s`` for others to join them; the
-requests that share their sampling settings (temperature, top_p, top_k) then run as one
-``generate`` call, to the longest ``max_tokens`` among them, each cut to its own afterwards (the
-first k tokens of a longer draw are a draw of k). One call runs at a time: a request that arrives
-while one runs joins the next. A new policy version (:meth:`install`) goes in between two calls,
-so every token of a completion comes from one version, which the completion carries.
+built-in torch engine, vLLM). The requests that share their sampling settings (temperature, top_p,
+top_k) run as one ``generate`` call, each cut to its own ``max_tokens`` afterwards (the first k
+tokens of a longer draw are a draw of k); one call runs at a time.
+
+``chunk_tokens`` (continuous batching): each call generates at most that many more tokens for every
+request still running, and a request that is neither finished (end-of-sequence, or its
+``max_tokens``) nor cancelled goes on in the next call, its prompt then its tokens so far as the
+prompt. Requests that arrive meanwhile join at the next call instead of waiting for the longest
+generation to end, and finished ones leave; an engine without a cache across calls pays one
+prefill of the request's tokens per chunk for that. Without it, a request's whole completion is
+one call, and a request that arrives while one runs waits for it.
+
+A new policy version (:meth:`install`) goes in between two calls. With ``chunk_tokens`` that can
+be in the middle of a completion: each token carries the version that sampled it
+(``Completion.versions``). When idle, the first request waits ``window_s`` for others to join it.
 """
 
 from __future__ import annotations
@@ -36,7 +45,12 @@ class Completion:
     ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop": the engine sampled end-of-sequence (ids[-1]); "length": max_tokens reached
-    version: int  # the policy version every token was sampled with
+    versions: list[int]  # the policy version that sampled each token
+
+    @property
+    def version(self) -> int:
+        """The oldest version among its tokens (what its staleness is measured on)."""
+        return min(self.versions, default=-1)
 
 
 @dataclass
@@ -45,6 +59,9 @@ class _Request:
     max_tokens: int
     key: SamplingKey
     done: anyio.Event = field(default_factory=anyio.Event)
+    ids: list[int] = field(default_factory=list)  # sampled so far
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     result: Completion | None = None
     error: BaseException | None = None
 
@@ -62,20 +79,24 @@ class BatchingBackend:
     """Batches concurrent completion requests into ``engine.generate`` calls.
 
     ``eos_token_id``: the token that ends a completion ("stop"). ``window_s``: how long the first
-    request of a batch waits for others. ``max_batch``: requests per engine call at most.
+    request waits for others when the backend is idle. ``max_batch``: requests per engine call at
+    most. ``chunk_tokens``: tokens per request per call (None: whole completions).
     """
 
     def __init__(self, engine: RolloutEngine, eos_token_id: int, *, window_s: float = 0.005,
-                 max_batch: int = 256, seed: int = 0) -> None:
-        if window_s < 0 or max_batch < 1:
-            raise ValueError(f"window_s must be >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
+                 max_batch: int = 256, seed: int = 0, chunk_tokens: int | None = None) -> None:
+        if window_s < 0 or max_batch < 1 or (chunk_tokens is not None and chunk_tokens < 1):
+            raise ValueError(f"window_s must be >= 0, max_batch >= 1 and chunk_tokens >= 1 or None, got {window_s}, "
+                             f"{max_batch}, {chunk_tokens}")
         self.engine = engine
         self.eos_token_id = eos_token_id
         self.window_s = window_s
         self.max_batch = max_batch
+        self.chunk_tokens = chunk_tokens
         self.version = 0
         self.generator = torch.Generator(device=engine.generator_device).manual_seed(seed)
-        self._queue: list[_Request] = []
+        self._queue: list[_Request] = []  # arrived, not yet in a call
+        self._running: list[_Request] = []  # chunked: in a call before, not finished
         self._wake = anyio.Event()
         self._lock = anyio.Lock()  # the engine: one generate or install at a time
         self._closed = False
@@ -99,15 +120,22 @@ class BatchingBackend:
     async def run(self) -> None:
         """Serve the queue until :meth:`close` (run it in a task group)."""
         while not self._closed:
-            await self._wake.wait()
+            if not self._queue and not self._running:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                await anyio.sleep(self.window_s)  # let the requests of other sessions join
             self._wake = anyio.Event()
-            await anyio.sleep(self.window_s)  # let the requests of other sessions join
-            while self._queue and not self._closed:
-                key = self._queue[0].key
-                batch = [r for r in self._queue if r.key == key][: self.max_batch]
-                taken = {id(r) for r in batch}
-                self._queue = [r for r in self._queue if id(r) not in taken]
-                await self._generate(key, batch)
+            waiting = [*self._running, *self._queue]  # the running first: they are the oldest
+            if not waiting or self._closed:
+                continue
+            key = waiting[0].key
+            batch = [r for r in waiting if r.key == key][: self.max_batch]
+            taken = {id(r) for r in batch}
+            self._queue = [r for r in self._queue if id(r) not in taken]
+            others = [r for r in self._running if id(r) not in taken]
+            await self._generate(key, batch)
+            # the unfinished go after the other keys' requests: no sampling setting waits for another's
+            self._running = [*others, *(r for r in batch if not r.done.is_set())]
 
     async def _generate(self, key: SamplingKey, batch: list[_Request]) -> None:
         async with self._lock:
@@ -123,21 +151,25 @@ class BatchingBackend:
             self.stats.engine_calls += 1
             self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
             for r, g in zip(batch, gens, strict=True):
-                ids = g.response_ids.tolist()[: r.max_tokens]
-                logprobs = g.logprobs.tolist()[: r.max_tokens]
-                stopped = bool(ids) and ids[-1] == self.eos_token_id
-                r.result = Completion(ids, logprobs, "stop" if stopped else "length", self.version)
+                ids = g.response_ids.tolist()[: r.max_tokens - len(r.ids)]
+                r.ids += ids
+                r.logprobs += g.logprobs.tolist()[: len(ids)]
+                r.versions += [self.version] * len(ids)
                 self.stats.tokens += len(ids)
-                r.done.set()
+                stopped = bool(ids) and ids[-1] == self.eos_token_id
+                if stopped or len(r.ids) >= r.max_tokens or not ids:  # (no token: the engine ended it)
+                    r.result = Completion(r.ids, r.logprobs, "stop" if stopped else "length", r.versions)
+                    r.done.set()
 
     def _call(self, key: SamplingKey, batch: list[_Request]) -> list[Any]:
-        prompts: list[Tensor] = [torch.tensor(r.prompt, dtype=torch.int64) for r in batch]
-        return self.engine.generate(prompts, max_new_tokens=max(r.max_tokens for r in batch),
+        prompts: list[Tensor] = [torch.tensor(r.prompt + r.ids, dtype=torch.int64) for r in batch]
+        left = max(r.max_tokens - len(r.ids) for r in batch)
+        return self.engine.generate(prompts, max_new_tokens=min(left, self.chunk_tokens or left),
                                     temperature=key.temperature, top_p=key.top_p, top_k=key.top_k,
                                     generator=self.generator)
 
     async def install(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """A new policy version, between two engine calls (completions after it carry ``version``)."""
+        """A new policy version, between two engine calls (tokens sampled after it carry ``version``)."""
         async with self._lock:
             await anyio.to_thread.run_sync(self.engine.load_weights, weights)
             self.version = version
@@ -145,7 +177,8 @@ class BatchingBackend:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
-        for r in self._queue:
-            r.error = RuntimeError("the backend closed before this request ran")
+        for r in [*self._queue, *self._running]:
+            r.error = RuntimeError("the backend closed before this request finished")
             r.done.set()
         self._queue.clear()
+        self._running.clear()

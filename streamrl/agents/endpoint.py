@@ -363,12 +363,13 @@ class AgentEndpoint:
                                      for c in parsed.tool_calls]
             finish = "tool_calls"
         trajectory = copy.deepcopy(prompt)
-        trajectory.append_completion(ids, logprobs, [done.version] * len(ids), message, stop_token)
+        versions = done.versions[: len(ids)]
+        trajectory.append_completion(ids, logprobs, versions, message, stop_token)
         choice: dict[str, Any] = {
             "index": index, "message": message, "finish_reason": finish,
             "logprobs": {"content": _logprob_entries(self.tokenizer, ids, logprobs)} if want_logprobs else None,
-            "streamrl": {"token_ids": ids, "logprobs": logprobs, "policy_version": done.version,
-                         "tool_call_errors": parsed.errors},
+            "streamrl": {"token_ids": ids, "logprobs": logprobs, "policy_version": min(versions, default=done.version),
+                         "token_versions": versions, "tool_call_errors": parsed.errors},
         }
         return choice, trajectory
 
@@ -393,7 +394,9 @@ class AgentEndpoint:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             choices.append({"index": index, "text": _before_stop(text, stops) if stops else text,
                             "finish_reason": finish, "logprobs": None,
-                            "streamrl": {"token_ids": ids, "logprobs": logprobs, "policy_version": done.version}})
+                            "streamrl": {"token_ids": ids, "logprobs": logprobs,
+                                         "policy_version": min(done.versions[: len(ids)], default=done.version),
+                                         "token_versions": done.versions[: len(ids)]}})
             self.stats.completions += 1
         body = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                 "model": self.config.model, "choices": choices,

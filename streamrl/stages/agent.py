@@ -28,7 +28,8 @@ Policy versions, ``options.weight_updates``:
   for its samples (step - ``algo.max_staleness``, as the generate stage does) and installs it
   while no session runs, so every token of a trajectory comes from one version.
 - ``in_session``: a background task installs each new version as soon as it is published, between
-  two engine calls, so a session can continue on a newer version. Each token keeps the version
+  two engine calls (with ``chunk_tokens``, possibly inside a completion), so a session can continue
+  on a newer version. Each token keeps the version
   that sampled it, the sample carries its oldest (that is what staleness is measured on, and the
   trainer's off-policy correction weighs each token by its own ``rollout_logprobs``). Admission
   keeps the bound: no session starts before the installed version is new enough for its sample.
@@ -91,6 +92,9 @@ class AgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_updates: Annotated[Literal["between_sessions", "in_session"], Meta(description=(
         "between_sessions: a version is installed only while no session runs; in_session: as soon as it is "
         "published, tokens keep their own version"))] = "between_sessions"
+    chunk_tokens: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description=(
+        "Continuous batching: tokens per request per engine call; a request arriving meanwhile joins at the next "
+        "call, and a version installed in_session can land inside a completion (null: a completion is one call)"))] = 32
     batch_window_s: Annotated[float, Meta(ge=0, description=(
         "Seconds a request waits for other sessions' requests to join its engine call"))] = 0.005
     engine: Annotated[EngineName, Meta(description=(
@@ -151,7 +155,8 @@ class AgentStage:
         del model
         ctx.report_metrics({"engine_startup_s": engine.startup_s})
         self.backend = BatchingBackend(engine, tokenizer.eos_token_id, window_s=self.opts.batch_window_s,
-                                       seed=ctx.config.seed * 1000 + 17 * ctx.worker + 1)
+                                       seed=ctx.config.seed * 1000 + 17 * ctx.worker + 1,
+                                       chunk_tokens=self.opts.chunk_tokens)
         self.endpoint = AgentEndpoint(self.backend, tokenizer, EndpointConfig(
             model=MODEL_NAME, max_tokens=self.opts.max_tokens, max_positions=positions, tool_parser=self.opts.tool_parser,
             session_idle_s=self.opts.session_timeout_s))

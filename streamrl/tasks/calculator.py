@@ -49,9 +49,12 @@ async def solve(client: Any, sample: dict[str, Any], turns: int = 3, max_tokens:
                 tool_bonus: float = 0.2) -> float:
     """Answer ``sample["prompt"]`` with the policy behind ``client`` (an ``openai.AsyncOpenAI``),
     running the calculator whenever it asks, for at most ``turns`` turns; the first turn without a
-    call is the answer. The reward: ``1 - tool_bonus`` for the right answer, plus ``tool_bonus`` if
-    the calculator was called (a format reward: a random policy rarely calls it, and the answers it
-    guesses without it are right one time in ten, which alone would teach it never to call).
+    call is the answer. Only an answer after a call counts (the task is to use the tool): it earns
+    ``tool_bonus``, plus ``1 - tool_bonus`` if it is right. No answer within ``turns`` turns, or one
+    without a call, earns nothing. Why: a random policy rarely calls; rewarding the answers it
+    guesses without the tool (right one time in ten) would teach it a fixed guess before it ever
+    calls, and a fixed guess gives every session of a group the same reward, so nothing is learned
+    after that.
     ``max_tokens``: a reply and the end of its turn."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": sample["prompt"]}]
     called = False
@@ -61,9 +64,9 @@ async def solve(client: Any, sample: dict[str, Any], turns: int = 3, max_tokens:
         message = reply.choices[0].message
         if not message.tool_calls:
             right = message.content == sample["answer"]
-            return (1.0 - tool_bonus) * right + tool_bonus * called
+            return (tool_bonus + (1.0 - tool_bonus) * right) if called else 0.0
         called = True
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(sample["prompt"])})
-    return tool_bonus * called
+    return 0.0
