@@ -45,7 +45,7 @@ def calculator(question: str) -> str:
     return str(sum(int(c) for c in question if c.isdigit()))
 
 
-async def solve(client: Any, sample: dict[str, Any], turns: int = 3, max_tokens: int = 2,
+async def solve(client: Any, sample: dict[str, Any], turns: int = 3, max_tokens: int = 1,
                 tool_bonus: float = 0.2) -> float:
     """Answer ``sample["prompt"]`` with the policy behind ``client`` (an ``openai.AsyncOpenAI``),
     running the calculator whenever it asks, for at most ``turns`` turns; the first turn without a
@@ -54,8 +54,9 @@ async def solve(client: Any, sample: dict[str, Any], turns: int = 3, max_tokens:
     without a call, earns nothing. Why: a random policy rarely calls; rewarding the answers it
     guesses without the tool (right one time in ten) would teach it a fixed guess before it ever
     calls, and a fixed guess gives every session of a group the same reward, so nothing is learned
-    after that.
-    ``max_tokens``: a reply and the end of its turn."""
+    after that. ``max_tokens``: 1, a turn is one character (the template closes it): a reply that
+    had to end with the end-of-turn token as well would be right one time in ~400 at first, not 1 in 20.
+    With longer replies, one that has ``?`` among other characters is a malformed call."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": sample["prompt"]}]
     called = False
     for _ in range(turns):

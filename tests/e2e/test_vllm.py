@@ -23,6 +23,8 @@ import streamrl
 from streamrl.runtime.launcher import RunFailed
 from streamrl.runtime.stage import StageError
 from tests.runtime.hygiene import descendants, live_processes, processes_with_environ, run_ipc_dirs
+from tests.stages.test_agent import CONFIG as CALCULATOR
+from tests.stages.test_agent import STEPS, check_the_calculator_is_learned
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM = "stages.generate.options.engine=vllm"
@@ -50,6 +52,18 @@ def test_grpo_with_vllm_learns(tmp_path: Path, config: str) -> None:
     # generate/engine_startup_s with one worker, generate/<k>/engine_startup_s with several
     startup = [v for k, v in result.metrics[-1].items() if k.startswith("generate/") and k.endswith("/engine_startup_s")]
     assert startup and all(v > 0 for v in startup)
+    _assert_nothing_left(result.run_dir)
+
+
+@pytest.mark.timeout(400)
+def test_the_calculator_agent_learns_on_vllm(tmp_path: Path) -> None:
+    """The agent stage with vLLM behind its endpoint: the same run and checks as the built-in
+    engine's (tests/stages/test_agent.py)."""
+    result = streamrl.run(str(CALCULATOR), [f"algo.steps={STEPS}", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
+                                            "output.progress=none", "stages.agent.options.engine=vllm"])
+    assert result.steps == STEPS
+    check_the_calculator_is_learned(result.metrics)
+    assert result.metrics[-1]["agent/engine_startup_s"] > 0
     _assert_nothing_left(result.run_dir)
 
 

@@ -30,35 +30,41 @@ def _agent_rows(metrics: list[dict[str, Any]], name: str) -> list[float]:
     return [row[f"agent/{name}"] for row in metrics if f"agent/{name}" in row]
 
 
-@pytest.mark.timeout(240)
-def test_the_calculator_agent_learns_to_call_its_tool_and_trains_only_the_sampled_tokens(tmp_path: Path) -> None:
-    """64 sessions per step, up to 3 turns each, synchronous. From a random init (seed 0) the policy
-    hardly ever calls the calculator in the first steps, and most of its calls are malformed; by
-    step 60 nearly every session calls it once, well-formed, and answers on the next turn, and the
-    mean reward rose from about 0.01 (first 10 steps) to about 0.2 (last 10)."""
-    before = ipc_dirs()
-    result = streamrl.run(str(CONFIG), ["algo.steps=60", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
-                                        *QUIET])
-    assert result.steps == 60
-    rewards = [row["reward_mean"] for row in result.metrics]
+STEPS = 60  # the learning test's steps; see check_the_calculator_is_learned
+
+
+def check_the_calculator_is_learned(metrics: list[dict[str, Any]], sessions: int = 64) -> None:
+    """What the calculator run must show (here, and on vLLM in tests/e2e/test_vllm.py): the policy
+    went from hardly ever calling the tool to calling it in nearly every session and answering on a
+    later turn, the reward rose, and the loss saw only sampled tokens. (One-character turns cannot
+    hold a malformed call; tests/agents/test_endpoint.py drives those.)"""
+    rewards = [row["reward_mean"] for row in metrics]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= first + 0.15, f"no learning: first 10 steps {first:.3f}, last 10 {last:.3f}: {rewards}"
-    calls = _agent_rows(result.metrics, "tool_calls")
-    turns = _agent_rows(result.metrics, "turns_per_trajectory")
-    assert sum(calls[:5]) < 0.2 * 5 * 64 and sum(calls[-10:]) >= 0.8 * 10 * 64, calls
+    calls = _agent_rows(metrics, "tool_calls")
+    turns = _agent_rows(metrics, "turns_per_trajectory")
+    assert calls[0] < 0.25 * sessions and sum(calls[-10:]) >= 0.8 * 10 * sessions, calls
     assert all(1.0 <= t <= 3.0 for t in turns) and sum(turns[-10:]) / 10 >= 1.8, turns
-    assert sum(_agent_rows(result.metrics, "tool_call_errors")) > 0  # malformed calls: counted, the run went on
-    for row in result.metrics:
+    for row in metrics:
         assert row["repeated_samples"] == 0 and row["staleness_max"] == 0
-        # trained tokens: at most 3 turns x 2 sampled tokens per session; the tool's answers and the
+        # trained tokens: at most 3 turns x 1 sampled token per session; the tool's answers and the
         # template between the turns are in the response but masked out (loss_mask 0)
-        assert 0 < row["response_tokens"] <= 64 * 6
-    assert all(f == 0.0 for f in _agent_rows(result.metrics, "fork_rate"))  # the agent only appends: never a fork
-    assert all(m == 0.0 for m in _agent_rows(result.metrics, "mixed_version_trajectories"))
-    assert all(b == 0.0 for b in _agent_rows(result.metrics, "bad_requests"))
-    p50, p99 = _agent_rows(result.metrics, "turn_latency_p50_s")[-1], _agent_rows(result.metrics,
-                                                                                  "turn_latency_p99_s")[-1]
+        assert 0 < row["response_tokens"] <= sessions * 3
+    assert all(f == 0.0 for f in _agent_rows(metrics, "fork_rate"))  # the agent only appends: never a fork
+    assert all(m == 0.0 for m in _agent_rows(metrics, "mixed_version_trajectories"))
+    assert all(b == 0.0 for b in _agent_rows(metrics, "bad_requests"))
+    p50, p99 = _agent_rows(metrics, "turn_latency_p50_s")[-1], _agent_rows(metrics, "turn_latency_p99_s")[-1]
     assert 0 < p50 <= p99 < 30
+
+
+@pytest.mark.timeout(240)
+def test_the_calculator_agent_learns_to_call_its_tool_and_trains_only_the_sampled_tokens(tmp_path: Path) -> None:
+    """64 sessions per step, up to 3 turns each, synchronous, from a random init (seed 0)."""
+    before = ipc_dirs()
+    result = streamrl.run(str(CONFIG), [f"algo.steps={STEPS}", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
+                                        *QUIET])
+    assert result.steps == STEPS
+    check_the_calculator_is_learned(result.metrics)
     assert_run_cleaned(result.run_dir, os.getpid(), before)
 
 
