@@ -61,3 +61,13 @@ def test_the_launchers_checks_import_no_model_code() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
 
+
+def test_the_forkserver_starts_before_any_heavy_import() -> None:
+    """``streamrl run`` starts the workers' forkserver before it imports the launcher: its module
+    imports neither torch nor the rest of streamrl, and every module it preloads exists (the
+    forkserver skips one that does not import, silently)."""
+    proc = _python("import sys, importlib.util; import streamrl.runtime.forkserver as f; "
+                   "print(sorted(m for m in sys.modules if m.startswith(('torch', 'transformers', 'streamrl.'))), "
+                   "[m for m in f.PRELOAD if importlib.util.find_spec(m) is None])")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['streamrl.runtime', 'streamrl.runtime.forkserver'] []", proc.stdout
