@@ -17,9 +17,7 @@ _ran = False  # a run (not another command) was made: console() then skips the i
 def _cmd_run(args: argparse.Namespace) -> int:
     global _ran
     _ran = True
-    from streamrl.config import ConfigError
-    from streamrl.runtime.launcher import RunFailed, run
-    from streamrl.runtime.stage import StageError
+    from streamrl.runtime.forkserver import start_forkserver
 
     config, overrides = args.config, list(args.overrides)
     if args.resume is not None and config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
@@ -27,6 +25,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if config is None and args.resume is None:
         print("streamrl: run needs a CONFIG file, or --resume RUN_DIR", file=sys.stderr)
         return 2
+    # The workers' forkserver first: its imports (torch, transformers, the stages) then overlap the
+    # launcher's own (torch among them: the config's algorithm registries); run(warm_start=True)
+    # stops it again if the config or its checks fail.
+    start_forkserver()
+    from streamrl.config import ConfigError
+    from streamrl.runtime.launcher import RunFailed, run
+    from streamrl.runtime.stage import StageError
+
     try:
         result = run(config, overrides, resume=args.resume, warm_start=True)
     except ConfigError as exc:

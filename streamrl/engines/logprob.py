@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from streamrl.engines.packing import DEFAULT_MAX_ROW_TOKENS, ForwardPath, ResponseForward
 from streamrl.engines.samples import TrainBatchError, TrainSample, check_sample
-from streamrl.models.build import resolve_device
+from streamrl.models.device import resolve_device
 
 log = logging.getLogger("streamrl.engine.logprob")
 

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from streamrl.models.build import resolve_device
+from streamrl.models.device import resolve_device
 from streamrl.models.functional import FunctionalCausalLM, FunctionalForward, KVCache, unsupported_reason
 
 FinishReason = Literal["eos", "length"]

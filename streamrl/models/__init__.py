@@ -10,8 +10,8 @@ import importlib
 from typing import Any
 
 _HOME = {
-    "DeviceUnavailableError": "build", "ModelLoadError": "build", "build_model": "build", "load_model": "build",
-    "resolve_device": "build", "save_pretrained_dir": "build", "TinyModelSpec": "spec",
+    "DeviceUnavailableError": "device", "ModelLoadError": "build", "build_model": "build", "load_model": "build",
+    "resolve_device": "device", "save_pretrained_dir": "build", "TinyModelSpec": "spec",
     "FunctionalCausalLM": "functional", "FunctionalForward": "functional", "KVCache": "functional",
     "UnsupportedModelError": "functional", "unsupported_config_reason": "functional",
     "unsupported_reason": "functional", "VOCAB_TOKENS": "tokenizer", "build_char_tokenizer": "tokenizer",

@@ -3,11 +3,12 @@ three backends (``resources.launch``).
 
 ``processes`` (:class:`LocalProcesses`, default): controller, warehouses and every stage worker
 are separate local processes, each in its own session so a Ctrl-C reaches only the launcher.
-Workers fork from a forkserver that imported torch and the built-in stages once. Every child
-also exits by itself if the launcher disappears. ``inprocess`` (:class:`InProcessThreads`): the
-stage workers are tasks of the launcher's event loop and the dock servers threads, for stepping
-through with a debugger. ``ray`` (:class:`RayLaunch`): the worker processes are children of Ray
-host actors on the nodes Ray placed them on, and the dock's servers run on those nodes.
+Workers fork from a forkserver that imported torch and the built-in stages once
+(:mod:`streamrl.runtime.forkserver`). Every child also exits by itself if the launcher
+disappears. ``inprocess`` (:class:`InProcessThreads`): the stage workers are tasks of the
+launcher's event loop and the dock servers threads, for stepping through with a debugger.
+``ray`` (:class:`RayLaunch`): the worker processes are children of Ray host actors on the nodes
+Ray placed them on, and the dock's servers run on those nodes.
 
 The launcher (:mod:`streamrl.runtime.launcher`) asks a backend for a dock, the endpoints of the
 control and policy channels, and one worker process per process group; supervision
@@ -20,7 +21,6 @@ import abc
 import contextlib
 import multiprocessing
 import os
-import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,59 +37,12 @@ from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
+from streamrl.runtime.forkserver import context
 from streamrl.runtime.orphans import claim_dir
 from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
 from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess, free_port
 from streamrl.runtime.worker import WorkerSpec, run_worker, write_spec
 from streamrl.security import RunCredentials, stage_role
-
-# Idle OpenMP threads of one stage must not spin while another stage computes: with the
-# default (active) policy, generate and train on 2 cores slowed each other 5-50x here. Set
-# before the forkserver starts (workers inherit it); a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-# Workers fork from a server that imported these once: start-up costs one torch/transformers
-# import instead of one per worker. Forking happens before any OpenMP pool or CUDA context exists
-# (the server only imports), which is what makes fork safe here.
-_PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.stages.source", "streamrl.stages.generate",
-            "streamrl.stages.score", "streamrl.stages.advantage", "streamrl.stages.reference",
-            "streamrl.stages.train", "streamrl.stages.colocated", "streamrl.stages.disaggregated"]
-_mp = multiprocessing.get_context("forkserver")
-_mp.set_forkserver_preload(_PRELOAD)
-
-
-_started_helpers: list[str] = []  # what start_forkserver started: its stop_forkserver stops those only
-
-
-def start_forkserver() -> None:
-    """Start the workers' forkserver now (idempotent): its imports (torch, transformers, the
-    built-in stages: seconds of CPU) then run while the launcher checks the run and starts the dock,
-    instead of after, when the first worker is forked. The server exits with the launcher."""
-    from multiprocessing import forkserver, resource_tracker
-
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
-        _started_helpers.append("forkserver")
-    if getattr(resource_tracker._resource_tracker, "_pid", None) is None:
-        _started_helpers.append("resource tracker")  # the forkserver starts multiprocessing's tracker
-    forkserver.ensure_running()
-
-
-def stop_forkserver() -> None:
-    """Stop a forkserver :func:`start_forkserver` started (a run that failed its checks starts no
-    worker, so none is left behind): killed, as it may still be importing, then reaped, and its
-    socket removed."""
-    from multiprocessing import forkserver, resource_tracker
-
-    # CPython's one ForkServer and ResourceTracker (their _stop has no public name)
-    server, pid = forkserver._forkserver, getattr(forkserver._forkserver, "_forkserver_pid", None)
-    if "forkserver" in _started_helpers and pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        server._stop()
-    if "resource tracker" in _started_helpers:
-        resource_tracker._resource_tracker._stop()
-    _started_helpers.clear()
-
 
 Dock = LocalDock | ThreadDock | RayDock
 Process = multiprocessing.process.BaseProcess | RemoteProcess
@@ -270,8 +223,8 @@ class LocalProcesses(LaunchBackend):
 
     def _spawn(self, name: str, members: list[_Worker], spec: WorkerSpec, spec_path: Path, log_path: Path) -> None:
         write_spec(spec, spec_path)
-        proc = _mp.Process(target=_worker_process, args=(str(spec_path), str(log_path)),
-                           name=f"streamrl-{name}", daemon=False)
+        proc = context.Process(target=_worker_process, args=(str(spec_path), str(log_path)),
+                              name=f"streamrl-{name}", daemon=False)
         for w in members:
             w.log_path, w.proc = log_path, proc
         with _main_module_hidden():

@@ -42,13 +42,8 @@ from streamrl.runtime.checkpoints import (
     latest_checkpoint,
     resume_from,
 )
-from streamrl.runtime.launch_backends import (
-    BACKENDS,
-    LaunchBackend,
-    _Worker,
-    start_forkserver,
-    stop_forkserver,
-)
+from streamrl.runtime.forkserver import start_forkserver, stop_forkserver
+from streamrl.runtime.launch_backends import BACKENDS, LaunchBackend, _Worker
 from streamrl.runtime.orphans import SHM_DIR, make_private_dir, remove_dead_owners
 from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
 from streamrl.runtime.prerun import load_pipeline, resolve_run_length
@@ -125,38 +120,40 @@ async def arun(config: str | Path | dict[str, Any] | RunConfig | None = None, ov
     ``resume=RUN_DIR`` continues that run from its newest complete checkpoint, in the same
     directory (``config`` defaults to the run's own config.yaml; ``overrides`` still apply).
     ``warm_start`` (what ``streamrl run`` does: a fresh process, where start-up is most of a short
-    run): start the workers' forkserver before the pipeline checks, so that its imports overlap
-    theirs; it is stopped again if they fail. A process that calls ``run`` repeatedly keeps one
-    forkserver from its first run on either way.
+    run): start the workers' forkserver first, before the config and the pipeline checks, so that
+    its imports overlap theirs (``streamrl run`` starts it even before it imports this module); it
+    is stopped again if they fail, or if the config launches no local processes. A process that
+    calls ``run`` repeatedly keeps one forkserver from its first run on either way.
     """
     t_launch = time.monotonic()
-    if resume is not None:
-        resume = Path(resume)
-        if run_dir is not None and Path(run_dir).resolve() != resume.resolve():
-            raise ResumeError(f"resume={str(resume)!r} continues in its own directory; run_dir={str(run_dir)!r} "
-                              "differs: pass one of them")
-        if config is None:
-            config = resume / "config.yaml"
-            if not config.is_file():
-                raise ResumeError(f"{resume} is not a run directory (no config.yaml); pass the directory a run "
-                                  "printed as its run dir")
-        run_dir = resume
-    if config is None:
-        raise ConfigError("no config: pass a config file (or resume=RUN_DIR to continue a run)")
-    cfg = resolve_run_length(load_config(config, overrides))
-    warm = warm_start and cfg.resources.launch == "processes"
-    if warm:
+    if warm_start:
         # the workers' forkserver imports torch, transformers and the stages (seconds of CPU) while
-        # the launcher checks the pipeline, which imports the same
+        # the launcher loads the config and checks the pipeline
         start_forkserver()
     try:
+        if resume is not None:
+            resume = Path(resume)
+            if run_dir is not None and Path(run_dir).resolve() != resume.resolve():
+                raise ResumeError(f"resume={str(resume)!r} continues in its own directory; "
+                                  f"run_dir={str(run_dir)!r} differs: pass one of them")
+            if config is None:
+                config = resume / "config.yaml"
+                if not config.is_file():
+                    raise ResumeError(f"{resume} is not a run directory (no config.yaml); pass the directory a "
+                                      "run printed as its run dir")
+            run_dir = resume
+        if config is None:
+            raise ConfigError("no config: pass a config file (or resume=RUN_DIR to continue a run)")
+        cfg = resolve_run_length(load_config(config, overrides))
+        if warm_start and cfg.resources.launch != "processes":
+            stop_forkserver()  # no worker will fork from it
         pipeline = load_pipeline(cfg)
     except BaseException:
-        if warm:
+        if warm_start:
             stop_forkserver()  # a run that failed its checks leaves no process behind
         raise
-    if cfg.resources.launch == "processes" and not warm:
-        start_forkserver()  # its imports overlap the launcher's own start-up
+    if cfg.resources.launch == "processes":
+        start_forkserver()  # (warm_start: running already) its imports overlap the launcher's own start-up
     rdir = Path(run_dir) if run_dir is not None else _new_run_dir(cfg)
     if resume is None and complete_checkpoints(rdir):
         raise ResumeError(

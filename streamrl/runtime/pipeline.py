@@ -436,7 +436,7 @@ def _check_whole_groups(s: StageSpec, cls: type, pipeline: PipelineSpec, cfg: Ru
 
 
 def _check_device(device: str, at: str) -> None:
-    from streamrl.models.build import DeviceUnavailableError, resolve_device
+    from streamrl.models.device import DeviceUnavailableError, resolve_device
 
     try:
         resolve_device(device)

@@ -7,20 +7,21 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.config import RunConfig, resolve_model_dir, task_options
 from streamrl.engines.options import EngineName, VllmOptions
 from streamrl.engines.rollout import TorchRolloutEngine
 from streamrl.engines.rollout_engine import RolloutEngine
-from streamrl.models.build import build_model, load_model, save_pretrained_dir
 from streamrl.models.tokenizer import build_char_tokenizer
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext
 from streamrl.tasks.base import Task
 from streamrl.tasks.registry import get_task
+
+if TYPE_CHECKING:  # transformers' model classes take seconds to import; the launcher imports the stages
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def build_tokenizer(cfg: RunConfig) -> PreTrainedTokenizerBase:
@@ -57,6 +58,8 @@ def build_policy(cfg: RunConfig, device: str, *, for_training: bool = False
     weights and computes in ``model.dtype`` through FSDP2's mixed precision. A lower dtype is a
     cast of the same float32 weights, so every stage still starts from the same version 0.
     """
+    from streamrl.models.build import build_model, load_model
+
     tokenizer = build_tokenizer(cfg)
     if cfg.model.path is not None:
         model = load_model(str(resolve_model_dir(cfg)), dtype=torch.float32, device=device)
@@ -91,6 +94,7 @@ def open_rollout_engine(ctx: StageContext, engine: EngineName, vllm: VllmOptions
         model.eval()
         return TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, device)
     from streamrl.engines.vllm_engine import VllmRolloutEngine  # vLLM is imported only when asked for
+    from streamrl.models.build import save_pretrained_dir
 
     # short and in the temp dir: vLLM's ipc socket paths go here (a unix socket path has ~107 characters)
     scratch = Path(tempfile.mkdtemp(prefix="vllm-" if ctx.scratch_dir else "srl-vllm-", dir=ctx.scratch_dir))

@@ -31,7 +31,7 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 import msgspec
@@ -39,16 +39,15 @@ import torch.distributed as dist
 from msgspec import Meta
 
 from streamrl.config import ConfigError, RunConfig
-from streamrl.engines.checkpoint import load_checkpoint, save_checkpoint
-from streamrl.engines.critic import FSDPCriticEngine
-from streamrl.engines.fsdp import FSDPOptions
 from streamrl.engines.schedule import lr_scheduler
-from streamrl.models.value import CausalLMValueModel
 from streamrl.runtime.checkpoints import checkpoint_name, fsync_tree
 from streamrl.runtime.pipeline import NoOptions, PipelineSpec, StageSpec, import_stage_class
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext
 from streamrl.stages.common import build_policy, step_claim
 from streamrl.stages.world import default_backend, join_world, rank_device
+
+if TYPE_CHECKING:  # the engine is the workers' (imported where used): the launcher imports the stages
+    from streamrl.engines.critic import FSDPCriticEngine
 
 log = logging.getLogger("streamrl.stage.critic")
 
@@ -115,6 +114,10 @@ class CriticStage:
             raise
 
     async def _setup(self, ctx: StageContext) -> None:
+        from streamrl.engines.critic import FSDPCriticEngine
+        from streamrl.engines.fsdp import FSDPOptions
+        from streamrl.models.value import CausalLMValueModel
+
         cfg, c = ctx.config, ctx.config.algo.critic
         options = msgspec.convert(ctx.options, CriticOptions)
         backend = options.backend or default_backend(ctx.device)
@@ -180,6 +183,8 @@ class CriticStage:
     # --- checkpoints ---------------------------------------------------------------------------
     def _save(self) -> None:
         """The critic's weights and AdamW after step ``version``, renamed into place once complete."""
+        from streamrl.engines.checkpoint import save_checkpoint
+
         root = self.ctx.run_dir / CRITIC_DIR
         final = root / checkpoint_name(self.version)
         partial = final.with_name(final.name + ".partial")
@@ -196,6 +201,8 @@ class CriticStage:
     def _load(self, checkpoint: Path, version: int) -> int:
         """Load the critic of step ``version`` (the policy checkpoint's), or the newest older one
         (warned: not an exact resume); returns the critic's step."""
+        from streamrl.engines.checkpoint import load_checkpoint
+
         root = checkpoint.parent.parent / CRITIC_DIR
         found = sorted(p for p in root.glob("step-*") if not p.name.endswith(".partial")
                        and int(p.name.removeprefix("step-")) <= version) if root.is_dir() else []

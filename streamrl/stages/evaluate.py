@@ -34,7 +34,6 @@ import torch
 from streamrl.config import ConfigError, RunConfig
 from streamrl.engines.rollout import TorchRolloutEngine
 from streamrl.metrics.trace import tracer
-from streamrl.models.build import load_model, read_export_version
 from streamrl.runtime.pipeline import NoOptions, PipelineSpec, StageSpec, apply_overrides
 from streamrl.runtime.stage import StageContext
 from streamrl.stages.common import build_policy, build_task
@@ -176,6 +175,9 @@ class EvalStage:
         ``eval.end_timeout_s`` (the launcher waits that long for this stage)."""
         if not hasattr(self, "engine") or not self.eval.at_end:
             return
+        # the model code is the worker's: its import takes seconds, and the launcher imports this module
+        from streamrl.models.build import load_model, read_export_version
+
         final = read_export_version(self.ctx.run_dir / "checkpoint")
         if final is None or final in self.evaluated:
             return

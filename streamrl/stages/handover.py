@@ -40,7 +40,6 @@ from streamrl.reshard import (
     TrainLayout,
     WeightSender,
 )
-from streamrl.reshard.fsdp_layout import spec_for_placements
 from streamrl.runtime.pipeline import StageSpec, colocated_tensor_parallel, inference_tensor_parallel
 from streamrl.runtime.policy import PolicyPublisher
 from streamrl.runtime.stage import StageContext
@@ -161,6 +160,8 @@ class PublishHandOver(HandOver):
 
 def _resharder(trainer: TrainStage, topology: Topology, bucket_bytes: int) -> Resharder:
     """Reads FSDP2's local shards (float32 masters) and writes the rollout's dtype."""
+    from streamrl.reshard.fsdp_layout import spec_for_placements  # DTensor: the workers', not the launcher's
+
     engine = trainer.engine
     # the parameters as the engine's FSDP2 placements hold them (streamrl/reshard/fsdp_layout.py)
     spec, _ = spec_for_placements(ModelShardingSpec.from_model(engine.model), engine.model)

@@ -46,13 +46,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.engines.rollout import Generation
 from streamrl.engines.tp_rollout import TensorParallelRolloutEngine
@@ -61,6 +60,9 @@ from streamrl.reshard.resharder import HEADER_CLOSE
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import worker_generator
 from streamrl.stages.view_rollout import generation_output, version_needed
+
+if TYPE_CHECKING:  # transformers' model classes take seconds to import; the launcher imports the stages
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("streamrl.stage.tp_generation")
 

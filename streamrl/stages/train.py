@@ -38,11 +38,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 from msgspec import Meta
-from torch.distributed.device_mesh import DeviceMesh
 
 from streamrl.config import ConfigError, RunConfig
-from streamrl.engines.checkpoint import load_checkpoint, save_checkpoint
-from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
 from streamrl.engines.samples import samples_from_columns
 from streamrl.engines.schedule import lr_scheduler
 from streamrl.metrics.trace import tracer
@@ -159,6 +156,11 @@ class TrainStage:
             raise
 
     async def _setup(self, ctx: StageContext) -> None:
+        # the engine is the workers' alone: the launcher imports this module only for its checks
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
+
         cfg, a = ctx.config, ctx.config.algo
         self.R, self.rank = ctx.spec.workers, ctx.worker
         if cfg.batch_size % self.R:
@@ -223,6 +225,8 @@ class TrainStage:
 
     def _load(self, resume: ResumeFrom) -> None:
         """Continue from a checkpoint (collective): weights, AdamW, LR schedule, RNG, version."""
+        from streamrl.engines.checkpoint import load_checkpoint
+
         path, st = Path(resume.path), resume.state
         load_checkpoint(self.engine, path / "train", self.train_group)
         self.lr_schedule.load_state_dict(st.lr_schedule)
@@ -241,6 +245,8 @@ class TrainStage:
         """A resumable checkpoint of this version, sealed under its ``.partial`` name (collective
         among the train ranks; between steps). Rank 0 commits it once the launcher has recorded
         the step (:meth:`_commit`)."""
+        from streamrl.engines.checkpoint import save_checkpoint
+
         cfg = self.ctx.config
         run_dir = self.ctx.run_dir
         if self.rank == 0:
@@ -522,7 +528,7 @@ def _check_option_values(opts: TrainOptions, at: str) -> None:
 
 def _check_reshard_world(spec: PipelineSpec, train: StageSpec, cfg: RunConfig, at: str) -> None:
     """nccl/hccl need one device per rank of the reshard world (train + disaggregated generate)."""
-    from streamrl.models.build import DeviceUnavailableError, resolve_device
+    from streamrl.models.device import DeviceUnavailableError, resolve_device
 
     receiver = spec.weights_receiver(train.name)
     world = train.workers + (receiver.workers if receiver is not None and receiver.weights_from else 0)

@@ -7,16 +7,19 @@ views of inference weights held under a lease (:class:`~streamrl.reshard.Inferen
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from streamrl.engines.rollout import Generation, TorchRolloutEngine
 from streamrl.engines.rollout_engine import RolloutEngine
 from streamrl.reshard import InferencePlan, InferenceWeights, local_hf_views
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.common import seed_for_batch, worker_generator
+
+if TYPE_CHECKING:  # transformers' model classes take seconds to import; the launcher imports the stages
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class ViewRollout:

@@ -13,7 +13,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from streamrl.models.build import resolve_device
+from streamrl.models.device import resolve_device
 from streamrl.reshard import DaemonCall, RankGroups, Topology, build_rank_groups
 from streamrl.runtime.pipeline import StageSpec
 from streamrl.runtime.rendezvous import connect_store

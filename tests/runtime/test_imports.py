@@ -46,3 +46,28 @@ def test_the_pipeline_module_has_no_import_of_a_stage_or_a_task_not_even_a_lazy_
     names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     assert not [n for n in names if n.startswith(("streamrl.stages", "streamrl.tasks"))], names
+
+
+def test_the_launchers_checks_import_no_model_code() -> None:
+    """``streamrl run`` checks a config and its pipeline (the stage classes, the tokenizer, the
+    task) before any worker starts, while the workers' forkserver imports the model code: the
+    checks import none of it (transformers' models, torch.distributed's FSDP and DTensor), which
+    took seconds of the launcher's start-up on 2 cores."""
+    proc = _python("import sys; from streamrl.config import load_config; "
+                   "from streamrl.runtime.prerun import load_pipeline, resolve_run_length; "
+                   "load_pipeline(resolve_run_length(load_config('configs/grpo_digits.yaml'))); "
+                   "print(sorted(m for m in ('transformers.modeling_utils', 'torch.distributed.fsdp', "
+                   "'torch.distributed.tensor', 'streamrl.models.build', 'streamrl.engines.fsdp') if m in sys.modules))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_the_forkserver_starts_before_any_heavy_import() -> None:
+    """``streamrl run`` starts the workers' forkserver before it imports the launcher: its module
+    imports neither torch nor the rest of streamrl, and every module it preloads exists (the
+    forkserver skips one that does not import, silently)."""
+    proc = _python("import sys, importlib.util; import streamrl.runtime.forkserver as f; "
+                   "print(sorted(m for m in sys.modules if m.startswith(('torch', 'transformers', 'streamrl.'))), "
+                   "[m for m in f.PRELOAD if importlib.util.find_spec(m) is None])")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['streamrl.runtime', 'streamrl.runtime.forkserver'] []", proc.stdout

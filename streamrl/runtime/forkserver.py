@@ -1,0 +1,60 @@
+"""The workers' forkserver (``resources.launch: processes``): started first, stopped if the run's
+checks fail. Its own imports are the standard library's only, so ``streamrl run`` can start it
+before the launcher imports anything heavy (:mod:`streamrl.cli`)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+
+# Idle OpenMP threads of one stage must not spin while another stage computes: with the
+# default (active) policy, generate and train on 2 cores slowed each other 5-50x here. Set
+# before the forkserver starts (workers inherit it); a user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Workers fork from a server that imported these once: start-up costs one torch/transformers
+# import instead of one per worker. Forking happens before any OpenMP pool or CUDA context exists
+# (the server only imports), which is what makes fork safe here. The stage modules import their
+# engines and models where they use them (the launcher imports the stages for its checks only),
+# so those are named here too.
+PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.models.build", "streamrl.engines.rollout",
+           "streamrl.engines.fsdp", "streamrl.engines.checkpoint", "streamrl.reshard.fsdp_layout",
+           "streamrl.stages.source", "streamrl.stages.generate", "streamrl.stages.score", "streamrl.stages.advantage",
+           "streamrl.stages.reference", "streamrl.stages.train", "streamrl.stages.colocated",
+           "streamrl.stages.disaggregated"]
+context = multiprocessing.get_context("forkserver")  # the workers' processes (LocalProcesses)
+context.set_forkserver_preload(PRELOAD)
+
+_started_helpers: list[str] = []  # what start_forkserver started: its stop_forkserver stops those only
+
+
+def start_forkserver() -> None:
+    """Start the workers' forkserver now (idempotent): its imports (torch, transformers, the
+    built-in stages: seconds of CPU) then run while the launcher checks the run and starts the dock,
+    instead of after, when the first worker is forked. The server exits with the launcher."""
+    from multiprocessing import forkserver, resource_tracker
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
+        _started_helpers.append("forkserver")
+    if getattr(resource_tracker._resource_tracker, "_pid", None) is None:
+        _started_helpers.append("resource tracker")  # the forkserver starts multiprocessing's tracker
+    forkserver.ensure_running()
+
+
+def stop_forkserver() -> None:
+    """Stop a forkserver :func:`start_forkserver` started (a run that failed its checks starts no
+    worker, so none is left behind): killed, as it may still be importing, then reaped, and its
+    socket removed."""
+    from multiprocessing import forkserver, resource_tracker
+
+    # CPython's one ForkServer and ResourceTracker (their _stop has no public name)
+    server, pid = forkserver._forkserver, getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if "forkserver" in _started_helpers and pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        server._stop()
+    if "resource tracker" in _started_helpers:
+        resource_tracker._resource_tracker._stop()
+    _started_helpers.clear()
