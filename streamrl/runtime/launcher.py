@@ -15,6 +15,7 @@ checkpoint (``resources.auto_resume``). One launch (:class:`_Launch`) puts toget
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -318,29 +319,41 @@ class _Launch:
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                if server is None:
-                    await anyio.to_thread.run_sync(sup.reap)
-                else:
-                    stop = c.Stop(sup.stop_reason or "launcher stopping")
-                    await server.broadcast(stop)
-                    async with anyio.create_task_group() as reaping:
-                        reaping.start_soon(sup.stop_late_workers, server, stop)
-                        await anyio.to_thread.run_sync(sup.reap)
-                        reaping.cancel_scope.cancel()
-                if self.status is not None:
-                    await self.status.close()
-                if server is not None:
-                    server.close()
-                await anyio.to_thread.run_sync(backend.close)  # the dock (ray: every actor, the placement group)
-                if rendezvous is not None:
-                    rendezvous.close()
-                shutil.rmtree(tmp, ignore_errors=True)
-                shutil.rmtree(shm, ignore_errors=True)
-                shutil.rmtree(self.run_dir / "rendezvous", ignore_errors=True)
-                self.progress.close()
-                self.metrics.close()
-                await anyio.to_thread.run_sync(finish_trace, self.run_dir, cfg.output.trace)  # trace.json
+                async with anyio.create_task_group() as closing:
+                    # the reward curve is drawn while the processes stop (a plot takes most of a second)
+                    if cfg.output.plot and self.metrics.train_rows and sup.failure is None and sup.death is None:
+                        closing.start_soon(functools.partial(
+                            anyio.to_thread.run_sync, plot_reward_curve, list(self.metrics.train_rows),
+                            self.run_dir / "reward_curve.png", cfg.output.name))
+                    await self._stop_everything(sup, server, backend, rendezvous, tmp, shm)
         return self._result()
+
+    async def _stop_everything(self, sup: Supervisor, server: c.ControlServer | None, backend: Any,
+                               rendezvous: Any, tmp: Path, shm: Path) -> None:
+        """Stop the workers, the status page, the control server and the dock; remove the run's
+        scratch; close the progress line, the metrics and the trace."""
+        if server is None:
+            await anyio.to_thread.run_sync(sup.reap)
+        else:
+            stop = c.Stop(sup.stop_reason or "launcher stopping")
+            await server.broadcast(stop)
+            async with anyio.create_task_group() as reaping:
+                reaping.start_soon(sup.stop_late_workers, server, stop)
+                await anyio.to_thread.run_sync(sup.reap)
+                reaping.cancel_scope.cancel()
+        if self.status is not None:
+            await self.status.close()
+        if server is not None:
+            server.close()
+        await anyio.to_thread.run_sync(backend.close)  # the dock (ray: every actor, the placement group)
+        if rendezvous is not None:
+            rendezvous.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(self.run_dir / "rendezvous", ignore_errors=True)
+        self.progress.close()
+        self.metrics.close()
+        await anyio.to_thread.run_sync(finish_trace, self.run_dir, self.cfg.output.trace)  # trace.json
 
     async def _start_status_page(self, tg: anyio.abc.TaskGroup, dock_endpoint: str) -> None:
         """The live status page; the run goes on without it if it cannot be served."""
@@ -385,8 +398,6 @@ class _Launch:
         if sup.death is not None:
             raise RunFailed(sup.death, resumable=sup.resumable)
         rows = m.train_rows
-        if self.cfg.output.plot and rows:
-            plot_reward_curve(rows, self.run_dir / "reward_curve.png", title=self.cfg.output.name)
         ckpt = self.run_dir / "checkpoint"
         setup = (m.t_go or now) - self.t_launch
         self.progress.message(
