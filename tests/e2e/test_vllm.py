@@ -22,9 +22,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment (o
 import streamrl
 from streamrl.runtime.launcher import RunFailed
 from streamrl.runtime.stage import StageError
+from tests.e2e.test_agents import CONFIG as CALCULATOR
+from tests.e2e.test_agents import STEPS, check_the_calculator_is_learned
 from tests.runtime.hygiene import descendants, live_processes, processes_with_environ, run_ipc_dirs
-from tests.stages.test_agent import CONFIG as CALCULATOR
-from tests.stages.test_agent import STEPS, check_the_calculator_is_learned
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM = "stages.generate.options.engine=vllm"
@@ -58,7 +58,7 @@ def test_grpo_with_vllm_learns(tmp_path: Path, config: str) -> None:
 @pytest.mark.timeout(400)
 def test_the_calculator_agent_learns_on_vllm(tmp_path: Path) -> None:
     """The agent stage with vLLM behind its endpoint: the same run and checks as the built-in
-    engine's (tests/stages/test_agent.py)."""
+    engine's (tests/e2e/test_agents.py)."""
     result = streamrl.run(str(CALCULATOR), [f"algo.steps={STEPS}", "algo.stop_reward=null", f"output.run_dir={tmp_path}",
                                             "output.progress=none", "stages.agent.options.engine=vllm"])
     assert result.steps == STEPS

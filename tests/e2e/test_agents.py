@@ -98,7 +98,7 @@ def test_weights_land_mid_session_and_a_killed_agent_worker_loses_nothing(tmp_pa
         f"algo.steps={steps}", "algo.stop_reward=null", "algo.max_staleness=1", "algo.prompts_per_step=4",
         "algo.group_size=4", "stages.agent.micro_batch=16", "stages.advantage.micro_batch=16",
         "stages.train.micro_batch=16", "stages.agent.options.weight_updates=in_session",
-        "stages.agent.options.rollout=tests.stages.agent_fns:three_slow_turns", "stages.agent.options.rollout_args={}",
+        "stages.agent.options.rollout=tests.e2e.agent_fns:three_slow_turns", "stages.agent.options.rollout_args={}",
         "stages.agent.options.tool_parser=hermes",
         "resources.dock.lease_ttl_s=1.0", "resources.max_restarts=2", *QUIET], run_dir=run_dir)
     killer.join(5)
@@ -121,7 +121,7 @@ def test_weights_land_mid_session_and_a_killed_agent_worker_loses_nothing(tmp_pa
     ("never_asks", "returned without a completion from the policy in its session"),
 ])
 def test_an_agent_that_fails_ends_the_run_naming_it_and_its_sample(tmp_path: Path, agent: str, needle: str) -> None:
-    spec = f"tests.stages.agent_fns:{agent}"
+    spec = f"tests.e2e.agent_fns:{agent}"
     with pytest.raises(StageError) as failed:
         streamrl.run(str(CONFIG), ["algo.steps=2", "algo.prompts_per_step=2", "algo.group_size=2",
                                    f"stages.agent.options.rollout={spec}",
@@ -134,14 +134,14 @@ def test_an_agent_that_fails_ends_the_run_naming_it_and_its_sample(tmp_path: Pat
 @pytest.mark.timeout(120)
 def test_an_external_process_and_a_gym_environment_are_agents_too(tmp_path: Path) -> None:
     """The two other ways to write an agent, one run each: a process pointed at the endpoint that
-    posts its reward (tests/stages/external_agent.py), and a reset/step environment the stage drives
-    (tests.stages.agent_fns:EchoEnv). Each sample's trajectory holds its 2 turns."""
+    posts its reward (tests/e2e/external_agent.py), and a reset/step environment the stage drives
+    (tests.e2e.agent_fns:EchoEnv). Each sample's trajectory holds its 2 turns."""
     ways = {
         "external": {"rollout": "streamrl.agents.external:run_process",
-                     "rollout_args": {"command": [sys.executable, str(REPO / "tests" / "stages" / "external_agent.py")],
+                     "rollout_args": {"command": [sys.executable, str(REPO / "tests" / "e2e" / "external_agent.py")],
                                       "timeout_s": 60}},
         "gym": {"rollout": "streamrl.agents.gym:run_env",
-                "rollout_args": {"env": "tests.stages.agent_fns:EchoEnv", "max_turns": 4, "max_tokens": 2}},
+                "rollout_args": {"env": "tests.e2e.agent_fns:EchoEnv", "max_turns": 4, "max_tokens": 2}},
     }
     for way, options in ways.items():
         cfg = yaml.safe_load(CONFIG.read_text())
