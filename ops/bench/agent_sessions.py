@@ -65,14 +65,15 @@ def load_policy(hidden: int | None = None, layers: int | None = None) -> tuple[A
 
 
 async def endpoint_round(engine: TorchRolloutEngine, tokenizer: Any, sessions: int, turns: int, max_tokens: int,
-                         seed: int, sdk: bool = True) -> tuple[int, float, list[float]]:
+                         seed: int, sdk: bool = True, chunk_tokens: int | None = None
+                         ) -> tuple[int, float, list[float]]:
     """(sampled tokens, seconds, per-turn latencies) of ``sessions`` agents at once: openai-SDK
     agents, or (``sdk`` False) the same requests posted as raw JSON with aiohttp (the server's cost
     without the client library's)."""
     import aiohttp
     import openai
 
-    backend = BatchingBackend(engine, tokenizer.eos_token_id, seed=seed)
+    backend = BatchingBackend(engine, tokenizer.eos_token_id, seed=seed, chunk_tokens=chunk_tokens)
     async with AgentEndpoint(backend, tokenizer, EndpointConfig(model=MODEL, max_tokens=max_tokens,
                                                                 max_positions=None)) as ep:
         client = openai.AsyncOpenAI(base_url=ep.url, api_key=ep.config.api_key, max_retries=0, timeout=120)
@@ -143,6 +144,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the agent stage's worker has 2)")
     ap.add_argument("--hidden", type=int, default=None, help="a larger model than the config's (hidden size)")
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--chunk-tokens", type=int, default=None,
+                    help="the backend's continuous batching (the agent stage's options.chunk_tokens); default: off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_policy(args.hidden, args.layers)
@@ -152,13 +155,14 @@ def main() -> None:
     lat: dict[str, list[float]] = {"endpoint": [], "raw": [], "direct": []}
     load = [os.getloadavg()[0]]
     shape = (args.sessions, args.turns, args.max_tokens)
-    asyncio.run(endpoint_round(engine, tokenizer, *shape, seed=99))  # warm-up: imports, first HTTP connections
+    asyncio.run(endpoint_round(engine, tokenizer, *shape, seed=99, chunk_tokens=args.chunk_tokens))  # warm-up: imports, first HTTP connections
     direct_round(engine, tokenizer, *shape, seed=99)
     for rep in range(args.reps):
-        tok, sec, l_ep = asyncio.run(endpoint_round(engine, tokenizer, *shape, seed=rep))
+        tok, sec, l_ep = asyncio.run(endpoint_round(engine, tokenizer, *shape, seed=rep, chunk_tokens=args.chunk_tokens))
         figures["endpoint_tok_s"].append(tok / sec)
         lat["endpoint"] += l_ep
-        tok, sec, l_raw = asyncio.run(endpoint_round(engine, tokenizer, *shape, seed=rep, sdk=False))
+        tok, sec, l_raw = asyncio.run(endpoint_round(engine, tokenizer, *shape, seed=rep, sdk=False,
+                                                         chunk_tokens=args.chunk_tokens))
         figures["raw_tok_s"].append(tok / sec)
         lat["raw"] += l_raw
         tok, sec, l_d = direct_round(engine, tokenizer, *shape, seed=rep)
@@ -183,7 +187,7 @@ def main() -> None:
          "raw_tok_s": raw["median"] / d["median"] if d["median"] else float("nan")},
         {"tok_s": ">= 0.8 (the endpoint costs at most 20 % of generation throughput)"},
         raw_http={"tok_s": raw, "turn_p50_ms": p["raw"][0] * 1e3, "turn_p99_ms": p["raw"][1] * 1e3},
-        shape={"params_m": round(params / 1e6, 1), "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens},
+        shape={"params_m": round(params / 1e6, 1), "chunk_tokens": args.chunk_tokens, "sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens},
         load=[min(load), max(load)],
     )
 
