@@ -5,8 +5,9 @@ from a random init does not learn it: the answer depends on every digit at once,
 chance (:mod:`streamrl.tasks.digits`). With the calculator it can: the agent (:func:`solve`, plain
 ``openai`` SDK code with ``tools``) offers a ``calculator`` tool; when the policy calls it, the
 agent runs it on the question and sends the sum back as a tool message, and the policy's next
-turn must say the sum's last digit. The reward rises only if the policy learns to call the tool
-and to read its answer, two turns apart.
+turn must say the sum's last digit. Answers count only after a call (:func:`solve`), so the
+reward rises as the policy learns to call the tool and answer after it, then, more slowly (a
+tiny model copies a digit from several positions back in tens of steps), to read its answer.
 
 A call is the reply ``?`` alone (:func:`parse_call`, the agent stage's ``options.tool_parser``: a
 tiny model cannot learn JSON quickly); a reply that has ``?`` among other characters is a
