@@ -109,7 +109,6 @@ class SourceStage:
         self.rng = random.Random(cfg.task.seed)
         self.step = 0
         self.gate = msgspec.convert(ctx.options, SourceOptions).gate_on_policy
-        self.with_keys = "sample_key" in ctx.spec.writes
         self.columns = [c for c in SOURCE_COLUMNS if c in ctx.spec.writes]
         self.trained = TrainedKeys()
         self.pending: list[Output] = []  # a resumed step's partial groups, emitted one group size at a time
@@ -250,16 +249,14 @@ class SourceStage:
     def _outputs(self, prompts: list[Any], base: int, step: int) -> list[Output]:
         """The samples of ``prompts`` (one group each, keys from ``base``) not yet trained on, as
         Outputs of one group size each; their ``step`` column is ``step``."""
-        a, t = self.ctx.config.algo, self.ctx.config.task
+        a = self.ctx.config.algo
         by_size: dict[int, dict[str, list[Any]]] = {}
         for g, p in enumerate(prompts):
             keys = [base + g * a.group_size + j for j in range(a.group_size)]
             keys = [k for k in keys if k not in self.trained]
             if not keys:
                 continue
-            # the chat template (task.chat_template) carries its own special tokens: add none
-            text = render_prompt(p, self.tokenizer, chat_template=t.chat_template, system_prompt=t.system_prompt)
-            ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.int64)
+            ids = self._prompt_ids(p) if "prompt_ids" in self.columns else None
             columns = by_size.setdefault(len(keys), {c: [] for c in SOURCE_COLUMNS})
             for k in keys:
                 columns["prompt_ids"].append(ids)
@@ -271,6 +268,12 @@ class SourceStage:
         for size in sorted(by_size, reverse=True):  # whole groups first
             outputs.append(Output({c: by_size[size][c] for c in self.columns}, group_size=size))
         return outputs
+
+    def _prompt_ids(self, prompt: Any) -> torch.Tensor:
+        # the chat template (task.chat_template) carries its own special tokens: add none
+        t = self.ctx.config.task
+        text = render_prompt(prompt, self.tokenizer, chat_template=t.chat_template, system_prompt=t.system_prompt)
+        return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.int64)
 
     async def close(self) -> None:
         pass
