@@ -122,7 +122,6 @@ class BatchingBackend:
         while not self._closed:
             if not self._queue and not self._running:
                 await self._wake.wait()
-                self._wake = anyio.Event()
                 await anyio.sleep(self.window_s)  # let the requests of other sessions join
             self._wake = anyio.Event()
             waiting = [*self._running, *self._queue]  # the running first: they are the oldest

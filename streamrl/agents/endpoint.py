@@ -39,7 +39,6 @@ import json
 import logging
 import secrets
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +49,7 @@ from aiohttp import web
 from streamrl.agents.backend import BatchingBackend, Completion
 from streamrl.agents.tool_calls import ParsedReply, parse_tool_calls
 from streamrl.agents.trajectory import ChatRenderer, Trajectory
+from streamrl.rewards.latency import LatencyWindow
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SESSION = web.RequestKey("session", str)  # the request's session id ("" = none)
@@ -141,7 +141,7 @@ class EndpointStatistics:
     sessions_ended: int = 0
     sessions_expired: int = 0
     # seconds from a chat request's arrival to its answer, the most recent ones (for percentiles)
-    turn_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    turn_latency: LatencyWindow = field(default_factory=LatencyWindow)
 
     @property
     def fork_rate(self) -> float:
@@ -209,11 +209,10 @@ class AgentEndpoint:
         """The counters, the fork rate, the sessions open, and the p50 / p99 seconds per turn
         (of the most recent chat requests)."""
         s = self.stats
-        counts = {k: float(v) for k, v in vars(s).items() if k != "turn_latency_s"}
-        latency = sorted(s.turn_latency_s)
-        pick = (lambda q: latency[min(len(latency) - 1, int(q * len(latency)))]) if latency else (lambda q: 0.0)
+        counts = {k: float(v) for k, v in vars(s).items() if k != "turn_latency"}
+        p50, p99 = (s.turn_latency.percentile_ms(q) for q in (50, 99))
         return {**counts, "fork_rate": s.fork_rate, "sessions_open": float(len(self.sessions)),
-                "turn_latency_p50_s": pick(0.5), "turn_latency_p99_s": pick(0.99)}
+                "turn_latency_p50_s": (p50 or 0.0) / 1e3, "turn_latency_p99_s": (p99 or 0.0) / 1e3}
 
     async def _expire_idle(self) -> None:
         while True:
@@ -330,7 +329,7 @@ class AgentEndpoint:
                 trajectories.append(trajectory)
             if session is not None:
                 session.candidates = trajectories
-            self.stats.turn_latency_s.append(time.perf_counter() - arrived)
+            self.stats.turn_latency.add(time.perf_counter() - arrived)
         finally:
             if session is not None:
                 session.busy = False
@@ -346,7 +345,7 @@ class AgentEndpoint:
 
     def _choice(self, index: int, prompt: Trajectory, done: Completion, stops: list[str],
                 tools: list[dict[str, Any]] | None, want_logprobs: bool) -> tuple[dict[str, Any], Trajectory]:
-        ids, logprobs, finish = _cut_at_stop(self.tokenizer, done, stops)
+        ids, logprobs, versions, finish = _cut_at_stop(self.tokenizer, done, stops)
         stop_token = ids[-1] if finish == "stop" and ids and ids[-1] == self.backend.eos_token_id else None
         text = self.tokenizer.decode(ids[:-1] if stop_token is not None else ids, skip_special_tokens=False)
         if stops:
@@ -363,7 +362,6 @@ class AgentEndpoint:
                                      for c in parsed.tool_calls]
             finish = "tool_calls"
         trajectory = copy.deepcopy(prompt)
-        versions = done.versions[: len(ids)]
         trajectory.append_completion(ids, logprobs, versions, message, stop_token)
         choice: dict[str, Any] = {
             "index": index, "message": message, "finish_reason": finish,
@@ -390,13 +388,13 @@ class AgentEndpoint:
                                     top_p=req.top_p)
         choices = []
         for index, done in enumerate(completions):
-            ids, logprobs, finish = _cut_at_stop(self.tokenizer, done, stops)
+            ids, logprobs, versions, finish = _cut_at_stop(self.tokenizer, done, stops)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             choices.append({"index": index, "text": _before_stop(text, stops) if stops else text,
                             "finish_reason": finish, "logprobs": None,
                             "streamrl": {"token_ids": ids, "logprobs": logprobs,
-                                         "policy_version": min(done.versions[: len(ids)], default=done.version),
-                                         "token_versions": done.versions[: len(ids)]}})
+                                         "policy_version": min(versions, default=done.version),
+                                         "token_versions": versions}})
             self.stats.completions += 1
         body = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                 "model": self.config.model, "choices": choices,
@@ -500,16 +498,17 @@ def _before_stop(text: str, stops: list[str]) -> str:
     return text if cut < 0 else text[:cut]
 
 
-def _cut_at_stop(tokenizer: Any, done: Completion, stops: list[str]) -> tuple[list[int], list[float], str]:
-    """The completion's tokens up to the first that completes a stop string (the agent never sees
-    text past it, so the trajectory does not hold it either)."""
-    ids, logprobs, finish = done.ids, done.logprobs, done.finish_reason
+def _cut_at_stop(tokenizer: Any, done: Completion, stops: list[str]
+                 ) -> tuple[list[int], list[float], list[int], str]:
+    """The completion's tokens, logprobs and versions up to the first token that completes a stop
+    string (the agent never sees text past it, so the trajectory does not hold it either)."""
+    ids, logprobs, versions, finish = done.ids, done.logprobs, done.versions, done.finish_reason
     if stops:
         for k in range(1, len(ids) + 1):
             text = tokenizer.decode(ids[:k], skip_special_tokens=False)
             if any(s in text for s in stops):
-                return ids[:k], logprobs[:k], "stop"
-    return ids, logprobs, finish
+                return ids[:k], logprobs[:k], versions[:k], "stop"
+    return ids, logprobs, versions, finish
 
 
 def _logprob_entries(tokenizer: Any, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:

@@ -102,8 +102,8 @@ class AgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     vllm: Annotated[VllmOptions, Meta(description="vLLM engine settings (engine: vllm)")] = VllmOptions()
 
 
-def check_agent_options(options: dict[str, Any]) -> AgentOptions:
-    """The options converted, the rollout function imported and its signature checked."""
+def check_agent_options(options: dict[str, Any]) -> tuple[AgentOptions, Any]:
+    """The options converted, and the rollout function, imported and its signature checked."""
     opts = msgspec.convert(options, AgentOptions)
     if not opts.rollout:
         raise ValueError("options.rollout is required: the agent, 'module:function' (e.g. "
@@ -121,7 +121,7 @@ def check_agent_options(options: dict[str, Any]) -> AgentOptions:
     if importlib.util.find_spec("openai") is None:
         raise ValueError("the agent stage gives the agent an openai.AsyncOpenAI client, but the openai package is "
                          "not installed: pip install 'streamrl[agent]' (or pip install openai)")
-    return opts
+    return opts, fn
 
 
 class AgentStage:
@@ -144,8 +144,7 @@ class AgentStage:
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
-        self.opts = check_agent_options(ctx.options)
-        self.rollout = import_object(self.opts.rollout, "options.rollout", must_call=True)
+        self.opts, self.rollout = check_agent_options(ctx.options)
         model, tokenizer = build_policy(ctx.config, ctx.device)
         if self.opts.chat_template is not None:
             tokenizer.chat_template = self.opts.chat_template
