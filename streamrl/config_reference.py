@@ -330,6 +330,11 @@ def check_descriptions() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args and (args[0].startswith("-") or len(args) > 1):
+        # an option here would otherwise be taken for the output file's name
+        sys.stdout.write("usage: python -m streamrl.config_reference [OUTPUT.md]\n"
+                         "writes the config reference to OUTPUT.md (default: stdout)\n")
+        return 0 if args[0] in ("-h", "--help") else 2
     text = render_markdown()
     if args:
         with open(args[0], "w") as f:
