@@ -32,7 +32,6 @@ from streamrl.config import (
 )
 from streamrl.engines.options import GenerateOptions
 from streamrl.stages.agent import AgentOptions
-from streamrl.stages.colocated import ReshardGenerateOptions
 from streamrl.stages.critic import CriticOptions
 from streamrl.stages.score import ScoreOptions
 from streamrl.stages.source import SourceOptions
@@ -46,8 +45,6 @@ TOP = "top"  # the section of RunConfig's own scalar fields
 STAGE_OPTIONS: list[tuple[str, str, type[msgspec.Struct], tuple[str, ...]]] = [
     ("options.source", "source", SourceOptions, ("streamrl.stages.source:SourceStage",)),
     ("options.generate", "generate", GenerateOptions, ("streamrl.stages.generate:GenerateStage",)),
-    ("options.generate-reshard", "generate", ReshardGenerateOptions,
-     ("streamrl.stages.colocated:ColocatedGenerateStage", "streamrl.stages.disaggregated:DisaggregatedGenerateStage")),
     ("options.train", "train", TrainOptions, ("streamrl.stages.train:TrainStage",)),
     ("options.score", "score", ScoreOptions, ("streamrl.stages.score:ScoreStage",)),
     ("options.critic", "critic", CriticOptions, ("streamrl.stages.critic:CriticStage",)),

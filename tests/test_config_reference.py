@@ -59,7 +59,7 @@ def test_the_reference_covers_every_struct_and_the_requested_sections() -> None:
     names = [s.name for s in sections()]
     for wanted in ["top", "model", "model.tiny", "task", "algo", "algo.loss", "resources", "resources.dock",
                    "resources.ray", "eval", "output", "output.wandb", "stages", "options.source",
-                   "options.generate", "options.generate.vllm", "options.generate-reshard", "options.train",
+                   "options.generate", "options.generate.vllm", "options.train",
                    "options.score"]:
         assert wanted in names
     assert {s.struct for s in sections()} == set(_structs(RunConfig))

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import yaml
 
-from streamrl.agents.backend import BatchingBackend
+from streamrl.agents.backend import BatchingBackend, OwnWeights
 from streamrl.agents.endpoint import AgentEndpoint, EndpointConfig
 from streamrl.engines.rollout import TorchRolloutEngine
 from streamrl.models.build import build_model
@@ -73,7 +73,7 @@ async def endpoint_round(engine: TorchRolloutEngine, tokenizer: Any, sessions: i
     import aiohttp
     import openai
 
-    backend = BatchingBackend(engine, tokenizer.eos_token_id, seed=seed, chunk_tokens=chunk_tokens)
+    backend = BatchingBackend(OwnWeights(engine), tokenizer.eos_token_id, seed=seed, chunk_tokens=chunk_tokens)
     async with AgentEndpoint(backend, tokenizer, EndpointConfig(model=MODEL, max_tokens=max_tokens,
                                                                 max_positions=None)) as ep:
         client = openai.AsyncOpenAI(base_url=ep.url, api_key=ep.config.api_key, max_retries=0, timeout=120)

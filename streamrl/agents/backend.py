@@ -14,15 +14,18 @@ generation to end, and finished ones leave; an engine without a cache across cal
 prefill of the request's tokens per chunk for that. Without it, a request's whole completion is
 one call, and a request that arrives while one runs waits for it.
 
-A new policy version (:meth:`install`) goes in between two calls. With ``chunk_tokens`` that can
-be in the middle of a completion: each token carries the version that sampled it
-(``Completion.versions``). When idle, the first request waits ``window_s`` for others to join it.
+Each call holds the source for its length (``hold``), so a new policy version goes in between two
+calls. With ``chunk_tokens`` that can be in the middle of a completion: each token carries the
+version that sampled it (``Completion.versions``). :meth:`BatchingBackend.pinned` holds one version
+for a whole block instead (no version changes inside it). When idle, the first request waits
+``window_s`` for others to join it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +33,7 @@ import anyio
 import torch
 from torch import Tensor
 
-from streamrl.engines.rollout_engine import RolloutEngine
+from streamrl.engines.rollout_engine import EngineRollout, RolloutEngine
 
 
 @dataclass(frozen=True)
@@ -75,30 +78,60 @@ class BackendStatistics:
     largest_batch: int = 0
 
 
+class OwnWeights:
+    """A rollout engine that holds its own weights, as a weight source: :meth:`install` puts a new
+    version in between two ``hold`` blocks (tests and benchmarks; a run's stage uses its placement's
+    :class:`~streamrl.stages.weight_source.WeightSource`)."""
+
+    def __init__(self, engine: RolloutEngine, version: int = 0) -> None:
+        self.engine, self.version = engine, version
+        self.generator_device = engine.generator_device
+        self._changed = anyio.Condition()  # its lock: one generate or install at a time
+        self.installs_waiting = 0  # installs queued behind a hold
+
+    @asynccontextmanager
+    async def hold(self, need: int) -> AsyncIterator[EngineRollout]:
+        async with self._changed:
+            while self.version < need:
+                await self._changed.wait()
+            yield EngineRollout(self.engine, self.version)
+
+    async def install(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """A new policy version, between two holds (tokens sampled after it carry ``version``)."""
+        self.installs_waiting += 1
+        async with self._changed:
+            self.installs_waiting -= 1
+            await anyio.to_thread.run_sync(self.engine.load_weights, weights)
+            self.version = version
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        await anyio.to_thread.run_sync(self.engine.close)
+
+
 class BatchingBackend:
-    """Batches concurrent completion requests into ``engine.generate`` calls.
+    """Batches concurrent completion requests into ``generate`` calls on ``weights`` (see the module doc).
 
     ``eos_token_id``: the token that ends a completion ("stop"). ``window_s``: how long the first
     request waits for others when the backend is idle. ``max_batch``: requests per engine call at
     most. ``chunk_tokens``: tokens per request per call (None: whole completions).
     """
 
-    def __init__(self, engine: RolloutEngine, eos_token_id: int, *, window_s: float = 0.005,
+    def __init__(self, weights: Any, eos_token_id: int, *, window_s: float = 0.005,
                  max_batch: int = 256, seed: int = 0, chunk_tokens: int | None = None) -> None:
         if window_s < 0 or max_batch < 1 or (chunk_tokens is not None and chunk_tokens < 1):
             raise ValueError(f"window_s must be >= 0, max_batch >= 1 and chunk_tokens >= 1 or None, got {window_s}, "
                              f"{max_batch}, {chunk_tokens}")
-        self.engine = engine
+        self.weights = weights
         self.eos_token_id = eos_token_id
         self.window_s = window_s
         self.max_batch = max_batch
         self.chunk_tokens = chunk_tokens
-        self.version = 0
-        self.generator = torch.Generator(device=engine.generator_device).manual_seed(seed)
+        self.generator = torch.Generator(device=weights.generator_device).manual_seed(seed)
         self._queue: list[_Request] = []  # arrived, not yet in a call
         self._running: list[_Request] = []  # chunked: in a call before, not finished
         self._wake = anyio.Event()
-        self._lock = anyio.Lock()  # the engine: one generate or install at a time
+        self._pinned: Any = None  # the rollout every call uses inside a ``pinned`` block
         self._closed = False
         self.stats = BackendStatistics()
 
@@ -136,42 +169,59 @@ class BatchingBackend:
             # the unfinished go after the other keys' requests: no sampling setting waits for another's
             self._running = [*others, *(r for r in batch if not r.done.is_set())]
 
-    async def _generate(self, key: SamplingKey, batch: list[_Request]) -> None:
-        async with self._lock:
-            started = time.perf_counter()
+    @asynccontextmanager
+    async def pinned(self, need: int) -> AsyncIterator[int]:
+        """Every call inside the block samples with one version ``>= need`` (yielded): no version
+        changes under it. The block must not overlap another ``pinned``."""
+        async with self.weights.hold(need) as rollout:
+            self._pinned = rollout
             try:
-                gens = await anyio.to_thread.run_sync(self._call, key, batch)
-            except Exception as exc:  # each request of the batch fails with it; the backend goes on
-                for r in batch:
+                yield rollout.version
+            finally:
+                self._pinned = None
+
+    async def _generate(self, key: SamplingKey, batch: list[_Request]) -> None:
+        if self._pinned is not None:
+            await self._generate_on(self._pinned, key, batch)
+            return
+        try:
+            async with self.weights.hold(0) as rollout:  # the newest version there is, for this call
+                await self._generate_on(rollout, key, batch)
+        except Exception as exc:  # the source failed: each request of the batch fails with it
+            for r in batch:
+                if not r.done.is_set():
                     r.error = exc
                     r.done.set()
-                return
-            self.stats.busy_s += time.perf_counter() - started
-            self.stats.engine_calls += 1
-            self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
-            for r, g in zip(batch, gens, strict=True):
-                ids = g.response_ids.tolist()[: r.max_tokens - len(r.ids)]
-                r.ids += ids
-                r.logprobs += g.logprobs.tolist()[: len(ids)]
-                r.versions += [self.version] * len(ids)
-                self.stats.tokens += len(ids)
-                stopped = bool(ids) and ids[-1] == self.eos_token_id
-                if stopped or len(r.ids) >= r.max_tokens or not ids:  # (no token: the engine ended it)
-                    r.result = Completion(r.ids, r.logprobs, "stop" if stopped else "length", r.versions)
-                    r.done.set()
 
-    def _call(self, key: SamplingKey, batch: list[_Request]) -> list[Any]:
+    async def _generate_on(self, rollout: Any, key: SamplingKey, batch: list[_Request]) -> None:
+        started = time.perf_counter()
+        try:
+            gens = await anyio.to_thread.run_sync(self._call, rollout, key, batch)
+        except Exception as exc:  # each request of the batch fails with it; the backend goes on
+            for r in batch:
+                r.error = exc
+                r.done.set()
+            return
+        self.stats.busy_s += time.perf_counter() - started
+        self.stats.engine_calls += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+        for r, g in zip(batch, gens, strict=True):
+            ids = g.response_ids.tolist()[: r.max_tokens - len(r.ids)]
+            r.ids += ids
+            r.logprobs += g.logprobs.tolist()[: len(ids)]
+            r.versions += [rollout.version] * len(ids)
+            self.stats.tokens += len(ids)
+            stopped = bool(ids) and ids[-1] == self.eos_token_id
+            if stopped or len(r.ids) >= r.max_tokens or not ids:  # (no token: the engine ended it)
+                r.result = Completion(r.ids, r.logprobs, "stop" if stopped else "length", r.versions)
+                r.done.set()
+
+    def _call(self, rollout: Any, key: SamplingKey, batch: list[_Request]) -> list[Any]:
         prompts: list[Tensor] = [torch.tensor(r.prompt + r.ids, dtype=torch.int64) for r in batch]
         left = max(r.max_tokens - len(r.ids) for r in batch)
-        return self.engine.generate(prompts, max_new_tokens=min(left, self.chunk_tokens or left),
-                                    temperature=key.temperature, top_p=key.top_p, top_k=key.top_k,
-                                    generator=self.generator)
-
-    async def install(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """A new policy version, between two engine calls (tokens sampled after it carry ``version``)."""
-        async with self._lock:
-            await anyio.to_thread.run_sync(self.engine.load_weights, weights)
-            self.version = version
+        return rollout.generate(prompts, max_new_tokens=min(left, self.chunk_tokens or left),
+                                temperature=key.temperature, top_p=key.top_p, top_k=key.top_k,
+                                generator=self.generator)
 
     def close(self) -> None:
         self._closed = True

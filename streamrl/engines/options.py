@@ -60,8 +60,12 @@ def check_engine_available(engine: EngineName) -> None:
 
 
 class GenerateOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``options`` of the generate stage (streamrl.stages.generate:GenerateStage, placement ``separate``)."""
+    """``options`` of the generate stage (streamrl.stages.generate:GenerateStage), in every placement."""
 
     engine: Annotated[EngineName, Meta(description=(
-        "builtin: torch, in-process, no extra install; vllm: see docs/vllm.md"))] = "builtin"
+        "builtin: torch, in-process, no extra install; vllm: see docs/vllm.md (in the reshard placements T = 1: "
+        "the reshard's buckets stream into it)"))] = "builtin"
     vllm: Annotated[VllmOptions, Meta(description="vLLM engine settings (engine: vllm)")] = VllmOptions()
+    tensor_parallel: Annotated[int, Meta(ge=1, description=(
+        "T: workers per inference replica, each holding one slice (the built-in engine's own tensor parallelism; "
+        "placements colocated and disaggregated only, where the train stage reads it too)"))] = 1

@@ -16,7 +16,7 @@ stage asks for it). Stages select one with ``options.engine: builtin | vllm``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -46,3 +46,14 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class EngineRollout:
+    """An engine with the policy version it holds: what a weight source's ``hold`` yields when the
+    engine owns its weights (see :mod:`streamrl.stages.weight_source`)."""
+
+    def __init__(self, engine: RolloutEngine, version: int) -> None:
+        self.engine, self.version = engine, version
+
+    def generate(self, prompts: list[Tensor], **sampling: Any) -> list[Generation]:
+        return self.engine.generate(prompts, **sampling)

@@ -22,8 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.models.build", "streamrl.engines.rollout",
            "streamrl.engines.fsdp", "streamrl.engines.checkpoint", "streamrl.reshard.fsdp_layout",
            "streamrl.stages.source", "streamrl.stages.generate", "streamrl.stages.score", "streamrl.stages.advantage",
-           "streamrl.stages.reference", "streamrl.stages.train", "streamrl.stages.colocated",
-           "streamrl.stages.disaggregated"]
+           "streamrl.stages.reference", "streamrl.stages.train", "streamrl.stages.weight_source"]
 context = multiprocessing.get_context("forkserver")  # the workers' processes (LocalProcesses)
 context.set_forkserver_preload(PRELOAD)
 

@@ -39,7 +39,7 @@ attributes and hooks (all optional):
   pipeline and run, raising ``ConfigError`` (e.g. the train stage's batch split and reshard
   world, the score stage's endpoints, the advantage stage's whole groups);
 - ``step_samples(spec, pipeline, cfg)``: samples of each step one of its workers claims;
-- ``publishes_policy``, ``restartable``, ``max_workers``, ``placement``.
+- ``publishes_policy``, ``restartable`` (True, or a function of the spec), ``max_workers``, ``placement``.
 
 The checks that need the model, its tokenizer and the task are in :mod:`streamrl.runtime.prerun`
 (``load_pipeline``, ``check_run``). Every error is a ``ConfigError`` naming the file, the stage
@@ -86,7 +86,7 @@ class StageSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename
     # version (they join its torch.distributed world after its ranks)
     weights_from: str | None = None
     # a worker that dies may be started again (resources.max_restarts): the stage keeps no state
-    # between micro-batches. Set from the class's ``restartable = True`` too.
+    # between micro-batches. Set from the class's ``restartable`` too (True, or True for this spec).
     restartable: bool = False
 
     @property
@@ -410,7 +410,8 @@ def _check_class(s: StageSpec, at: str, pipeline: PipelineSpec, cfg: RunConfig) 
     if callable(check_spec):
         check_spec(s, pipeline, cfg)
     _check_whole_groups(s, cls, pipeline, cfg)
-    if getattr(cls, "restartable", False) is True:
+    restartable = getattr(cls, "restartable", False)  # True, or a function of the spec (its placement)
+    if restartable is True or (callable(restartable) and restartable(s) is True):
         s.restartable = True
     needed = ["setup", "close", "produce" if s.is_source else "run" if s.is_side else "process"]
     missing = [m for m in needed if not callable(getattr(cls, m, None))]

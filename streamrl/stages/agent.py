@@ -22,23 +22,27 @@ tool / user turns 0), ``rollout_logprobs`` their sampling logprobs (0 where the 
 session that forked (its messages stopped extending its tokens) trains on the trajectory of its
 last request; the ones it forked away from are counted (``fork_rate``), not trained.
 
-Policy versions, ``options.weight_updates``:
+Policy versions come as the generate stage's do, from the placement's
+:class:`~streamrl.stages.weight_source.WeightSource`: the worker's own engine fed by the publisher
+(placement separate), the colocated train stage's inference weights (``colocate_with: train``), or
+the versions the train group sends (``weights_from: train``). ``options.weight_updates``:
 
-- ``between_sessions`` (default): before each micro-batch the stage fetches a version new enough
-  for its samples (step - ``algo.max_staleness``, as the generate stage does) and installs it
-  while no session runs, so every token of a trajectory comes from one version.
-- ``in_session``: a background task installs each new version as soon as it is published, between
-  two engine calls (with ``chunk_tokens``, possibly inside a completion), so a session can continue
-  on a newer version. Each token keeps the version
-  that sampled it, the sample carries its oldest (that is what staleness is measured on, and the
-  trainer's off-policy correction weighs each token by its own ``rollout_logprobs``). Admission
-  keeps the bound: no session starts before the installed version is new enough for its sample.
+- ``between_sessions`` (default): each micro-batch's sessions run on one version new enough for
+  its samples (step - ``algo.max_staleness``), held for the whole micro-batch, so every token of a
+  trajectory comes from one version (colocated: the train phase waits for the micro-batch;
+  disaggregated: the next version's install does).
+- ``in_session``: each engine call holds the newest version there is, so a new one goes in
+  between two calls (with ``chunk_tokens``, possibly inside a completion) and a session can
+  continue on it. Each token keeps the version that sampled it, the sample carries its oldest
+  (that is what staleness is measured on, and the trainer's off-policy correction weighs each
+  token by its own ``rollout_logprobs``). Admission keeps the bound: no session starts before a
+  version new enough for its sample is there.
 
 Per-micro-batch metrics (``agent/<name>``): turns per trajectory, tool calls and malformed ones,
 the fork rate, p50 / p99 seconds per turn, sessions per second, trajectories sampled on more than
-one version. The stage is restartable: a
-worker that dies mid-session loses its sessions, and the dock gives their samples (leased, never
-acknowledged) to the restarted worker, which plays them again from the start.
+one version. In placement separate the stage is
+restartable: a worker that dies mid-session loses its sessions, and the dock gives their samples
+(leased, never acknowledged) to the restarted worker, which plays them again from the start.
 """
 
 from __future__ import annotations
@@ -60,11 +64,15 @@ from streamrl.agents.endpoint import AgentEndpoint, EndpointConfig
 from streamrl.agents.tool_calls import parse_tool_calls
 from streamrl.agents.trajectory import NO_VERSION, Trajectory
 from streamrl.config import ConfigError, RunConfig
-from streamrl.engines.options import EngineName, VllmOptions, check_engine_available
+from streamrl.engines.options import EngineName, GenerateOptions, VllmOptions, check_engine_available
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.common import build_policy, open_rollout_engine
-from streamrl.stages.view_rollout import version_needed
+from streamrl.stages.weight_source import (
+    check_weight_links,
+    fetches_weights,
+    version_needed,
+    weight_source_for,
+)
 
 AGENT_COLUMNS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward")  # what it can write
 MODEL_NAME = "streamrl-policy"  # the model name the endpoint serves (``sample["model"]``)
@@ -127,7 +135,9 @@ def check_agent_options(options: dict[str, Any]) -> tuple[AgentOptions, Any]:
 class AgentStage:
     Options = AgentOptions  # checked when the pipeline loads
     uses_model_and_task = True
-    restartable = True  # its sessions live in the worker: a restarted one plays the leased samples again
+    # placement separate: its sessions live in the worker, and a restarted one plays the leased samples
+    # again (a reshard placement's worker is a rank of a torch.distributed world: not restartable)
+    restartable = staticmethod(fetches_weights)
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
@@ -135,6 +145,7 @@ class AgentStage:
 
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+        check_weight_links(spec, pipeline)
         unknown = [c for c in spec.writes if c not in AGENT_COLUMNS]
         missing = [c for c in ("prompt_ids", "response_ids") if c not in spec.writes]
         if unknown or missing:
@@ -145,22 +156,19 @@ class AgentStage:
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.opts, self.rollout = check_agent_options(ctx.options)
-        model, tokenizer = build_policy(ctx.config, ctx.device)
+        # the policy's versions come as the generate stage's would in this placement
+        self.weights = weight_source_for(ctx, GenerateOptions(engine=self.opts.engine, vllm=self.opts.vllm))
+        await self.weights.setup()
+        tokenizer = self.weights.tokenizer
         if self.opts.chat_template is not None:
             tokenizer.chat_template = self.opts.chat_template
-        positions = getattr(model.config, "max_position_embeddings", None)
-        engine = await ctx.run_sync(open_rollout_engine, ctx, self.opts.engine, self.opts.vllm, model, tokenizer,
-                                    ctx.device)
-        del model
-        ctx.report_metrics({"engine_startup_s": engine.startup_s})
-        self.backend = BatchingBackend(engine, tokenizer.eos_token_id, window_s=self.opts.batch_window_s,
+        self.backend = BatchingBackend(self.weights, tokenizer.eos_token_id, window_s=self.opts.batch_window_s,
                                        seed=ctx.config.seed * 1000 + 17 * ctx.worker + 1,
                                        chunk_tokens=self.opts.chunk_tokens)
         self.endpoint = AgentEndpoint(self.backend, tokenizer, EndpointConfig(
-            model=MODEL_NAME, max_tokens=self.opts.max_tokens, max_positions=positions, tool_parser=self.opts.tool_parser,
-            session_idle_s=self.opts.session_timeout_s))
+            model=MODEL_NAME, max_tokens=self.opts.max_tokens, max_positions=self.weights.max_positions,
+            tool_parser=self.opts.tool_parser, session_idle_s=self.opts.session_timeout_s))
         self.sessions = itertools.count()
-        self.version_ready = anyio.Event()  # in_session: set when the installed version moves
         self.closed = anyio.Event()
         self.failure: BaseException | None = None
         ready = anyio.Event()
@@ -175,57 +183,45 @@ class AgentStage:
                                          max_retries=0, timeout=self.opts.session_timeout_s)
         self.reported = self.endpoint.statistics()
         ctx.log.info("%s[%d]: agent endpoint at %s (%s engine)", ctx.spec.name, ctx.worker, self.endpoint.url,
-                     engine.name)
+                     self.weights.engine_name)
 
     async def _serve(self, ready: anyio.Event) -> None:
         """The endpoint's life, in the worker's task group (it is entered and left in one task)."""
         try:
-            async with self.endpoint, anyio.create_task_group() as tg:
-                if self.opts.weight_updates == "in_session":
-                    tg.start_soon(self._follow_policy)
+            async with self.endpoint:
                 ready.set()
                 await self.closed.wait()
-                tg.cancel_scope.cancel()
         except Exception as exc:
             self.failure = exc
             ready.set()
             raise
 
-    async def _follow_policy(self) -> None:
-        """``in_session``: install every new version between two engine calls."""
-        while True:
-            version, state = await self.ctx.policy.fetch(self.backend.version, self.backend.version + 1)
-            if state is not None:
-                await self._install(version, state)
-
-    async def _install(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        started = time.perf_counter()
-        await self.backend.install(state.items(), version)
-        self.ctx.report_metrics({"weight_install_s": time.perf_counter() - started})
-        self.version_ready.set()
-        self.version_ready = anyio.Event()
-
     async def process(self, batch: Batch) -> Output:
         need = version_needed(batch, self.ctx.config.algo.max_staleness)
-        if self.opts.weight_updates == "between_sessions":
-            version, state = await self.ctx.policy.fetch(self.backend.version, need)
-            if state is not None:
-                await self._install(version, state)
-        else:  # admission: no session starts on a version too old for its sample
-            with anyio.fail_after(self.ctx.config.resources.start_timeout_s + self.opts.session_timeout_s):
-                while self.backend.version < need:
-                    await self.version_ready.wait()
         names = [c for c in batch.columns if not c.endswith("_ids")]
         samples = [{**{c: batch.columns[c][i] for c in names}, "model": MODEL_NAME} for i in range(len(batch.samples))]
         results: list[tuple[Trajectory, float] | None] = [None] * len(samples)
         started = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for i, sample in enumerate(samples):
-                tg.start_soon(self._play, i, sample, results)
+        if self.opts.weight_updates == "between_sessions":
+            # one version for every call of the micro-batch's sessions: none is installed under them
+            async with self.backend.pinned(need):
+                await self._play_all(samples, results)
+        else:
+            # admission: no session starts on a version too old for its sample; installs then go in
+            # between two engine calls (the backend holds the source per call)
+            async with self.weights.hold(need):
+                pass
+            await self._play_all(samples, results)
         played = [r for r in results if r is not None]
         assert len(played) == len(samples)
         self._report(len(samples), time.perf_counter() - started, played)
         return self._output(played)
+
+    async def _play_all(self, samples: list[dict[str, Any]], results: list[tuple[Trajectory, float] | None]
+                        ) -> None:
+        async with anyio.create_task_group() as tg:
+            for i, sample in enumerate(samples):
+                tg.start_soon(self._play, i, sample, results)
 
     async def _play(self, i: int, sample: dict[str, Any], results: list[tuple[Trajectory, float] | None]
                     ) -> None:
@@ -295,9 +291,9 @@ class AgentStage:
         client = getattr(self, "client", None)
         if client is not None:
             await client.close()
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            await self.ctx.run_sync(backend.engine.close)
+        weights = getattr(self, "weights", None)
+        if weights is not None:  # close() runs after a failed setup too
+            await weights.close()
 
 
 def _brief(sample: dict[str, Any]) -> str:

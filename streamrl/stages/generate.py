@@ -1,14 +1,19 @@
-"""The generate stage (placement ``separate``): sample completions with the stage's rollout engine.
+"""The generate stage: sample completions of the batch's prompts with the live policy, in every placement.
 
 ``options.engine``: ``builtin`` (the torch engine, default) or ``vllm`` (``options.vllm`` holds its
-settings; :mod:`streamrl.engines.vllm_engine`). Both sit behind
-:class:`~streamrl.engines.rollout_engine.RolloutEngine`; this stage does not know which it drives.
+settings; :mod:`streamrl.engines.vllm_engine`). Where the policy's versions come from is the
+stage's :class:`~streamrl.stages.weight_source.WeightSource`, chosen by the pipeline's links:
 
-Before each micro-batch it makes sure it holds a policy version new enough for the samples'
-step (step - max_staleness), fetching the newest published weights when there are newer ones and
-installing them in the engine in place. Writes ``response_ids`` and ``rollout_logprobs`` and tags
-each sample with the version used. Reports ``engine_startup_s`` once and ``weight_install_s`` (the
-last install) as stage metrics.
+- no link (placement ``separate``): the stage's own engine, fed by the train stage's publisher;
+- ``colocate_with: train`` (placement ``colocated``): the inference weights the train stage of
+  the same process reshards into after every step;
+- ``weights_from: train`` (placement ``disaggregated``): the versions the train group sends it.
+
+Each micro-batch is generated inside ``source.hold(need)``, with a version no older than the
+samples' step - ``algo.max_staleness`` (waiting for one), and each sample is tagged with it.
+Writes ``response_ids`` and ``rollout_logprobs``. ``options.tensor_parallel: T > 1`` (reshard
+placements) makes every T workers one inference replica: its rank 0 claims and generates, the
+others follow it (:mod:`streamrl.stages.tp_generation`).
 
 Sampling is reproducible per micro-batch when the stage reads ``sample_key``: each micro-batch's
 generator is seeded from the run's seed and its first sample's key, so a sample drawn again after
@@ -18,61 +23,82 @@ Without ``sample_key`` one generator per worker runs through the whole run.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
+from torch import Tensor
 
+from streamrl.config import ConfigError, RunConfig
 from streamrl.engines.options import GenerateOptions, check_engine_available
-from streamrl.metrics.trace import tracer
+from streamrl.engines.rollout import Generation
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec
 from streamrl.runtime.stage import Batch, Output, StageContext
-from streamrl.stages.common import build_policy, open_rollout_engine, seed_for_batch, worker_generator
-from streamrl.stages.view_rollout import generation_output, version_needed
+from streamrl.stages.common import seed_for_batch, worker_generator
+from streamrl.stages.weight_source import (
+    WeightSource,
+    check_weight_links,
+    fetches_weights,
+    version_needed,
+    weight_source_for,
+)
 
 
 class GenerateStage:
     Options = GenerateOptions  # checked when the pipeline loads
     generates = True  # the pre-run checks fit prompt + completion to the model (streamrl.runtime.prerun)
     uses_model_and_task = True
-    restartable = True  # no state beyond the weights it fetches again: the launcher may restart a dead worker
+
+    restartable = staticmethod(fetches_weights)  # placement separate only: see fetches_weights
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
-        """A missing engine package is refused before any worker starts."""
-        check_engine_available(msgspec.convert(options, GenerateOptions).engine)
+        opts = msgspec.convert(options, GenerateOptions)
+        check_engine_available(opts.engine)  # a missing engine package is refused before any worker starts
+        if opts.engine == "vllm" and opts.tensor_parallel != 1:
+            raise ValueError(f"engine: vllm takes whole weights (tensor_parallel: 1); tensor_parallel: "
+                             f"{opts.tensor_parallel} is the built-in engine's own TP. vLLM's tensor parallelism is "
+                             "vllm.tensor_parallel_size (accelerators)")
+
+    @classmethod
+    def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+        check_weight_links(spec, pipeline)
+        T = msgspec.convert(spec.options, GenerateOptions).tensor_parallel
+        if T > 1 and cls.restartable(spec):
+            raise ConfigError(f"{pipeline.where}: stage {spec.name!r} options.tensor_parallel={T} splits the model over "
+                              "the workers of a reshard placement (colocate_with or weights_from a train stage); in "
+                              "placement separate every worker holds the whole model: use workers: N instead")
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
-        opts = msgspec.convert(ctx.options, GenerateOptions)
-        model, tok = build_policy(ctx.config, ctx.device)
-        self.engine = await ctx.run_sync(open_rollout_engine, ctx, opts.engine, opts.vllm, model, tok, ctx.device)
-        del model  # the vLLM engine holds its own copy; the built-in one keeps a reference
-        ctx.log.info("%s[%d]: %s rollout engine ready in %.1f s", ctx.spec.name, ctx.worker, self.engine.name,
-                     self.engine.startup_s)
-        ctx.report_metrics({"engine_startup_s": self.engine.startup_s})
-        self.version = 0
-        self.generator = worker_generator(ctx, self.engine.generator_device)
+        self.weights: WeightSource = weight_source_for(ctx, msgspec.convert(ctx.options, GenerateOptions))
+        await self.weights.setup()
+        self.follows = self.weights.follows  # a TP follower computes what its rank 0 claims
+        self.generator = worker_generator(ctx, self.weights.generator_device)
+        ctx.log.info("%s[%d]: %s rollout engine ready", ctx.spec.name, ctx.worker, self.weights.engine_name)
 
     async def process(self, batch: Batch) -> Output:
         a = self.ctx.config.algo
-        version, state = await self.ctx.policy.fetch(self.version, version_needed(batch, a.max_staleness))
-        if state is not None:
-            started = time.perf_counter()
-            await self.ctx.run_sync(self.engine.load_weights, state.items())
-            self.version = version
-            ended = time.perf_counter()
-            self.ctx.report_metrics({"weight_install_s": ended - started})
-            tracer().complete("install weights", "policy", started, ended, "policy", version=version)
-            tracer().counter("policy version", version)
-        seed_for_batch(self.generator, self.ctx.config.seed, batch)
         prompts = batch.columns["prompt_ids"]
-        gens = await self.ctx.run_sync(
-            self.engine.generate, prompts, max_new_tokens=a.max_new_tokens,
-            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, generator=self.generator,
-        )
-        return generation_output(prompts, gens, self.version)
+        seed_for_batch(self.generator, self.ctx.config.seed, batch)
+        async with self.weights.hold(version_needed(batch, a.max_staleness)) as rollout:
+            gens = await self.ctx.run_sync(
+                rollout.generate, prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                top_p=a.top_p, top_k=a.top_k, generator=self.generator)
+        return generation_output(prompts, gens, rollout.version)
+
+    async def follow(self) -> None:
+        await self.weights.follow()
 
     async def close(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            await self.ctx.run_sync(engine.close)
+        weights = getattr(self, "weights", None)
+        if weights is not None:  # close() runs after a failed setup too
+            await weights.close()
+
+
+def generation_output(prompts: list[Tensor], gens: list[Generation], version: int) -> Output:
+    """A generate stage's columns, versions and lengths for ``gens``."""
+    lengths = [int(p.numel()) + int(g.response_ids.numel()) for p, g in zip(prompts, gens, strict=True)]
+    return Output(
+        {"response_ids": [g.response_ids for g in gens], "rollout_logprobs": [g.logprobs for g in gens]},
+        versions=[version] * len(gens), lengths=lengths,
+    )

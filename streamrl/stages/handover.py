@@ -245,7 +245,8 @@ class ColocatedHandOver(HandOver):
         }
 
     async def close(self) -> None:
-        from streamrl.stages.colocated import STOP_WAIT_S, colocated_rank
+        from streamrl.stages.colocated import colocated_rank
+        from streamrl.stages.tp_generation import STOP_WAIT_S
 
         self.channel.close()
         shared = colocated_rank(self.ctx)

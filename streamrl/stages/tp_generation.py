@@ -44,7 +44,8 @@ follower that left.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +58,8 @@ from streamrl.engines.rollout import Generation
 from streamrl.engines.tp_rollout import TensorParallelRolloutEngine
 from streamrl.reshard import DaemonCall, InferenceWeights, RankGroups
 from streamrl.reshard.resharder import HEADER_CLOSE
-from streamrl.runtime.stage import Batch, Output, StageContext
+from streamrl.runtime.stage import StageContext
 from streamrl.stages.common import worker_generator
-from streamrl.stages.view_rollout import generation_output, version_needed
 
 if TYPE_CHECKING:  # transformers' model classes take seconds to import; the launcher imports the stages
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -79,6 +79,24 @@ STOP_WAIT_S = 10.0  # how long either side waits for the other at shutdown
 
 class TensorParallelGenerationError(RuntimeError):
     """The ranks of an inference group disagree (e.g. a follower holds another version)."""
+
+
+class TensorParallelRollout:
+    """Generation by the whole group with one version: the leader tells the followers, then joins them."""
+
+    def __init__(self, group: TensorParallelGeneration, tensors: Mapping[str, Tensor], version: int) -> None:
+        self.group, self.tensors, self.version = group, tensors, version
+
+    def generate(self, prompts: list[Tensor], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                 generator: torch.Generator | None = None) -> list[Generation]:
+        a = self.group.ctx.config.algo
+        asked = (max_new_tokens, temperature, top_p, top_k)
+        if asked != (a.max_new_tokens, a.temperature, a.top_p, a.top_k):
+            raise TensorParallelGenerationError(
+                f"a TP group samples with the run's algo settings (max_new_tokens, temperature, top_p, top_k) = "
+                f"{(a.max_new_tokens, a.temperature, a.top_p, a.top_k)}, not {asked}: its followers run those")
+        self.group._send(Command.GENERATE, self.version, prompts)
+        return self.group._generate(self.tensors, prompts, generator)
 
 
 class TensorParallelGeneration:
@@ -126,28 +144,24 @@ class TensorParallelGeneration:
             prompts = list(ids.split(lengths.tolist()))
         return command, version, prompts
 
-    def _generate(self, tensors: Mapping[str, Tensor], prompts: list[Tensor]) -> list[Generation]:
+    def _generate(self, tensors: Mapping[str, Tensor], prompts: list[Tensor],
+                  generator: torch.Generator | None = None) -> list[Generation]:
+        # every rank runs the run's sampling settings: the group's collectives must line up step by step
         a = self.ctx.config.algo
         return self.engine.generate(prompts, weights=tensors, max_new_tokens=a.max_new_tokens,
                                     temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                                    generator=self.generator)
+                                    generator=generator or self.generator)
 
     # -- leader ---------------------------------------------------------------------------------------
-    async def process(self, batch: Batch) -> Output:
-        """The leader's ``process``: the group generates the batch with a version new enough for it."""
-        need = version_needed(batch, self.ctx.config.algo.max_staleness)
-        prompts: list[Tensor] = list(batch.columns["prompt_ids"])
+    @asynccontextmanager
+    async def hold(self, need: int) -> AsyncIterator[TensorParallelRollout]:
+        """The leader's side of ``WeightSource.hold``: a shared lease on a version ``>= need`` and the
+        command channel, so the group's GENERATE goes out with that version."""
         async with self.weights.use(need) as tensors:
             version = self.weights.version
             assert version is not None
             async with self._commands:
-
-                def work() -> list[Generation]:
-                    self._send(Command.GENERATE, version, prompts)
-                    return self._generate(tensors, prompts)
-
-                gens = await self.ctx.run_sync(work)
-        return generation_output(prompts, gens, version)
+                yield TensorParallelRollout(self, tensors, version)
 
     async def announce(self, kind: int, version: int) -> None:
         """``WeightReceiver.receive``'s hook on the leader: the followers receive their slices now."""

@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from streamrl.agents.backend import BatchingBackend, Completion
+from streamrl.agents.backend import BatchingBackend, Completion, OwnWeights
 from streamrl.engines.rollout import Generation, TorchRolloutEngine
 from streamrl.models.build import build_model
 from streamrl.models.spec import TinyModelSpec
@@ -33,9 +33,11 @@ class CallLog(TorchRolloutEngine):
         super().__init__(model, NEVER, 0, "cpu")
         self.calls: list[tuple[list[list[int]], list[Generation]]] = []
         self.first_call = threading.Event()
+        self.go = threading.Event()  # the first call returns once it is set (or after 30 s)
 
     def generate(self, prompts: list[torch.Tensor], **kwargs: Any) -> list[Generation]:
         self.first_call.set()
+        self.go.wait(30.0)
         out = super().generate(prompts, **kwargs)
         self.calls.append(([p.tolist() for p in prompts], out))
         return out
@@ -62,7 +64,8 @@ def _replay(engine: CallLog, prompt: list[int]) -> tuple[list[int], list[float]]
 
 async def test_a_request_joins_a_running_completion_at_the_next_chunk_and_finishes_first() -> None:
     engine = CallLog(_model())
-    backend = BatchingBackend(engine, NEVER, window_s=0.0, chunk_tokens=4, seed=1)
+    engine.go.set()
+    backend = BatchingBackend(OwnWeights(engine), NEVER, window_s=0.0, chunk_tokens=4, seed=1)
     long_prompt, short_prompt = [3, 4, 5], [6, 7]
     finished: list[str] = []
     results: dict[str, Completion] = {}
@@ -97,13 +100,19 @@ async def test_a_request_joins_a_running_completion_at_the_next_chunk_and_finish
 async def test_a_version_installed_mid_completion_stamps_the_tokens_after_it() -> None:
     engine = CallLog(_model(seed=0))
     newer = _model(seed=7).state_dict()
-    backend = BatchingBackend(engine, NEVER, window_s=0.0, chunk_tokens=4, seed=2)
+    weights = OwnWeights(engine)
+    backend = BatchingBackend(weights, NEVER, window_s=0.0, chunk_tokens=4, seed=2)
     prompt = [3, 4, 5, 6]
     out: list[Completion] = []
 
     async def install_during_the_first_call() -> None:
         await anyio.to_thread.run_sync(engine.first_call.wait, 30.0)
-        await backend.install(newer.items(), 1)  # waits for the running call: in between the chunks
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(weights.install, newer.items(), 1)  # waits for the running call: in between the chunks
+            with anyio.fail_after(30):
+                while not weights.installs_waiting:
+                    await anyio.sleep(0.001)
+            engine.go.set()  # the first call ends only now, with the install queued behind it
 
     async def ask() -> None:
         out.append(await backend.complete(prompt, max_tokens=12))

@@ -14,7 +14,7 @@ import anyio
 import pytest
 import torch
 
-from streamrl.agents.backend import BatchingBackend
+from streamrl.agents.backend import BatchingBackend, OwnWeights
 from streamrl.agents.endpoint import AgentEndpoint, EndpointConfig
 from streamrl.engines.rollout import Generation, TorchRolloutEngine
 from streamrl.models.build import TinyModelSpec, build_model
@@ -82,7 +82,7 @@ _clients: list[Any] = []  # the SDK clients a test made: closed with its endpoin
 
 @contextlib.asynccontextmanager
 async def _endpoint(engine: RecordingEngine, tok: Any, **config: Any) -> AsyncIterator[AgentEndpoint]:
-    backend = BatchingBackend(engine, tok.eos_token_id, window_s=0.01)
+    backend = BatchingBackend(OwnWeights(engine), tok.eos_token_id, window_s=0.01)
     try:
         async with AgentEndpoint(backend, tok, EndpointConfig(max_positions=MAX_POSITIONS, max_tokens=48,
                                                               **config)) as ep:

@@ -76,14 +76,23 @@ def test_the_shipped_pipeline_runs_every_worker_in_its_own_process() -> None:
      "with placement 'disaggregated' the generate stage 'generate' and the train stage 'train' run in processes"),
     ("dis", {"score.colocate_with": "train", "score.workers": 2},
      "stage 'score' colocate_with: 'train': with placement 'disaggregated'"),
-    # a stage class built for the other reshard placement says so
-    ("col", {"placement": "disaggregated", "generate.colocate_with": None, "generate.weights_from": "train"},
-     "works only with `placement: colocated`"),
 ])
 def test_bad_disaggregation_is_refused_naming_the_field(tmp_path: Path, base: str, changes: dict[str, Any],
                                                         expected: str) -> None:
     msg = _error(_write(tmp_path, DISAGGREGATED if base == "dis" else COLOCATED, **changes))
     assert expected in msg and str(tmp_path / "pipe.yaml") in msg
+
+
+def test_one_generate_stage_class_serves_every_placement(tmp_path: Path) -> None:
+    # the colocated pipeline turned disaggregated loads as it is: the stage's weight source follows the placement
+    changes = {"placement": "disaggregated", "generate.colocate_with": None, "generate.weights_from": "train"}
+    spec = load_pipeline(load_config({"pipeline": str(_write(tmp_path, COLOCATED, **changes))}))
+    assert spec.stage("generate").cls == "streamrl.stages.generate:GenerateStage"
+    assert not spec.stage("generate").restartable  # a rank of the reshard world
+    for name in ("grpo.yaml", "grpo_colocated.yaml", "grpo_disaggregated.yaml"):
+        pipe = yaml.safe_load((REPO / "pipelines" / name).read_text())
+        assert [s["class"] for s in pipe["stages"] if s["name"] == "generate"] == [
+            "streamrl.stages.generate:GenerateStage"]
 
 
 @pytest.mark.timeout(240)

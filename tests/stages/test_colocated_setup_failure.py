@@ -9,18 +9,20 @@ from types import SimpleNamespace
 import anyio
 import pytest
 
-from streamrl.stages.colocated import ColocatedGenerateStage, ColocatedSetupError, colocated_rank
+from streamrl.stages.colocated import ColocatedSetupError, colocated_rank
+from streamrl.stages.generate import GenerateStage
 
 
 def test_close_after_a_failed_colocated_setup_is_clean() -> None:
-    ctx = SimpleNamespace(spec=SimpleNamespace(name="generate", colocate_with="train"), shared={},
+    ctx = SimpleNamespace(spec=SimpleNamespace(name="generate", colocate_with="train", weights_from=None), shared={},
+                          options={},
                           config=SimpleNamespace(resources=SimpleNamespace(start_timeout_s=5.0)))
 
     async def main() -> None:
         shared = colocated_rank(ctx)  # type: ignore[arg-type]
         shared.error = "RuntimeError: boom"
         shared.ready.set()  # the train stage gave up: no policy, no groups
-        stage = ColocatedGenerateStage()
+        stage = GenerateStage()
         with pytest.raises(ColocatedSetupError, match="failed to set up: RuntimeError: boom"):
             await stage.setup(ctx)  # type: ignore[arg-type]
         await stage.close()
