@@ -7,6 +7,7 @@ FSDP2 mesh, the reshard's groups and the weight channel are built over it.
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import anyio
@@ -68,13 +69,25 @@ async def join_world(ctx: StageContext, store_name: str, rank: int, world_size: 
             store = dist.FileStore(str(store_path), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+        with lock:
+            if state["abandoned"]:
+                # the stage gave up on this join and has closed already (an in-process run's next
+                # run would find a default group initialised): leave no group behind
+                dist.destroy_process_group()
+                return None
+            state["joined"] = True
         return build_rank_groups(topology) if topology is not None else None
 
     # in a daemon thread: a Stop during set-up (another worker failed, so this rendezvous never
     # completes) abandons the wait instead of holding the process until the store times out
+    lock, state = threading.Lock(), {"abandoned": False, "joined": False}
     wait_s = ctx.config.resources.start_timeout_s
-    with anyio.move_on_after(wait_s):
-        return await DaemonCall(join, "streamrl-join-world").wait()
+    try:
+        with anyio.move_on_after(wait_s):
+            return await DaemonCall(join, "streamrl-join-world").wait()
+    finally:
+        with lock:  # once joined, the stage's close() destroys the group; before, the thread does
+            state["abandoned"] = not state["joined"]
     raise TimeoutError(f"stage {ctx.spec.name!r} worker {ctx.worker}: joining the torch.distributed world "
                        f"{store_name!r} ({world_size} ranks) took over resources.start_timeout_s={wait_s:g} s; "
                        "a rank did not start (see the other workers' logs)")

@@ -6,6 +6,10 @@ only (``resolve_device`` and ``torch.cuda.device_count``); the mapping is what i
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,3 +38,31 @@ def test_more_nccl_ranks_than_devices_is_refused_saying_what_to_change(monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"2 reshard ranks .* but 1 cuda device\(s\): nccl needs one device per rank"):
         rank_device("cuda", 1, 2, "nccl")
+
+
+def test_a_join_abandoned_before_its_rendezvous_completes_leaves_no_process_group(tmp_path: Path) -> None:
+    """A stage stopped during set-up abandons its join while the daemon thread still initialises the
+    group; the thread must not leave it initialised (an in-process run's next run would find a
+    default group already there)."""
+    from types import SimpleNamespace
+
+    import anyio
+    import torch.distributed as dist
+
+    from streamrl.stages.world import join_world
+
+    assert not dist.is_initialized()
+    ctx = SimpleNamespace(run_dir=tmp_path, rendezvous_endpoint=None, spec=SimpleNamespace(name="train"), worker=0,
+                          config=SimpleNamespace(resources=SimpleNamespace(start_timeout_s=30.0)))
+
+    async def main() -> None:
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # cancelled at its first wait: the thread is still joining
+            await join_world(ctx, "train", 0, 1, None, backend="gloo", timeout_s=30.0,  # type: ignore[arg-type]
+                             device="cpu")
+        deadline = time.monotonic() + 30
+        while any(t.name == "streamrl-join-world" for t in threading.enumerate()) and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+
+    anyio.run(main)
+    assert not dist.is_initialized()
