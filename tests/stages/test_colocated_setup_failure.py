@@ -15,7 +15,7 @@ from streamrl.stages.generate import GenerateStage
 
 def test_close_after_a_failed_colocated_setup_is_clean() -> None:
     ctx = SimpleNamespace(spec=SimpleNamespace(name="generate", colocate_with="train", weights_from=None), shared={},
-                          options={},
+                          options={}, pipeline=SimpleNamespace(placement="colocated"),
                           config=SimpleNamespace(resources=SimpleNamespace(start_timeout_s=5.0)))
 
     async def main() -> None:
