@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +14,13 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Bytecode caching for the session and every interpreter it starts (dock servers, CLI runs, the
+# workers' forkservers, Ray's workers: several hundred). Where PYTHONDONTWRITEBYTECODE is set (as on
+# the 2-core test machine) each of them compiled the sources of streamrl and of the tests it imports
+# again, about a tenth of the suite's CPU time. The caches go to the __pycache__ directories that
+# .gitignore names.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 SINGLE_BUDGET = 200  # steps; the run reaches stop_reward 0.9 at step 47-68 on this machine
 
 
