@@ -330,6 +330,10 @@ class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Seconds without an optimizer step after the last one that count as a stall: the run stops, reporting "
         "the stack of every worker busy in a batch (faulthandler); 0 = never. The first step may take twice "
         "this (warm-up)"))] = 1800.0
+    exit_grace_s: Annotated[float, Meta(description=(
+        "When the run ends, seconds its workers get to exit by themselves (they close their stages: the "
+        "trainer's final export) before the launcher sends SIGTERM, then SIGKILL 5 s later; a worker whose "
+        "event loop is blocked (a stall) waits this out"))] = 30.0
     auto_resume: Annotated[int, Meta(description=(
         "A run whose trainer dies resumes from its newest checkpoint (output.checkpoint_every) up to this many "
         "times, in the same run directory; 0 = stop and say how to resume"))] = 0
@@ -550,6 +554,8 @@ def _check(cfg: RunConfig) -> list[str]:
         (r.max_restarts >= 0, f"resources.max_restarts must be >= 0 (0 = no restarts), got {r.max_restarts}"),
         (r.stall_timeout_s >= 0 and math.isfinite(r.stall_timeout_s),
          f"resources.stall_timeout_s must be >= 0 seconds (0 = no stall detection), got {r.stall_timeout_s}"),
+        (r.exit_grace_s >= 0 and math.isfinite(r.exit_grace_s),
+         f"resources.exit_grace_s must be >= 0 seconds, got {r.exit_grace_s}"),
         (r.auto_resume >= 0, f"resources.auto_resume must be >= 0 (0 = never), got {r.auto_resume}"),
         (r.ray.num_cpus is None or r.ray.num_cpus >= 1,
          f"resources.ray.num_cpus must be >= 1, or null for every core; got {r.ray.num_cpus}"),

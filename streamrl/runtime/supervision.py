@@ -265,9 +265,11 @@ class Supervisor:
                     self.failure = event
 
     def reap(self) -> None:
-        """Wait for workers to exit after Stop; SIGTERM, then SIGKILL, whoever lingers."""
+        """Wait for workers to exit after Stop (resources.exit_grace_s); SIGTERM, then SIGKILL, whoever
+        lingers."""
         procs = list({id(w.proc): w.proc for w in self.workers if w.proc is not None}.values())
-        for sig, wait in ((None, 30.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        grace = self.cfg.resources.exit_grace_s
+        for sig, wait in ((None, grace), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             alive = [p for p in procs if p.is_alive()]
             if not alive:
                 break

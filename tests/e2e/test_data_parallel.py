@@ -35,11 +35,12 @@ def _rows(result: streamrl.RunResult) -> list[dict[str, float]]:
 
 
 @pytest.mark.timeout(300)
-def test_two_trainers_take_the_steps_of_one(tmp_path: Path) -> None:
+def test_two_trainers_take_the_steps_of_one(tmp_path: Path, single_trainer_digits: streamrl.RunResult) -> None:
     """stages.train.workers=2 in the default (separate) placement: each rank claims half of every step and
-    FSDP2 sums the gradients; the step is normalised by the token count summed over the ranks."""
+    FSDP2 sums the gradients; the step is normalised by the token count summed over the ranks. One
+    trainer: the session's single_trainer_digits run (tests/conftest.py), the same config and budget."""
     before = ipc_dirs()
-    one = streamrl.run(DIGITS, _overrides(tmp_path / "one"))
+    one = single_trainer_digits
     two = streamrl.run(DIGITS, _overrides(tmp_path / "two", "stages.train.workers=2", "stages.train.micro_batch=32"))
     for result in (one, two):
         assert result.stop_reason.startswith("reward ") and result.steps < BUDGET
@@ -57,12 +58,14 @@ def test_two_trainers_take_the_steps_of_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_tensor_parallel_trainers_take_the_steps_of_one(tmp_path: Path) -> None:
+def test_tensor_parallel_trainers_take_the_steps_of_one(tmp_path: Path,
+                                                        single_trainer_digits: streamrl.RunResult) -> None:
     """stages.train.options.tensor_parallel=2 with 2 workers: one model replica split over two ranks
     (DTensor column/row-parallel projections under FSDP2). Only its TP rank 0 claims; it hands each
-    micro-batch to rank 1 (streamrl/stages/replica.py), so both compute the same samples."""
+    micro-batch to rank 1 (streamrl/stages/replica.py), so both compute the same samples. Step 1 is
+    compared with the session's one-trainer run (tests/conftest.py): the same samples there too."""
     before = ipc_dirs()
-    one = streamrl.run(DIGITS, _overrides(tmp_path / "one", "algo.steps=3", "algo.stop_reward=null"))
+    one = single_trainer_digits
     tp = streamrl.run(DIGITS, _overrides(tmp_path / "tp", "algo.steps=3", "algo.stop_reward=null",
                                          "stages.train.workers=2", "stages.train.options={tensor_parallel: 2}"))
     rows1, rows2 = _rows(one), _rows(tp)

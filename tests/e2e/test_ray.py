@@ -157,7 +157,9 @@ def test_a_killed_worker_is_restarted_and_sigterm_stops_every_actor(cluster: Any
     Then SIGTERM: the run exits, and no actor, placement group or process of the run remains."""
     import json
 
-    args = [str(DIGITS), *_overrides(tmp_path, cluster.address, 200)]
+    # the killed worker's leased samples go back to the dock after lease_ttl_s (30 s by default): 2 s
+    # here, so the step after the restart comes as soon as the restarted worker is up
+    args = [str(DIGITS), *_overrides(tmp_path, cluster.address, 200), "resources.dock.lease_ttl_s=2.0"]
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "run", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

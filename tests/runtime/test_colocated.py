@@ -95,14 +95,16 @@ def _run_config(tmp_path: Path, *overrides: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_colocated_grpo_with_two_ranks_learns_digits_like_the_single_process_run(tmp_path: Path) -> None:
+def test_colocated_grpo_with_two_ranks_learns_digits_like_the_single_process_run(
+        tmp_path: Path, single_trainer_digits: streamrl.RunResult) -> None:
     """R = 2 colocated vs the single-process trainer on the same task, model, batch and optimizer:
-    both must reach the config's stop_reward (0.9; chance is ~0.1) within the same step budget."""
+    both must reach the config's stop_reward (0.9; chance is ~0.1) within the same step budget. The
+    single-process run is the session's (tests/conftest.py: configs/grpo_digits.yaml, 200 steps)."""
     before = ipc_dirs()
     budget = "algo.steps=200"
     colocated = streamrl.run(REPO / "configs" / "grpo_digits_colocated.yaml",
                              _run_config(tmp_path / "colocated", budget))
-    single = streamrl.run(REPO / "configs" / "grpo_digits.yaml", _run_config(tmp_path / "single", budget))
+    single = single_trainer_digits
     for result in (colocated, single):
         assert result.stop_reason.startswith("reward ") and result.final_reward is not None
         assert result.final_reward >= 0.9 and result.steps < 200

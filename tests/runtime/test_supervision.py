@@ -120,9 +120,11 @@ def test_a_stalled_stage_is_reported_with_its_stack_and_the_run_stops(tmp_path: 
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     # the stage says when its batch begins, then blocks its event loop: past SILENT_WORKER_S (5 s) of
-    # silence, while the other workers still send heartbeats, the launcher names it as blocked
+    # silence, while the other workers still send heartbeats, the launcher names it as blocked. The
+    # blocked worker cannot exit by itself: exit_grace_s (30 s by default) of waiting for it is cut to 3 s,
+    # then the launcher's SIGTERM and SIGKILL stop it
     with pytest.raises(RunFailed) as failed:
-        run(_config(tmp_path, str(path), resources={"stall_timeout_s": 6.0}), run_dir=run_dir)
+        run(_config(tmp_path, str(path), resources={"stall_timeout_s": 6.0, "exit_grace_s": 3.0}), run_dir=run_dir)
     message = str(failed.value)
     assert "no optimizer step for" in message and "resources.stall_timeout_s=6" in message
     assert "stage 'advantage' worker 0 sent nothing for" in message  # its event loop is blocked
