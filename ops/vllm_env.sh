@@ -22,7 +22,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/n
 fi
 "$VENV/bin/pip" install -q -e ".[test]"
 if [ "$MODE" = full ]; then
-  "$VENV/bin/python" -m pytest -q
+  "$VENV/bin/python" -m pytest -q && "$VENV/bin/python" -m pytest -q -m slow  # both tiers (pyproject.toml)
 elif [ "$MODE" = ci ]; then
   "$VENV/bin/python" -m pytest -q tests/algos tests/engines tests/models tests/reshard tests/stages tests/tasks \
     tests/e2e/test_vllm.py tests/e2e/test_digits.py tests/e2e/test_gsm8k_recipe.py

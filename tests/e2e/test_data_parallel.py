@@ -9,6 +9,7 @@ same seeds), bfloat16 at step 68.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -92,6 +93,26 @@ def test_colocated_tensor_parallel_trainers_reshard_from_their_slices(tmp_path: 
     assert all(0 < r["reshard_peak_extra_bytes"] <= 262144 for r in rows)
 
 
+def _float32_export(result: streamrl.RunResult) -> set[torch.dtype]:
+    from safetensors.torch import load_file
+
+    return {t.dtype for t in load_file(result.run_dir / "checkpoint" / "model.safetensors").values()}
+
+
+@pytest.mark.timeout(300)
+def test_bfloat16_trains_and_exports_its_float32_masters(tmp_path: Path) -> None:
+    """model.dtype=bfloat16 for 3 steps: the trainer's packed forward and every step run, and the export
+    keeps the float32 master weights. The default run's sibling of the learning run below."""
+    result = streamrl.run(DIGITS, _overrides(tmp_path, "model.dtype=bfloat16", "algo.steps=3",
+                                             "algo.stop_reward=null"))
+    rows = _rows(result)
+    assert result.steps == 3 and len(rows) == 3
+    assert all(r["response_tokens"] > 0 and math.isfinite(r["loss"]) for r in rows), rows
+    assert "train forward: packed" in (result.run_dir / "logs" / "train-0.log").read_text()
+    assert _float32_export(result) == {torch.float32}
+
+
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the 3-step run above
 @pytest.mark.timeout(300)
 def test_bfloat16_learns_digits(tmp_path: Path) -> None:
     """model.dtype=bfloat16: FSDP2 computes in bf16 over float32 masters, generation runs in bf16."""
@@ -101,10 +122,7 @@ def test_bfloat16_learns_digits(tmp_path: Path) -> None:
     logs = (result.run_dir / "logs" / "train-0.log").read_text()
     assert "train forward: packed" in logs
     # the export keeps the float32 master weights
-    from safetensors.torch import load_file
-
-    weights = load_file(result.run_dir / "checkpoint" / "model.safetensors")
-    assert {t.dtype for t in weights.values()} == {torch.float32}
+    assert _float32_export(result) == {torch.float32}
 
 
 @pytest.mark.timeout(300)

@@ -84,6 +84,7 @@ def test_every_step_is_full_of_informative_groups_and_a_resume_repeats_it_exactl
         assert {k: got[k] for k in EXACT} == {k: want[k] for k in EXACT}, f"step {got['step']}"
 
 
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the synchronous run and resume above
 @pytest.mark.timeout(300)
 def test_async_resume_neither_repeats_nor_loses_a_sample(tmp_path: Path) -> None:
     config = _config(tmp_path, max_staleness=1)

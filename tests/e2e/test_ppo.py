@@ -21,6 +21,7 @@ QUIET = ["output.progress=none", "output.tensorboard=false", "output.plot=false"
 MAX_STEPS = 150  # seeds 0 reach 0.9 in about 85 steps (docs/benchmarks.md); a random policy is near 0.25
 
 
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the critic's checkpoint-and-resume run below (same pipeline)
 @pytest.mark.timeout(240)
 def test_ppo_learns_digits_max(tmp_path: Path) -> None:
     before = ipc_dirs()

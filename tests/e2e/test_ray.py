@@ -5,6 +5,11 @@
 every Ray listener on 127.0.0.1 and ``RAY_TMPDIR`` keeps Ray's files in a temp dir; the run's
 own sockets bind the node address Ray reports (127.0.0.1 here) with CURVE. One cluster serves
 the module (start-up is ~6-15 s here).
+
+The module is the suite's second tier (marked slow; ``python3 -m pytest -q -m slow``, .ci/run runs
+it): each run on the cluster costs 30-40 s of start-up on 2 cores (a Ray worker process per host
+actor, each importing torch), about 3 minutes for the module. Without a cluster,
+tests/runtime/test_ray_placement.py checks what the launcher derives for Ray (process names, bundles).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ ray = pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]  # second tier: see the docstring
 
 
 @pytest.fixture(scope="module")

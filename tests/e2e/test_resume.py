@@ -144,6 +144,8 @@ def test_sigkill_mid_step_then_resume_matches_the_uninterrupted_run(tmp_path: Pa
     assert not leftover_ipc_dirs(before, run_dir)
 
 
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the whole run SIGKILLed mid-step above (the resume),
+# tests/runtime/test_orphans.py (orphaned workers exit)
 @pytest.mark.timeout(300)
 def test_a_launcher_killed_alone_leaves_no_step_ahead_of_its_metrics(tmp_path: Path,
                                                                     reference: list[dict[str, Any]]) -> None:
@@ -188,6 +190,8 @@ def test_a_launcher_killed_alone_leaves_no_step_ahead_of_its_metrics(tmp_path: P
     _assert_same(_rows(run_dir), reference)  # every step's row exactly once
 
 
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the kill mid-step above (the resume),
+# tests/runtime/test_checkpoints.py (a commit is atomic and prunes)
 @pytest.mark.timeout(300)
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path: Path, reference: list[dict[str, Any]]) -> None:
     config = _config(tmp_path)
@@ -204,6 +208,8 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path: Path, referenc
     assert names == [f"step-{STEPS - EVERY:08d}", f"step-{STEPS:08d}"]  # pruned to keep_checkpoints, no .partial
 
 
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the kill mid-step above (the resume),
+# tests/e2e/test_dynamic_sampling.py (a resume one version ahead)
 @pytest.mark.timeout(300)
 def test_async_resume_neither_loses_nor_repeats_a_sample(tmp_path: Path) -> None:
     config = _config(tmp_path, max_staleness=1)
@@ -243,7 +249,8 @@ def test_sigterm_saves_then_stops_and_a_fresh_run_refuses_the_directory(tmp_path
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+# disaggregated is second tier (pyproject.toml); its cheaper sibling in the default run: the colocated case
+@pytest.mark.parametrize("placement", ["colocated", pytest.param("disaggregated", marks=pytest.mark.slow)])
 def test_resume_in_the_reshard_placements_is_exact_too(tmp_path: Path, placement: str) -> None:
     """The trainer there loads the checkpoint and hands its version to generation through the
     reshard (colocated: into its own inference weights; disaggregated: to the generate workers)."""

@@ -94,6 +94,8 @@ def _run_config(tmp_path: Path, *overrides: str) -> list[str]:
             "output.plot=false", *overrides]
 
 
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: tests/e2e/test_resume.py's exact resume
+# in the colocated placement (and the colocated runs of test_dynamic_sampling, test_data_parallel, test_ppo)
 @pytest.mark.timeout(240)
 def test_colocated_grpo_with_two_ranks_learns_digits_like_the_single_process_run(
         tmp_path: Path, single_trainer_digits: streamrl.RunResult) -> None:

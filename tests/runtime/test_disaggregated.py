@@ -95,6 +95,7 @@ def test_one_generate_stage_class_serves_every_placement(tmp_path: Path) -> None
             "streamrl.stages.generate:GenerateStage"]
 
 
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the runs one version ahead below
 @pytest.mark.timeout(240)
 def test_disaggregated_grpo_learns_digits_with_weights_sent_bucket_by_bucket(tmp_path: Path) -> None:
     """R = 2 train ranks feed G = 2 generation workers, from a random init (chance is ~0.1).

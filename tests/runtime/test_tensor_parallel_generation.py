@@ -62,6 +62,7 @@ def test_both_placements_generate_with_a_two_rank_tp_group_and_agree(tmp_path: P
         assert_run_cleaned(result.run_dir, os.getpid(), before)
 
 
+@pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the 12-step run above
 @pytest.mark.timeout(180)
 def test_a_two_rank_tp_group_learns_digits(tmp_path: Path) -> None:
     result = streamrl.run(DISAGGREGATED, _overrides(tmp_path, "algo.steps=120"))
