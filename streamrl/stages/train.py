@@ -420,6 +420,8 @@ class TrainStage:
         n = max(stats["sequences"], 1.0)
         tokens = stats["tokens"]
         mean = r_sum / max(r_n, 1.0)
+        if math.isfinite(r_max):  # a float sum's rounding can put the mean of equal rewards a hair outside them
+            mean = min(max(mean, -neg_r_min), r_max)
         var = (r_sq - r_n * mean * mean) / (r_n - 1) if r_n > 1 else 0.0
         metrics = {
             "reward_mean": mean,
