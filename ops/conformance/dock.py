@@ -99,6 +99,11 @@ def expect_error(reply: dict[str, Any], code: str) -> None:
     expect(bool(reply.get("message")), "an error reply must say what was wrong")
 
 
+def returned(info: list[int]) -> int:
+    """A SampleInfo array's ``returned`` (its sixth element; 0 when a controller sends five, §3)."""
+    return info[5] if len(info) > 5 else 0
+
+
 class Suite:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -322,10 +327,13 @@ class Suite:
     def c_e_release_returns_samples(self) -> None:
         idx = self.fresh_samples(2)
         reply = self.claim_exactly(idx)
+        expect(all(returned(s) == 0 for s in reply["samples"]), f"a first delivery has returned 0: {reply}")
         rel, _ = self.ctl.ask({"type": "release", "req_id": rid(), "client_id": self.client_id,
                                "lease_id": reply["lease_id"]})
         expect(rel.get("type") == "ok", f"release answered with {rel}")
         again = self.claim_exactly(idx)
+        expect(all(returned(s) == 1 for s in again["samples"]),
+               f"a released sample comes back with returned 1 (SampleInfo's sixth element): {again}")
         expect(self.ack(again["lease_id"]).get("type") == "ok", "ack after release refused")
 
     def c_f_lease_expiry(self) -> None:
@@ -338,6 +346,8 @@ class Suite:
             expect(sorted(s[0] for s in reply.get("samples", [])) == sorted(idx), f"claim answered with {reply}")
             time.sleep(0.8)  # silent past its TTL: its lease must go back to the pool
             again = self.claim_exactly(idx)
+            expect(all(returned(s) == 1 for s in again["samples"]),
+                   f"a sample of an expired lease comes back with returned 1 (SampleInfo's sixth element): {again}")
             expect(self.ack(again["lease_id"]).get("type") == "ok", "ack refused")
             expect_error(self.ack(reply["lease_id"], client_id=cid), "unknown_lease")
         finally:

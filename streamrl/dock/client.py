@@ -74,6 +74,12 @@ class SampleList:
     def lengths(self) -> list[int]:
         return [s.length for s in self.samples]
 
+    @property
+    def returned(self) -> list[int]:
+        """Per sample: how often this consumer had it before and gave it back unacked (a worker that
+        died, or a release); 0 on a first delivery."""
+        return [s.returned for s in self.samples]
+
     def __len__(self) -> int:
         return len(self.samples)
 

@@ -91,13 +91,19 @@ Columns = Annotated[list[Column], Meta(max_length=MAX_COLUMNS)]
 
 
 class SampleInfo(msgspec.Struct, array_like=True):
-    """What the controller knows of one claimed sample (sent as a 5-array for compactness)."""
+    """What the controller knows of one claimed sample, sent as an array for compactness:
+    ``[index, group, group_size, version, length, returned]``. ``returned`` counts the earlier claims
+    of the sample by this consumer that ended without an ack (the lease was released or expired;
+    it saturates at 255), so a consumer tells a first delivery from a redelivery after a worker
+    died. A decoder reads the first six elements and ignores any after them; a 5-element array
+    (an older controller) means ``returned`` 0."""
 
     index: Id
     group: Id
     group_size: Count
     version: Id
     length: Id
+    returned: Annotated[int, Meta(ge=0, le=255)] = 0
 
 
 # ---------------------------------------------------------------- controller socket: requests

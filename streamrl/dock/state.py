@@ -45,8 +45,8 @@ class ProtocolViolation(Exception):
 
 
 class _Sample:
-    __slots__ = ("discarded", "group", "group_size", "group_start", "index", "length", "n_done", "ready", "state",
-                 "version")
+    __slots__ = ("discarded", "group", "group_size", "group_start", "index", "length", "n_done", "ready",
+                 "returned", "state", "version")
 
     def __init__(self, index: int, group: int, group_start: int, group_size: int, n_consumers: int) -> None:
         self.index = index
@@ -59,6 +59,9 @@ class _Sample:
         self.state = bytearray(n_consumers)
         self.n_done = 0
         self.discarded = False  # left the run (an ack with discard): never delivered again
+        # per consumer: claims of it that ended without an ack (released, or the lease expired); made on
+        # the first such return, so a sample never given back costs nothing
+        self.returned: bytearray | None = None
 
 
 @dataclass(frozen=True)
@@ -459,7 +462,8 @@ class ControllerState:
             s = self.samples[i]
             s.state[view.consumer] = CLAIMED
             self.claimed_count[view.consumer] += 1
-            infos.append(p.SampleInfo(i, s.group, s.group_size, s.version, s.length))
+            returned = s.returned[view.consumer] if s.returned is not None else 0
+            infos.append(p.SampleInfo(i, s.group, s.group_size, s.version, s.length, returned))
         home = self.client_home.get(req.client_id)
         if home is not None:  # locality statistics, only for clients that said where they run
             local = sum(1 for i in picked if self.owner(i) == home)
@@ -629,6 +633,9 @@ class ControllerState:
                 self._mark_done(s, lease.consumer)
                 continue
             s.state[lease.consumer] = PENDING
+            if s.returned is None:
+                s.returned = bytearray(len(s.state))
+            s.returned[lease.consumer] = min(s.returned[lease.consumer] + 1, 255)  # a count that saturates
             if (s.ready & view.reads_mask) == view.reads_mask:
                 self._enqueue(view, s, front=True)
         self.counters["samples_released"] += len(lease.indices)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -419,3 +420,27 @@ def test_discard_of_part_of_a_queued_group_keeps_the_rest_claimable() -> None:
     state.ack("c1", flt.lease_id, [idx[3]], discard=True)  # claimed by adv: it keeps its lease
     state.ack("c", got.lease_id, None)
     assert not state.samples and state.counters["samples_discarded"] == 4
+
+
+def test_a_sample_given_back_says_how_often_it_was_returned_to_that_consumer_only() -> None:
+    """``SampleInfo.returned``: 0 on a first delivery; one more per release or lease expiry of that
+    consumer (what lets an agent stage drop the samples of a dead worker's sessions); another
+    consumer's first delivery of the same sample still says 0."""
+    state = ControllerState(["agent", "train"], capacity=8, n_warehouses=1)
+    idx, _ = state.reserve(2, 1)
+    state.columns_ready(idx, ["x"], None, None)
+    first = claim(state, "agent", 8, client="worker0")
+    assert first is not None and [s.returned for s in first.samples] == [0, 0]
+    state.release("worker0", first.lease_id)
+    again = claim(state, "agent", 1, client="worker0")
+    assert again is not None and [(s.index, s.returned) for s in again.samples] == [(0, 1)]
+    state.expire_client("worker0")  # the worker died holding sample 0; sample 1 went back with the release
+    last = claim(state, "agent", 8, client="worker1")
+    assert last is not None and sorted((s.index, s.returned) for s in last.samples) == [(0, 2), (1, 1)]
+    state.ack("worker1", last.lease_id, None)
+    train = claim(state, "train", 8, client="trainer")
+    assert train is not None and [s.returned for s in train.samples] == [0, 0]
+    assert p.SampleInfo(0, 0, 1, 0, 3, 2) == msgspec.msgpack.decode(
+        msgspec.msgpack.encode(p.SampleInfo(0, 0, 1, 0, 3, 2)), type=p.SampleInfo)
+    # a 5-element array (a controller older than the field) reads as returned 0
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode([0, 0, 1, 0, 3]), type=p.SampleInfo).returned == 0
