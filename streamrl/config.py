@@ -134,9 +134,10 @@ class DynamicSamplingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     has its batch_size samples of informative groups (or, with ``token_budget``, its response tokens)."""
 
     enabled: Annotated[bool, Meta(description=(
-        "Drop groups whose rewards are all equal and generate more prompts until each optimizer step has "
-        "prompts_per_step x group_size samples of informative groups; needs the filter stage "
-        "(pipelines/dapo.yaml)"))] = False
+        "Generate more prompts whenever a stage drops samples, until each optimizer step has "
+        "prompts_per_step x group_size samples; needs a stage that drops: the filter stage of "
+        "pipelines/dapo.yaml (groups whose rewards are all equal), or an agent stage with "
+        "options.lost_sessions: drop (sessions lost with a worker)"))] = False
     max_rounds: Annotated[int, Meta(description=(
         "Cap on over-generation: the source makes at most this many rounds of prompts_per_step prompts per "
         "optimizer step (counted over the run); past it the run fails saying so, as the task is then too "
@@ -333,7 +334,8 @@ class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     exit_grace_s: Annotated[float, Meta(description=(
         "When the run ends, seconds its workers get to exit by themselves (they close their stages: the "
         "trainer's final export) before the launcher sends SIGTERM, then SIGKILL 5 s later; a worker whose "
-        "event loop is blocked (a stall) waits this out"))] = 30.0
+        "event loop is blocked (a stall) waits this out. A worker whose launcher died exits hard after this "
+        "or 10 s, whichever is shorter"))] = 30.0
     auto_resume: Annotated[int, Meta(description=(
         "A run whose trainer dies resumes from its newest checkpoint (output.checkpoint_every) up to this many "
         "times, in the same run directory; 0 = stop and say how to resume"))] = 0

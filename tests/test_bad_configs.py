@@ -336,6 +336,9 @@ CASES: dict[str, Case] = {
                                     config=_agent({"rollout": "streamrl.tasks.calculator:calculator"})),
     "agent-rollout-args": Case(("options.rollout_args {'turn': 4} do not fit", "unexpected keyword argument 'turn'"),
                                config=_agent({"rollout": "streamrl.tasks.calculator:solve", "rollout_args": {"turn": 4}})),
+    "agent-drop-without-dynamic-sampling": Case(
+        ("stage 'agent'", "options.lost_sessions: drop", "algo.dynamic_sampling.enabled: true"),
+        config=_agent({"rollout": "streamrl.tasks.calculator:solve", "lost_sessions": "drop"})),
     "agent-tool-parser": Case(("stage 'agent'", "'hermez'"),
                               config=_agent({"rollout": "streamrl.tasks.calculator:solve", "tool_parser": "hermez"})),
     "agent-writes-unknown": Case(("stage 'agent'", "it cannot write ['values']"),

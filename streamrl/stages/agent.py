@@ -40,9 +40,14 @@ the versions the train group sends (``weights_from: train``). ``options.weight_u
 
 Per-micro-batch metrics (``agent/<name>``): turns per trajectory, tool calls and malformed ones,
 the fork rate, p50 / p99 seconds per turn, sessions per second, trajectories sampled on more than
-one version. In placement separate the stage is
-restartable: a worker that dies mid-session loses its sessions, and the dock gives their samples
-(leased, never acknowledged) to the restarted worker, which plays them again from the start.
+one version, and the samples of lost sessions replayed or dropped (below).
+
+Lost sessions. In placement separate the stage is restartable: a worker that dies mid-session loses
+its sessions, and the dock gives their samples (leased, never acknowledged) to the restarted worker
+(the dock's ``returned`` count says which). ``options.lost_sessions``: ``replay`` (default) plays
+them again from the start; ``drop`` takes them out of the run (the dock's discard: no later stage
+waits for them) and the source makes new samples in their place, which needs
+``algo.dynamic_sampling.enabled``. A group with dropped members trains on the others.
 """
 
 from __future__ import annotations
@@ -108,6 +113,9 @@ class AgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: Annotated[EngineName, Meta(description=(
         "builtin: torch, in-process, no extra install; vllm: see docs/vllm.md"))] = "builtin"
     vllm: Annotated[VllmOptions, Meta(description="vLLM engine settings (engine: vllm)")] = VllmOptions()
+    lost_sessions: Annotated[Literal["replay", "drop"], Meta(description=(
+        "A sample whose session died with its worker: replay plays it again on the restarted worker; drop takes "
+        "it out of the run and the source makes another (needs algo.dynamic_sampling.enabled)"))] = "replay"
 
 
 def check_agent_options(options: dict[str, Any]) -> tuple[AgentOptions, Any]:
@@ -138,6 +146,9 @@ class AgentStage:
     # placement separate: its sessions live in the worker, and a restarted one plays the leased samples
     # again (a reshard placement's worker is a rank of a torch.distributed world: not restartable)
     restartable = staticmethod(fetches_weights)
+    # with lost_sessions: drop it takes samples out of the run, for which the source makes up
+    # (streamrl.stages.source's dynamic sampling)
+    discards = staticmethod(lambda spec: spec.options.get("lost_sessions") == "drop")
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
@@ -146,6 +157,11 @@ class AgentStage:
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
         check_weight_links(spec, pipeline)
+        if spec.options.get("lost_sessions") == "drop" and not cfg.algo.dynamic_sampling.enabled:
+            raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: options.lost_sessions: drop takes the samples "
+                              "of sessions lost with a worker out of the run, and only the source's dynamic sampling "
+                              "makes new ones in their place: set algo.dynamic_sampling.enabled: true, or "
+                              "lost_sessions: replay (the default: they are played again)")
         unknown = [c for c in spec.writes if c not in AGENT_COLUMNS]
         missing = [c for c in ("prompt_ids", "response_ids") if c not in spec.writes]
         if unknown or missing:
@@ -169,6 +185,7 @@ class AgentStage:
             model=MODEL_NAME, max_tokens=self.opts.max_tokens, max_positions=self.weights.max_positions,
             tool_parser=self.opts.tool_parser, session_idle_s=self.opts.session_timeout_s))
         self.sessions = itertools.count()
+        self.lost = {"replayed": 0, "dropped": 0}  # samples of sessions lost with a worker (process())
         self.closed = anyio.Event()
         self.failure: BaseException | None = None
         ready = anyio.Event()
@@ -197,9 +214,19 @@ class AgentStage:
             raise
 
     async def process(self, batch: Batch) -> Output:
+        # a sample the dock gave back (its session died with a worker): replayed, or dropped
+        lost = [r > 0 for r in batch.returned]
+        drop = lost if self.opts.lost_sessions == "drop" else [False] * len(lost)
+        if any(lost):  # totals of this worker process (the samples of a dead worker come to its successor)
+            self.lost["replayed"] += sum(lost) - sum(drop)
+            self.lost["dropped"] += sum(drop)
+            self.ctx.report_metrics({f"lost_sessions_{k}": float(v) for k, v in self.lost.items()})
+        if all(drop):
+            return Output({c: [None] * len(drop) for c in self.ctx.spec.writes}, discard=drop)
         need = version_needed(batch, self.ctx.config.algo.max_staleness)
         names = [c for c in batch.columns if not c.endswith("_ids")]
-        samples = [{**{c: batch.columns[c][i] for c in names}, "model": MODEL_NAME} for i in range(len(batch.samples))]
+        samples = [{**{c: batch.columns[c][i] for c in names}, "model": MODEL_NAME}
+                   for i in range(len(batch.samples)) if not drop[i]]
         results: list[tuple[Trajectory, float] | None] = [None] * len(samples)
         started = time.perf_counter()
         if self.opts.weight_updates == "between_sessions":
@@ -215,7 +242,15 @@ class AgentStage:
         played = [r for r in results if r is not None]
         assert len(played) == len(samples)
         self._report(len(samples), time.perf_counter() - started, played)
-        return self._output(played)
+        if not any(drop):
+            return self._output(played)
+        kept = self._output(played)
+        rows = iter(range(len(played)))
+        where = [None if d else next(rows) for d in drop]  # the played row of each sample of the batch
+        return Output({c: [None if k is None else v[k] for k in where] for c, v in kept.columns.items()},
+                      versions=[0 if k is None else kept.versions[k] for k in where],  # type: ignore[index]
+                      lengths=[0 if k is None else kept.lengths[k] for k in where],  # type: ignore[index]
+                      discard=drop)
 
     async def _play_all(self, samples: list[dict[str, Any]], results: list[tuple[Trajectory, float] | None]
                         ) -> None:

@@ -63,8 +63,14 @@ class OverGenerationCapReached(RuntimeError):
 
 
 def discarding_stages(pipeline: PipelineSpec) -> list[str]:
-    """The stages of ``pipeline`` that drop samples from the run (their class says ``discards = True``)."""
-    return [s.name for s in pipeline.stages if getattr(import_stage_class(s.cls), "discards", False) is True]
+    """The stages of ``pipeline`` that drop samples from the run (their class says ``discards = True``,
+    or has ``discards`` a function of the stage's spec that says True for it)."""
+    names = []
+    for s in pipeline.stages:
+        discards = getattr(import_stage_class(s.cls), "discards", False)
+        if discards is True or (callable(discards) and discards(s) is True):
+            names.append(s.name)
+    return names
 
 
 def _round_samples(train: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> int:
@@ -95,7 +101,8 @@ class SourceStage:
         if cfg.algo.dynamic_sampling.enabled and not discarding_stages(pipeline):
             raise ConfigError(f"{pipeline.where}: algo.dynamic_sampling.enabled needs a stage that drops "
                               "uninformative groups (streamrl.stages.filter:FilterStage between score and advantage, "
-                              "as pipelines/dapo.yaml has); use that pipeline or set enabled: false")
+                              "as pipelines/dapo.yaml has, or an agent stage with options.lost_sessions: drop); use "
+                              "that pipeline or set enabled: false")
         if cfg.algo.dynamic_sampling.enabled and "sample_key" not in spec.writes:
             raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: algo.dynamic_sampling needs sample keys (which "
                               "samples a step trained, which a checkpoint covers): add sample_key to the source's "
@@ -164,7 +171,8 @@ class SourceStage:
             stats = await self.ctx.dock_statistics()
             discarded = int(stats.get("samples_discarded", 0))
             dropped = discarded + int(stats.get("dropped_stale", 0))
-            judged = sum(int(stats["consumers"].get(name, {}).get("done", 0)) for name in self.filters)
+            # what every dropping stage has judged (done for it: kept, dropped, or dropped by another)
+            judged = min((int(stats["consumers"].get(name, {}).get("done", 0)) for name in self.filters), default=0)
             steps = min(version - self.first_version + 1 + a.max_staleness, a.steps - self.first_version)
             if a.dynamic_sampling.token_budget:
                 short = self._short_of_rounds(stats, version, dropped)

@@ -97,11 +97,16 @@ def _steps_done(run_dir: Path) -> int:
 
 
 @pytest.mark.timeout(240)
-def test_weights_land_mid_session_and_a_killed_agent_worker_loses_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lost_sessions", ["replay", "drop"])
+def test_weights_land_mid_session_and_a_killed_agent_worker_loses_nothing(tmp_path: Path, lost_sessions: str
+                                                                           ) -> None:
     """One generation ahead (max_staleness 1) with weight_updates: in_session, so new versions are
     installed while sessions run (an agent of three turns with a slow tool between them, so a session
-    outlasts a training step); the agent worker is SIGKILLed at step 4 with sessions open. The run finishes every step, the restarted worker plays the dead one's samples again, and
-    every sample reaches every stage exactly once."""
+    outlasts a training step); the agent worker is SIGKILLed at step 4 with sessions open. The run
+    finishes every step and the dock's ledger is exact. ``replay``: the restarted worker plays the dead
+    one's samples again, and every sample reaches every stage exactly once. ``drop``: it takes them
+    out of the run, the source (dynamic sampling) makes as many new ones, and every step still trains
+    its batch of samples, none twice."""
     steps, batch = 12, 16
     run_dir = tmp_path / "run"
     killed: list[int] = []
@@ -122,16 +127,33 @@ def test_weights_land_mid_session_and_a_killed_agent_worker_loses_nothing(tmp_pa
         "algo.group_size=4", "stages.agent.micro_batch=16", "stages.advantage.micro_batch=16",
         "stages.train.micro_batch=16", "stages.agent.options.weight_updates=in_session",
         "stages.agent.options.rollout=tests.e2e.agent_fns:three_slow_turns", "stages.agent.options.rollout_args={}",
-        "stages.agent.options.tool_parser=hermes",
+        "stages.agent.options.tool_parser=hermes", f"stages.agent.options.lost_sessions={lost_sessions}",
+        f"algo.dynamic_sampling.enabled={str(lost_sessions == 'drop').lower()}",
         "resources.dock.lease_ttl_s=1.0", "resources.max_restarts=2", *QUIET], run_dir=run_dir)
     killer.join(5)
     assert len(killed) == 1
     assert result.steps == steps and result.restarts == {"agent-0": 1}
     stats = result.dock_statistics
-    assert stats["reserved_total"] == steps * batch
-    assert {name: c["done"] for name, c in stats["consumers"].items()} == dict.fromkeys(
-        ["agent", "advantage", "train"], steps * batch)
+    last = result.metrics[-1]
     assert all(row["repeated_samples"] == 0 for row in result.metrics)
+    if lost_sessions == "replay":
+        # the dead worker's sessions were played again by its successor: the micro-batch it played, and
+        # the next one if its fetcher held it already
+        assert 0 < last["agent/lost_sessions_replayed"] <= 2 * batch and last["agent/lost_sessions_dropped"] == 0
+        assert stats["reserved_total"] == steps * batch and stats["samples_discarded"] == 0
+        assert {name: c["done"] for name, c in stats["consumers"].items()} == dict.fromkeys(
+            ["agent", "advantage", "train"], steps * batch)
+    else:
+        # the dead worker's samples (a micro-batch, two if its fetcher held the next) left the run, and only they
+        dropped = last["agent/lost_sessions_dropped"]
+        assert 0 < dropped <= 2 * batch and last["agent/lost_sessions_replayed"] == 0
+        assert stats["samples_discarded"] == dropped
+        assert all(row["samples"] == batch for row in result.metrics)  # every step still trained its batch
+        # made: what was trained, what was dropped, and at most one wave made ahead that no step took
+        made = stats["reserved_total"]
+        assert steps * batch + dropped <= made <= steps * batch + dropped + batch, (made, dropped)
+        done = {name: c["done"] for name, c in stats["consumers"].items()}
+        assert done["train"] >= steps * batch + dropped and done["agent"] >= done["advantage"] >= done["train"]
     assert max(row["staleness_max"] for row in result.metrics) <= 1
     # versions moved during games: some trajectories hold tokens of two versions (each token keeps its own)
     assert sum(_agent_rows(result.metrics, "mixed_version_trajectories")) > 0
@@ -170,7 +192,9 @@ def test_an_external_process_and_a_gym_environment_are_agents_too(tmp_path: Path
         cfg = yaml.safe_load(CONFIG.read_text())
         cfg["pipeline"] = str(REPO / "pipelines" / "agent.yaml")
         cfg["stages"]["agent"]["options"].update(options, tool_parser="hermes")
-        result = streamrl.run(cfg, ["algo.steps=2", "algo.prompts_per_step=2", "algo.group_size=4",
+        # an external agent is a Python process per sample (it imports openai): 4 samples a step, not 8
+        group = 2 if way == "external" else 4
+        result = streamrl.run(cfg, ["algo.steps=2", "algo.prompts_per_step=2", f"algo.group_size={group}",
                                     f"output.run_dir={tmp_path / way}", *QUIET])
         assert result.steps == 2, way
         assert _agent_rows(result.metrics, "turns_per_trajectory")[-1] == 2.0, way
