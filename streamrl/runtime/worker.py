@@ -45,6 +45,7 @@ from streamrl.security import ClientAuth, ServerAuth
 log = logging.getLogger("streamrl.worker")
 
 BUSY_REPORT_S = 0.5  # how often a worker tells the launcher its busy time
+STOP_ACK_TIMEOUT_S = 10.0  # the ack of a stage's last batch, before its StopRun ends the run
 
 
 class WorkerSpec(msgspec.Struct, kw_only=True):
@@ -313,15 +314,16 @@ def process_alive(pid: int) -> bool:
         return True  # no /proc (not Linux): existence is all we can tell
 
 
-# After the launcher is gone, how long a worker may take to stop before it exits hard. Nothing an
-# orphan does is of use (its trainer can commit no checkpoint without the launcher recording the
-# step), so this only lets a thread in the middle of a step or a write end cleanly.
+# After the launcher is gone, how long a worker may take to stop before it exits hard (at most;
+# resources.exit_grace_s when that is shorter). Nothing an orphan does is of use (its trainer can
+# commit no checkpoint without the launcher recording the step), so this only lets a thread in the
+# middle of a step or a write end cleanly.
 ORPHAN_EXIT_S = 10.0
 
 
-def _exit_orphan(parent_pid: int) -> None:
+def _exit_orphan(parent_pid: int, grace_s: float) -> None:
     log.error("launcher %d is gone and this worker did not stop within %.0f s (a blocking call, e.g. a "
-              "collective waiting for a peer that is gone); exiting", parent_pid, ORPHAN_EXIT_S)
+              "collective waiting for a peer that is gone); exiting", parent_pid, grace_s)
     logging.shutdown()
     os._exit(1)
 
@@ -336,11 +338,12 @@ async def _watch_parent(spec: WorkerSpec, control: ControlClient, tg: anyio.abc.
     Cancelling stops the event loop's work, but not a blocking call in a worker thread (a
     collective or a stage's own ``run_sync``), which can hold the process for as long as its own
     timeout (600 s for collectives): with nobody left to stop it, the worker exits hard once
-    ``ORPHAN_EXIT_S`` has passed."""
+    ``ORPHAN_EXIT_S`` (or ``resources.exit_grace_s``, if shorter) has passed."""
     parent_pid = spec.parent_pid
     await wait_gone(parent_pid)
     log.error("launcher %d is gone: stopping", parent_pid)
-    timer = threading.Timer(ORPHAN_EXIT_S, _exit_orphan, args=(parent_pid,))
+    grace_s = min(ORPHAN_EXIT_S, spec.config.resources.exit_grace_s)
+    timer = threading.Timer(grace_s, _exit_orphan, args=(parent_pid, grace_s))
     timer.daemon = True
     timer.start()
     endpoints = [spec.dock_endpoint, spec.control_endpoint, spec.weights_endpoint]
@@ -453,7 +456,11 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
     try:
         result = await stage.process(Batch(lease.samples, columns))
     except StopRun:
-        await dock.ack(lease)  # the stage consumed these before deciding to stop
+        # the stage consumed these before deciding to stop. Shielded: every trainer rank raises StopRun
+        # at the same step, and the Stop that the first one's request brings must not cancel another
+        # rank's ack (its lease would be released, and samples it trained counted as never done)
+        with anyio.CancelScope(shield=True), anyio.fail_after(STOP_ACK_TIMEOUT_S):
+            await dock.ack(lease)
         raise
     finally:
         out_versions = getattr(result, "versions", None) if isinstance(result, Output) else None

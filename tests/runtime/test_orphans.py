@@ -34,7 +34,8 @@ def test_a_worker_blocked_in_a_thread_exits_once_the_launcher_is_killed(tmp_path
     with (tmp_path / "out.txt").open("w") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamrl.cli", "run", str(REPO / "configs" / "grpo_digits.yaml"),
-             f"pipeline={pipe}", f"output.run_dir={runs}", "output.progress=none"],
+             f"pipeline={pipe}", f"output.run_dir={runs}", "output.progress=none",
+             "resources.exit_grace_s=2"],  # the blocked worker's orphan timer: 2 s, not 10
             stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
             start_new_session=True,
         )
