@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 import anyio
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,17 +17,34 @@ from streamrl.dock.launch import LocalDock
 
 from .procs import spawn_worker, stop_all
 
-
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
+PLANS = given(
     n_samples=st.integers(20, 120),
     workers=st.lists(st.tuples(st.sampled_from(["gen", "train"]), st.integers(1, 9)), min_size=2, max_size=4),
     ack_delay=st.sampled_from([0.0, 0.01]),
     seed=st.integers(0, 1000),
 )
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@PLANS
 def test_each_sample_reaches_each_consumer_exactly_once(
     n_samples: int, workers: list[tuple[str, int]], ack_delay: float, seed: int
 ) -> None:
+    """Two plans of 3-5 consumer processes (each example starts its processes: seconds apiece)."""
+    _each_sample_once(n_samples, workers, ack_delay, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@PLANS
+def test_each_sample_reaches_each_consumer_exactly_once_over_more_plans(
+    n_samples: int, workers: list[tuple[str, int]], ack_delay: float, seed: int
+) -> None:
+    """The slow tier: the same over eight plans."""
+    _each_sample_once(n_samples, workers, ack_delay, seed)
+
+
+def _each_sample_once(n_samples: int, workers: list[tuple[str, int]], ack_delay: float, seed: int) -> None:
     consumers = sorted({c for c, _ in workers} | {"gen", "train"})
     with LocalDock(consumers, capacity=32, n_warehouses=2) as dock, tempfile.TemporaryDirectory() as tmp:
         procs = []

@@ -20,7 +20,9 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=240)
 
 
-@pytest.mark.parametrize(("warehouses", "block", "declared"), [(1, 1, False), (2, 1, False), (2, 3, True)])
+@pytest.mark.parametrize(("warehouses", "block", "declared"), [
+    pytest.param(1, 1, False, marks=pytest.mark.slow),  # the slow tier: [2-1-False] is the same suite on more warehouses
+    (2, 1, False), (2, 3, True)])
 def test_conformance_suite_passes_against_local_dock(warehouses: int, block: int, declared: bool) -> None:
     views = {"score": ConsumerView(["tokens", "answer"])}
     # declared: the pipeline's column names handed to the servers (no ZAP here, so no roles: §6.2)

@@ -73,6 +73,7 @@ def _steps_done(run_root: Path) -> int:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # the slow tier; the default one resets links under a dock stream (tests/dock/test_reconnect.py)
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _ss_kill_works(),
                     reason="needs `ss -K` (CAP_NET_ADMIN, INET_DIAG_DESTROY) to reset a live TCP connection")
 def test_a_digits_run_whose_dock_links_are_reset_mid_run_completes(tmp_path: Path) -> None:

@@ -156,6 +156,7 @@ def test_fsdp_equals_the_plain_single_process_reference(
     _assert_params_close(_params(out_dir, "r1"), state, FSDP_PARAM_ATOL, "FSDP R=1 vs the plain reference")
 
 
+@pytest.mark.slow  # the slow tier: the 2x2 test below runs TP=2 inside FSDP
 def test_tensor_parallel_two_equals_one_rank(one_rank: dict[str, Any], out_dir: Path) -> None:
     tp2 = run_world(train_world, 2, 2, STEPS, str(out_dir), "tp2", timeout_s=120.0)[0]
     _assert_losses_close(tp2["losses"], one_rank["losses"], LOSS_ATOL, "TP=2 vs R=1")

@@ -89,7 +89,7 @@ def _check_world(results: list[dict[str, Any]], world: int) -> None:
         _assert_same_as_reference(head["generator"]["tp"], head["generator"]["reference"], f"{name} generator")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: the slow tier
 def test_tp_rollout_equals_single_process_engine(world: int) -> None:
     _check_world(run_world(tp_world, world, MODELS, timeout_s=120.0), world)
 

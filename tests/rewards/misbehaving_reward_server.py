@@ -84,7 +84,11 @@ def main():
     print("READY", socket.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
     while True:
         frames = socket.recv_multipart()
-        message = msgpack.unpackb(frames[-1], raw=False)
+        try:
+            message = msgpack.unpackb(frames[-1], raw=False)
+            message.get("type")
+        except Exception:
+            continue  # what it cannot read it ignores (its misbehaviour is its mode's, not a crash)
         scoring = message.get("type") == "score"
         if args.mode == "garbage" and scoring:
             payload = b"\xc1 this is not msgpack"
@@ -103,7 +107,10 @@ def main():
             socket.send_multipart([*frames[:-1], *([reply] * 1000)])
             continue
         else:
-            payload = msgpack.packb(reply_for(args.mode, message), use_bin_type=True)
+            try:
+                payload = msgpack.packb(reply_for(args.mode, message), use_bin_type=True)
+            except Exception:
+                continue  # a request it cannot answer (e.g. one without its fields): no reply
         socket.send_multipart([*frames[:-1], payload])
 
 

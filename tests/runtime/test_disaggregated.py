@@ -196,7 +196,8 @@ def test_a_killed_generation_worker_fails_the_run_without_hanging_the_train_grou
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tensor_parallel", [1, 2])
+# the slow tier runs T=1 too; T=2 holds every step of it and the TP group's hand-over besides
+@pytest.mark.parametrize("tensor_parallel", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_generation_one_version_ahead_installs_versions_between_batches(tmp_path: Path, tensor_parallel: int) -> None:
     """max_staleness 1: generation runs one version ahead, so new versions arrive while the generators
     hold leases. A version is installed only under the exclusive side (T = 2: on the leader's INSTALL,
