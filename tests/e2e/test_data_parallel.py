@@ -126,7 +126,9 @@ def test_bfloat16_learns_digits(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", [DIGITS, DISAGGREGATED], ids=["separate", "disaggregated"])
+# disaggregated in the slow tier: GPT-2's own parts (learned positions, Conv1D) are the same in both
+@pytest.mark.parametrize("config", [DIGITS, pytest.param(DISAGGREGATED, marks=pytest.mark.slow)],
+                         ids=["separate", "disaggregated"])
 def test_gpt2_trains_and_generates_end_to_end(tmp_path: Path, config: Path) -> None:
     """An architecture outside the Llama family (learned positions, LayerNorm, Conv1D, tied lm_head):
     the rollout runs the module's own forward with a KV cache, the trainer its FSDP2-sharded module;

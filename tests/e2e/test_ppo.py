@@ -67,7 +67,8 @@ def test_the_critic_is_checkpointed_and_a_resume_continues_it_exactly(tmp_path: 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+# disaggregated in the slow tier: the critic's path is the same as colocated's; the placement's is GRPO's
+@pytest.mark.parametrize("placement", ["colocated", pytest.param("disaggregated", marks=pytest.mark.slow)])
 def test_ppo_in_the_reshard_placements(tmp_path: Path, placement: str) -> None:
     """pipelines/ppo_<placement>.yaml: the policy trains on 2 ranks and hands each version to
     generation through the reshard (colocated: in place; disaggregated: to 2 generate workers)
