@@ -28,14 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from streamrl import wire
 from streamrl.dock import protocol as p
 from streamrl.dock.authz import AccessDenied, DockPolicy, parse_policy
-from streamrl.dock.codec import decode_put, encode_columns
 from streamrl.dock.errors import WireFormatError
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.state import ProtocolViolation
@@ -472,6 +470,8 @@ class WarehouseServer:
                     raise ValueError("a column name appears twice in one put")
                 if data and not any(type(c) is p.TensorColumn for c in cols):
                     raise WireFormatError(f"{len(data)} tensor frames follow a put with no tensor column")
+                from streamrl.dock.codec import decode_put  # torch: imported once the server is up (main)
+
                 values, frames = decode_put(cols, data, n)
                 st.put(idx, values, frames)
                 st.counters["puts"] += 1
@@ -488,6 +488,8 @@ class WarehouseServer:
                 if data:
                     raise WireFormatError("a get carries no tensor frames")
                 values = st.get(idx, names)
+                from streamrl.dock.codec import encode_columns
+
                 cols, frames = encode_columns(values, len(idx))
                 st.counters["gets"] += 1
                 st.counters["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
@@ -532,10 +534,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warehouse: {exc}", file=sys.stderr)
         return 2
     server.parent.pid = args.parent_pid
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    serving = False
+
+    def on_signal(*_: object) -> None:
+        if serving:
+            server.stop()
+        else:  # still importing (below): nothing is stored yet, and waiting for the import helps no one
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     print(f"READY {server.endpoint}", flush=True)
+    # torch (the codec's tensor views) only now, with the warehouse registered and its READY out: its
+    # seconds of import then overlap the workers' start instead of delaying every run's launch. Nothing
+    # is put before the workers are set up, and what comes meanwhile waits in the sockets.
+    import torch
+
+    import streamrl.dock.codec  # noqa: F401
+
     torch.set_num_threads(1)  # the warehouse only copies bytes; a thread pool adds ms-scale wake-ups
+    serving = True
     server.serve_forever()
     return 0
 
