@@ -410,8 +410,7 @@ def _check_class(s: StageSpec, at: str, pipeline: PipelineSpec, cfg: RunConfig) 
     if callable(check_spec):
         check_spec(s, pipeline, cfg)
     _check_whole_groups(s, cls, pipeline, cfg)
-    restartable = getattr(cls, "restartable", False)  # True, or a function of the spec (its placement)
-    if restartable is True or (callable(restartable) and restartable(s) is True):
+    if class_says(cls, "restartable", s):
         s.restartable = True
     needed = ["setup", "close", "produce" if s.is_source else "run" if s.is_side else "process"]
     missing = [m for m in needed if not callable(getattr(cls, m, None))]
@@ -490,6 +489,13 @@ def import_stage_class(spec: str) -> type | None:
     except ValueError:
         return None
     return cls if inspect.isclass(cls) else None
+
+
+def class_says(cls: type | None, flag: str, spec: StageSpec) -> bool:
+    """A stage class's yes/no attribute (``restartable``, ``discards``) for ``spec``: the attribute is
+    True, or a function of the spec (e.g. of its placement) that returns True for it."""
+    value = getattr(cls, flag, False)
+    return value is True or (callable(value) and value(spec) is True)
 
 
 def is_trainer(cls: type | None) -> bool:

@@ -140,6 +140,11 @@ def check_agent_options(options: dict[str, Any]) -> tuple[AgentOptions, Any]:
     return opts, fn
 
 
+def drops_lost_sessions(spec: StageSpec) -> bool:
+    """Its options say ``lost_sessions: drop`` (the stage then discards samples: the source makes up)."""
+    return spec.options.get("lost_sessions") == "drop"
+
+
 class AgentStage:
     Options = AgentOptions  # checked when the pipeline loads
     uses_model_and_task = True
@@ -148,7 +153,7 @@ class AgentStage:
     restartable = staticmethod(fetches_weights)
     # with lost_sessions: drop it takes samples out of the run, for which the source makes up
     # (streamrl.stages.source's dynamic sampling)
-    discards = staticmethod(lambda spec: spec.options.get("lost_sessions") == "drop")
+    discards = staticmethod(drops_lost_sessions)
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:
@@ -157,7 +162,7 @@ class AgentStage:
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
         check_weight_links(spec, pipeline)
-        if spec.options.get("lost_sessions") == "drop" and not cfg.algo.dynamic_sampling.enabled:
+        if drops_lost_sessions(spec) and not cfg.algo.dynamic_sampling.enabled:
             raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: options.lost_sessions: drop takes the samples "
                               "of sessions lost with a worker out of the run, and only the source's dynamic sampling "
                               "makes new ones in their place: set algo.dynamic_sampling.enabled: true, or "
@@ -221,42 +226,33 @@ class AgentStage:
             self.lost["replayed"] += sum(lost) - sum(drop)
             self.lost["dropped"] += sum(drop)
             self.ctx.report_metrics({f"lost_sessions_{k}": float(v) for k, v in self.lost.items()})
-        if all(drop):
-            return Output({c: [None] * len(drop) for c in self.ctx.spec.writes}, discard=drop)
-        need = version_needed(batch, self.ctx.config.algo.max_staleness)
         names = [c for c in batch.columns if not c.endswith("_ids")]
-        samples = [{**{c: batch.columns[c][i] for c in names}, "model": MODEL_NAME}
-                   for i in range(len(batch.samples)) if not drop[i]]
-        results: list[tuple[Trajectory, float] | None] = [None] * len(samples)
-        started = time.perf_counter()
-        if self.opts.weight_updates == "between_sessions":
-            # one version for every call of the micro-batch's sessions: none is installed under them
-            async with self.backend.pinned(need):
-                await self._play_all(samples, results)
-        else:
-            # admission: no session starts on a version too old for its sample; installs then go in
-            # between two engine calls (the backend holds the source per call)
-            async with self.weights.hold(need):
-                pass
-            await self._play_all(samples, results)
-        played = [r for r in results if r is not None]
-        assert len(played) == len(samples)
-        self._report(len(samples), time.perf_counter() - started, played)
-        if not any(drop):
-            return self._output(played)
-        kept = self._output(played)
-        rows = iter(range(len(played)))
-        where = [None if d else next(rows) for d in drop]  # the played row of each sample of the batch
-        return Output({c: [None if k is None else v[k] for k in where] for c, v in kept.columns.items()},
-                      versions=[0 if k is None else kept.versions[k] for k in where],  # type: ignore[index]
-                      lengths=[0 if k is None else kept.lengths[k] for k in where],  # type: ignore[index]
-                      discard=drop)
+        samples = [{**{c: batch.columns[c][i] for c in names}, "model": MODEL_NAME} for i in range(len(batch.samples))]
+        results: list[tuple[Trajectory, float] | None] = [None] * len(samples)  # None: dropped
+        if not all(drop):
+            need = version_needed(batch, self.ctx.config.algo.max_staleness)
+            started = time.perf_counter()
+            if self.opts.weight_updates == "between_sessions":
+                # one version for every call of the micro-batch's sessions: none is installed under them
+                async with self.backend.pinned(need):
+                    await self._play_all(samples, results, drop)
+            else:
+                # admission: no session starts on a version too old for its sample; installs then go in
+                # between two engine calls (the backend holds the source per call)
+                async with self.weights.hold(need):
+                    pass
+                await self._play_all(samples, results, drop)
+            played = [r for r in results if r is not None]
+            assert len(played) == drop.count(False)
+            self._report(len(played), time.perf_counter() - started, played)
+        return self._output(results, drop)
 
-    async def _play_all(self, samples: list[dict[str, Any]], results: list[tuple[Trajectory, float] | None]
-                        ) -> None:
+    async def _play_all(self, samples: list[dict[str, Any]], results: list[tuple[Trajectory, float] | None],
+                        drop: list[bool]) -> None:
         async with anyio.create_task_group() as tg:
             for i, sample in enumerate(samples):
-                tg.start_soon(self._play, i, sample, results)
+                if not drop[i]:
+                    tg.start_soon(self._play, i, sample, results)
 
     async def _play(self, i: int, sample: dict[str, Any], results: list[tuple[Trajectory, float] | None]
                     ) -> None:
@@ -289,10 +285,17 @@ class AgentStage:
                              "requests carry the session; a client of its own would not)")
         results[i] = (finished[-1].trajectory, finished[-1].reward)
 
-    def _output(self, played: list[tuple[Trajectory, float]]) -> Output:
+    def _output(self, results: list[tuple[Trajectory, float] | None], drop: list[bool]) -> Output:
         cols: dict[str, list[Any]] = {c: [] for c in AGENT_COLUMNS}
         versions, lengths = [], []
-        for t, reward in played:
+        for result in results:
+            if result is None:  # dropped: the worker discards it before it puts anything
+                for values in cols.values():
+                    values.append(None)
+                versions.append(0)
+                lengths.append(0)
+                continue
+            t, reward = result
             first = t.loss_mask.index(1)  # the first token the policy sampled
             cols["prompt_ids"].append(torch.tensor(t.ids[:first], dtype=torch.int64))
             cols["response_ids"].append(torch.tensor(t.ids[first:], dtype=torch.int64))
@@ -301,7 +304,8 @@ class AgentStage:
             cols["reward"].append(reward)
             versions.append(min(v for v in t.versions if v != NO_VERSION))  # staleness: its oldest token
             lengths.append(len(t.ids))
-        return Output({c: cols[c] for c in self.ctx.spec.writes}, versions=versions, lengths=lengths)
+        return Output({c: cols[c] for c in self.ctx.spec.writes}, versions=versions, lengths=lengths,
+                      discard=drop if any(drop) else None)
 
     def _report(self, sessions: int, seconds: float, played: list[tuple[Trajectory, float]]) -> None:
         now = self.endpoint.statistics()

@@ -63,7 +63,7 @@ class GenerateStage:
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
         check_weight_links(spec, pipeline)
         T = msgspec.convert(spec.options, GenerateOptions).tensor_parallel
-        if T > 1 and cls.restartable(spec):
+        if T > 1 and fetches_weights(spec):
             raise ConfigError(f"{pipeline.where}: stage {spec.name!r} options.tensor_parallel={T} splits the model over "
                               "the workers of a reshard placement (colocate_with or weights_from a train stage); in "
                               "placement separate every worker holds the whole model: use workers: N instead")

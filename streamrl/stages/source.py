@@ -47,7 +47,14 @@ from msgspec import Meta
 
 from streamrl.config import ConfigError, RunConfig
 from streamrl.runtime.checkpoints import TrainedKeys
-from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_stage_class, step_share, trainer_stages
+from streamrl.runtime.pipeline import (
+    PipelineSpec,
+    StageSpec,
+    class_says,
+    import_stage_class,
+    step_share,
+    trainer_stages,
+)
 from streamrl.runtime.policy import PolicyTimeout
 from streamrl.runtime.stage import Output, StageContext
 from streamrl.stages.common import build_task, build_tokenizer
@@ -63,14 +70,9 @@ class OverGenerationCapReached(RuntimeError):
 
 
 def discarding_stages(pipeline: PipelineSpec) -> list[str]:
-    """The stages of ``pipeline`` that drop samples from the run (their class says ``discards = True``,
-    or has ``discards`` a function of the stage's spec that says True for it)."""
-    names = []
-    for s in pipeline.stages:
-        discards = getattr(import_stage_class(s.cls), "discards", False)
-        if discards is True or (callable(discards) and discards(s) is True):
-            names.append(s.name)
-    return names
+    """The stages of ``pipeline`` that drop samples from the run (their class's ``discards`` says so
+    for them: True, or a function of the spec)."""
+    return [s.name for s in pipeline.stages if class_says(import_stage_class(s.cls), "discards", s)]
 
 
 def _round_samples(train: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> int:
