@@ -297,6 +297,8 @@ CASES: dict[str, Case] = {
                                    overrides=("stages.train.options={tensor_parallel: 2}",)),
     "train-tp-zero": Case(("stage 'train' options.tensor_parallel must be >= 1",),
                           overrides=("stages.train.options={tensor_parallel: 0}",)),
+    "train-mmap-threshold": Case(("stage 'train' options.mmap_threshold_bytes must be in 1..33554432", "or null"),
+                                 overrides=("stages.train.options={mmap_threshold_bytes: 67108864}",)),
     "train-workers-inprocess": Case(("stage 'train'", "workers=2", "resources.launch: processes"),
                                     config={"resources": {"launch": "inprocess"}},
                                     overrides=("stages.train.workers=2",)),
@@ -464,6 +466,7 @@ def test_the_good_variants_pass(tmp_path: Path, model_dir: Path) -> None:
         (_agent({"rollout": "streamrl.tasks.calculator:solve", "rollout_args": {"turns": 2}}), []),
         ({"preset": "ppo", "pipeline": str(PPO)}, ["output.checkpoint_every=5"]),
         ({}, ["algo.max_staleness=1", "algo.old_logprobs=recompute"]),
+        ({}, ["stages.train.options={mmap_threshold_bytes: 1048576}"]),
         ({"pipeline": str(COLOCATED)}, ["stages.train.options={backend: gloo, bucket_bytes: 1024}"]),
         ({}, ["stages.score.options={backend: zmq, endpoints: ['tcp://127.0.0.1:5555', 'ipc:///tmp/r.sock', "
               "'tcp://[::1]:6000']}"]),

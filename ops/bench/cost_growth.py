@@ -15,12 +15,14 @@ sizes (4, 8, 16 prompts x 8 completions), STEPS steps each, seed 0. Figures per 
   the run goes (the processes come from the run's logs/pids.json), and TRL's one process;
 - the trainer's estimate: the resident size of a worker without a model (the advantage stage:
   Python, torch, the dock client) + parameters, gradients and AdamW's two moments (16 bytes a
-  parameter, fp32) + one micro-batch's activations (ACT_BYTES_PER_TOKEN_LAYER_HIDDEN bytes per
-  token, layer and channel, a budget for a block's saved tensors in fp32 without activation
-  checkpointing); the trainer's peak over it.
+  parameter, fp32) + the published policy version (4 bytes a parameter: the snapshot generation
+  fetches while the trainer goes on, streamrl.runtime.policy) + one micro-batch's activations
+  (ACT_BYTES_PER_TOKEN_LAYER_HIDDEN bytes per token, layer and channel, a budget for a block's
+  saved tensors in fp32 without activation checkpointing); the trainer's peak over it.
 
     python ops/bench/cost_growth.py                   # the whole grid, both sides
     python ops/bench/cost_growth.py --sizes 3M,25M --batches 64 --skip-trl
+    python ops/bench/cost_growth.py --skip-trl --mmap-threshold 1048576   # the trainer's option of that name
 
 Last line: one JSON object (every cell's figures; ratio = streamrl / TRL completions/s).
 """
@@ -59,6 +61,7 @@ STEPS = 4
 MAX_NEW_TOKENS = 16
 POLL_S = 0.25
 ACT_BYTES_PER_TOKEN_LAYER_HIDDEN = 64  # fp32: about 16 saved tensors of `hidden` floats per token and layer
+PUBLISHED_BYTES_PER_PARAM = 4  # the policy publisher's fp32 snapshot of the newest version
 
 
 def shape(size: str) -> dict[str, int]:
@@ -114,8 +117,10 @@ class PeakWatch:
                         self.peak[role] = max(self.peak.get(role, 0.0), mib)
 
 
-def run_streamrl(size: str, batch: int, tmp: Path) -> dict[str, Any]:
+def run_streamrl(size: str, batch: int, tmp: Path, mmap_threshold: int | None = None) -> dict[str, Any]:
     cfg = streamrl_config("W2", 0, 0, str(tmp / "runs"))
+    if mmap_threshold is not None:
+        cfg["stages"] = {"train": {"options": {"mmap_threshold_bytes": mmap_threshold}}}
     cfg["model"] = {"tiny": {**shape(size), "seed": 0}}
     cfg["task"] = {"name": "digits-reverse", "options": {"min_digits": 2, "max_digits": 12}, "seed": 0}
     cfg["algo"] = {"steps": STEPS, "prompts_per_step": batch // GROUP, "group_size": GROUP,
@@ -160,6 +165,8 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--mmap-threshold", type=int, default=None,
+                    help="bytes: the train stage's options.mmap_threshold_bytes (default: unset, glibc's own)")
     ap.add_argument("--trl-venv", type=Path, default=DEFAULT_TRL_VENV)
     args = ap.parse_args()
     sizes = args.sizes.split(",")
@@ -175,13 +182,14 @@ def main() -> None:
             params = params_of(size)
             hidden, layers = SIZES[size]
             for batch in batches:
-                ours = run_streamrl(size, batch, tmp)
+                ours = run_streamrl(size, batch, tmp, args.mmap_threshold)
                 theirs = run_trl(python, size, batch) if python is not None else None
                 useful = 8 * params * ours["sequence_tokens"] / ours["train_s"] / 1e9
                 peaks = ours["peak_rss_mib"]
                 base = peaks.get("advantage-0", 0.0)
                 tokens_mb = ours["all_tokens"] / STEPS / batch * min(ours["train_micro_batch"], batch)
-                estimate = base + (16 * params + ACT_BYTES_PER_TOKEN_LAYER_HIDDEN * tokens_mb * layers * hidden) / 2**20
+                activations = ACT_BYTES_PER_TOKEN_LAYER_HIDDEN * tokens_mb * layers * hidden
+                estimate = base + ((16 + PUBLISHED_BYTES_PER_PARAM) * params + activations) / 2**20
                 cell = {"params": params, "completions_per_s": round(ours["completions_per_s"], 2),
                         "flop_fraction": round(useful / ceiling, 3), "peak_rss_mib": {k: round(v) for k, v in peaks.items()},
                         "trainer_estimate_mib": round(estimate), "trainer_over_estimate": round(
@@ -201,7 +209,8 @@ def main() -> None:
     print(f"\nfp32 matmul ceiling {ceiling:.0f} GFLOP/s; load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     print_table(["model", "batch", "streamrl c/s", "TRL c/s", "ratio", "ceiling frac", "streamrl peak RSS MiB",
                  "TRL RSS MiB", "trainer estimate MiB (peak/est)"], table)
-    print_json_line("cost_growth", {"cells": cells, "ceiling_gflops": ceiling}, baseline={"side": "TRL GRPOTrainer"},
+    print_json_line("cost_growth", {"cells": cells, "ceiling_gflops": ceiling,
+                                    "train_mmap_threshold_bytes": args.mmap_threshold}, baseline={"side": "TRL GRPOTrainer"},
                     ratio={k: v.get("ratio") for k, v in cells.items()},
                     target={"trainer_over_estimate": "<= 1.3", "ratio": ">= 1.8 at k=0"})
 

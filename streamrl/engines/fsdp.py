@@ -102,9 +102,11 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     tensor_parallel: int = 1  # T: ranks per model replica (DTensor TP); data parallel = world / T
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (transformers' own)
     cpu_offload: bool = False  # keep sharded params, grads and AdamW state on the host (FSDP2 CPUOffloadPolicy)
-    # free each layer's gathered params after forward and re-gather them in backward; None = only
-    # where there is something to free (dp > 1: with one dp rank the "shard" is the whole layer)
-    reshard_after_forward: bool | None = None
+    # free each layer's gathered params after its forward and gather them again in its backward.
+    # Also with one dp rank: FSDP2 gathers into an unsharded copy of each layer at any world size,
+    # so keeping every layer gathered until backward holds a second fp32 copy of the weights at the
+    # activation peak (docs/benchmarks.md §15), for one extra copy per layer per micro-batch
+    reshard_after_forward: bool = True
     # compute each distinct prompt of a micro-batch once (streamrl/engines/packing.py); used only
     # where a probe at construction shows the model computes packed rows exactly
     pack_prompts: bool = True
@@ -222,12 +224,9 @@ class FSDPTrainEngine:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=self.device.type != "cpu") if options.cpu_offload \
             else OffloadPolicy()
-        reshard = options.reshard_after_forward
-        if reshard is None:
-            reshard = self.dp_size > 1
         for layer in layers:
             fully_shard(layer, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload,
-                        reshard_after_forward=reshard)
+                        reshard_after_forward=options.reshard_after_forward)
         fully_shard(model, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload)
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -56,6 +56,7 @@ from streamrl.runtime.checkpoints import (
     start_partial,
     write_json,
 )
+from streamrl.runtime.host_memory import MAX_MMAP_THRESHOLD, set_mmap_threshold
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
 from streamrl.stages.common import StepTally, build_policy, step_claim
@@ -87,6 +88,11 @@ class TrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Seconds a rank waits in a collective for the others"))] = 600.0
     backend: Annotated[str | None, Meta(description=(
         "torch.distributed backend (gloo, nccl, hccl); null: gloo on CPU, nccl on CUDA, hccl on NPU"))] = None
+    mmap_threshold_bytes: Annotated[int | None, Meta(description=(
+        "Host memory (glibc): serve every allocation of at least this many bytes from its own mapping, "
+        "returned to the OS when freed, e.g. 1048576. Lowers the worker's peak resident memory by the "
+        "C heap's fragmentation, for page faults on every such allocation (slower on small models); "
+        "null keeps glibc's adaptive threshold. Figures: docs/benchmarks.md §15"))] = None
 
 
 # torch.distributed backends and the device kind each needs
@@ -96,7 +102,7 @@ _BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 class TrainStage:
     """Options (:class:`TrainOptions`): ``activation_checkpointing``,
     ``cpu_offload`` (the engine); ``bucket_bytes``, ``swap``, ``collective_timeout_s``, ``backend``
-    (the world and the hand-over)."""
+    (the world and the hand-over); ``mmap_threshold_bytes`` (the worker's C heap)."""
 
     Options = TrainOptions  # checked when the pipeline loads
     publishes_policy = True  # worker 0 serves the policy channel (streamrl.runtime.pipeline.is_trainer)
@@ -167,6 +173,8 @@ class TrainStage:
             raise ValueError(f"prompts_per_step x group_size = {cfg.batch_size} samples per step must divide "
                              f"evenly over the train stage's workers={self.R}")
         self.options = msgspec.convert(ctx.options, TrainOptions)
+        if self.options.mmap_threshold_bytes is not None:  # before the model's first allocation
+            set_mmap_threshold(self.options.mmap_threshold_bytes)
         # R = replicas x tp; the tp ranks of a replica train on the same samples (streamrl/stages/replica.py)
         self.tp = self.options.tensor_parallel
         self.per_rank = cfg.batch_size // (self.R // self.tp)
@@ -520,6 +528,9 @@ def _check_option_values(opts: TrainOptions, at: str) -> None:
     if opts.tensor_parallel < 1:
         raise ConfigError(f"{at}.tensor_parallel must be >= 1 (workers per model replica), got "
                           f"{opts.tensor_parallel}")
+    if opts.mmap_threshold_bytes is not None and not 0 < opts.mmap_threshold_bytes <= MAX_MMAP_THRESHOLD:
+        raise ConfigError(f"{at}.mmap_threshold_bytes must be in 1..{MAX_MMAP_THRESHOLD} (glibc's limit), or null, "
+                          f"got {opts.mmap_threshold_bytes}")
     if opts.bucket_bytes < 1:
         raise ConfigError(f"{at}.bucket_bytes must be >= 1 (bytes), got {opts.bucket_bytes}")
     if not opts.collective_timeout_s > 0:
