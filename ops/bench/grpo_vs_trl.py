@@ -244,12 +244,15 @@ def main() -> None:
                 steps = spread(r["first_step_ge_0.9"] for r in runs if r["first_step_ge_0.9"])
                 figures[f"W1_k{k}_time_to_0.9_s"] = ttt
                 figures[f"W1_k{k}_steps_to_0.9"] = steps
+                # per seed (0, 1, ...): a seed's step count is fixed on each side, so runs compare seed by seed
+                figures[f"W1_k{k}_steps_to_0.9_by_seed"] = [r["first_step_ge_0.9"] for r in runs]
                 figures[f"W1_k{k}_setup_s"] = spread(r["setup_s"] for r in runs)
                 rows.append([f"W1 streamrl k={k}: s to 0.9 (steps)", f"{fmt_spread(ttt, 2)} ({fmt_spread(steps, 0)})"])
             if trl:
                 t = spread(r["wall_s"] for r in trl if r["first_step_reward_ge_0.9"])
                 st = spread(r["first_step_reward_ge_0.9"] for r in trl if r["first_step_reward_ge_0.9"])
                 baseline["W1_time_to_0.9_s"], baseline["W1_steps_to_0.9"] = t, st
+                baseline["W1_steps_to_0.9_by_seed"] = [r["first_step_reward_ge_0.9"] for r in trl]
                 rows.append(["W1 TRL: s to 0.9 (steps)", f"{fmt_spread(t, 2)} ({fmt_spread(st, 0)})"])
                 for k in (0, 1):
                     ratios[f"W1_time_to_0.9_ratio_k{k}"] = figures[f"W1_k{k}_time_to_0.9_s"]["median"] / t["median"]
