@@ -12,7 +12,6 @@ mapped and unmapped, which costs page faults (time) and saves that fragmentation
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger("streamrl.host_memory")
@@ -34,11 +33,9 @@ def set_mmap_threshold(nbytes: int) -> bool:
     """
     if not 0 < nbytes <= MAX_MMAP_THRESHOLD:
         raise ValueError(f"mmap threshold must be in 1..{MAX_MMAP_THRESHOLD} bytes, got {nbytes}")
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    # the symbols already loaded in this process, libc's among them: no library search (find_library
+    # runs ldconfig in a subprocess)
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         log.warning("this C library has no mallopt (not glibc): the mmap threshold of %d bytes is not set", nbytes)
         return False
