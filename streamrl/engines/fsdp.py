@@ -111,6 +111,9 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # where a probe at construction shows the model computes packed rows exactly
     pack_prompts: bool = True
     max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS  # tokens per packed row (its mask is width^2)
+    # on packed rows, attend each completion to its prompt and itself only instead of through the
+    # dense width^2 mask (streamrl/engines/prefix_attention.py); used only where a probe shows it exact
+    shared_prefix_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -192,7 +195,8 @@ class FSDPTrainEngine:
         self.model = model
         # before sharding: the probe's two tiny forwards run on the plain module, no collective
         self.forward = ResponseForward(model.to(self.device), self.device, pack_prompts=options.pack_prompts,
-                                       max_row_tokens=options.max_row_tokens)
+                                       max_row_tokens=options.max_row_tokens,
+                                       shared_prefix=options.shared_prefix_attention)
         log.info("train forward: %s (%s)", self.forward.path, self.forward.why)
         self._shard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]

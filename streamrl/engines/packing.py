@@ -17,6 +17,9 @@ additive float mask), so this works for any architecture whose attention takes a
 mask and whose positions come from ``position_ids`` (transformers returns a 4-D mask as given).
 Whether a model does is *checked* once per engine (:func:`probe_packing`: packed vs padded on a
 tiny batch before sharding); where it does not, the padded rows are used and the log says why.
+Where the attention is ``sdpa``, the rows' layout goes to the model's forward too, and the
+shared-prefix attention (:mod:`streamrl.engines.prefix_attention`) computes the same attention
+without the dense mask's ``width^2`` cost (checked the same way: :func:`probe_shared_prefix`).
 
 A row holds at most ``max_row_tokens`` tokens (its mask is rows x width^2): a group whose
 completions do not fit is split over several rows, each repeating the prompt.
@@ -32,6 +35,9 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from streamrl.engines import prefix_attention
+from streamrl.engines.prefix_attention import SharedPrefixLayout
+
 ForwardPath = Literal["packed", "padded"]
 DEFAULT_MAX_ROW_TOKENS = 4096  # tokens per packed row: its mask costs width^2 bools (16 MiB at 4096)
 PROBE_TOLERANCE = 1e-4  # packed vs padded logprob difference (float32) that still counts as the same maths
@@ -45,6 +51,9 @@ class ModelInputs:
     rows: Tensor  # [N] flat index into the [B * (width - start)] kept logits, one per response token
     start: int  # first kept position: logits before it only ever predict prompt tokens
     width: int
+    # packed rows only: where the prompt and completions sit, for the shared-prefix attention
+    # (streamrl/engines/prefix_attention.py); passed to the model's forward, which hands it to attention
+    shared_prefix: SharedPrefixLayout | None = None
 
 
 def flat_response_index(response_ids: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -72,9 +81,11 @@ def padded_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
 
 def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], device: torch.device, *,
                   mask_dtype: torch.dtype | None, max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
-                  keep_from_first: bool = True) -> ModelInputs:
+                  keep_from_first: bool = True, shared_prefix: bool = False) -> ModelInputs:
     """Shared-prompt rows (see the module doc). ``mask_dtype`` None: a boolean mask (sdpa), else an
-    additive mask of that dtype (eager attention)."""
+    additive mask of that dtype (eager attention). ``shared_prefix``: also the rows' layout for
+    :mod:`streamrl.engines.prefix_attention` (the dense mask is built too: a model whose attention
+    does not take the layout uses it)."""
     # group samples by prompt content, in order of first appearance
     group_of: dict[tuple[int, ...], int] = {}
     members: list[list[int]] = []
@@ -112,6 +123,12 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
             lengths[row] += cont.numel()
     width = max(lengths)
     B = len(lengths)
+    layout = None
+    if shared_prefix:
+        prompt_lengths = [pos[0].numel() for pos in pos_rows]
+        completions = [(where[i][0], where[i][2], response_ids[i].numel() - 1)
+                       for i in range(len(prompt_ids)) if response_ids[i].numel() > 1]
+        layout = SharedPrefixLayout.build(prompt_lengths, completions, width, device)
     input_ids = torch.zeros(B, width, dtype=torch.int64)
     position_ids = torch.zeros(B, width, dtype=torch.int64)
     segment = torch.full((B, width), -1, dtype=torch.int64)  # -1: padding
@@ -139,7 +156,7 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
     position = torch.where(offset == 0, first, input_start + offset - 1)
     rows = row_of * (width - start) + position - start
     kwargs = {"input_ids": input_ids.to(device), "attention_mask": mask, "position_ids": position_ids.to(device)}
-    return ModelInputs(kwargs, rows, start, width)
+    return ModelInputs(kwargs, rows, start, width, layout)
 
 
 def attention_mask_dtype(model: nn.Module) -> torch.dtype | None:
@@ -151,10 +168,11 @@ def attention_mask_dtype(model: nn.Module) -> torch.dtype | None:
 
 def model_inputs(path: ForwardPath, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor],
                  device: torch.device, *, mask_dtype: torch.dtype | None, max_row_tokens: int,
-                 keep_from_first: bool = True) -> ModelInputs:
+                 keep_from_first: bool = True, shared_prefix: bool = False) -> ModelInputs:
     if path == "packed":
         return packed_inputs(prompt_ids, response_ids, device, mask_dtype=mask_dtype,
-                             max_row_tokens=max_row_tokens, keep_from_first=keep_from_first)
+                             max_row_tokens=max_row_tokens, keep_from_first=keep_from_first,
+                             shared_prefix=shared_prefix)
     return padded_inputs(prompt_ids, response_ids, device, keep_from_first=keep_from_first)
 
 
@@ -163,6 +181,8 @@ def response_logits(model: nn.Module, inputs: ModelInputs) -> Tensor:
     (so FSDP2's hooks gather each layer's parameters). Inputs built with ``keep_from_first`` need a
     model whose forward takes ``logits_to_keep`` (:func:`uses_logits_to_keep`)."""
     kwargs: dict[str, object] = {**inputs.kwargs, "use_cache": False}
+    if inputs.shared_prefix is not None:
+        kwargs["shared_prefix"] = inputs.shared_prefix
     if inputs.start:
         kwargs["logits_to_keep"] = inputs.width - inputs.start
     logits = model(**kwargs).logits
@@ -182,14 +202,18 @@ def vocab_size(model: nn.Module) -> int:
     return int(getattr(config, "vocab_size", 0) or 0) or int(model.get_input_embeddings().weight.shape[0])
 
 
-def probe_packing(model: nn.Module, device: torch.device) -> tuple[ForwardPath, str]:
-    """Whether ``model`` computes shared-prompt rows exactly: packed vs padded logprobs on a tiny
-    batch (two prompts, two completions each, different lengths). Returns the path and why."""
+def _probe_batch(model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """Two prompts, two completions each, of different lengths (one completion of a single token)."""
     g = torch.Generator().manual_seed(0)
     high = max(vocab_size(model), 2)
     prompts = [torch.randint(0, high, (n,), generator=g) for n in (5, 3)]
     responses = [torch.randint(0, high, (n,), generator=g) for n in (4, 2, 3, 1)]
-    prompt_ids = [prompts[0], prompts[0], prompts[1], prompts[1]]
+    return [prompts[0], prompts[0], prompts[1], prompts[1]], responses
+
+
+def _packed_vs_padded(model: nn.Module, device: torch.device, *, shared_prefix: bool) -> float:
+    """Largest |packed - padded| response logprob on the probe batch (raises what the forward raises)."""
+    prompt_ids, responses = _probe_batch(model)
     keep = uses_logits_to_keep(model)
     was_training = model.training
     model.eval()
@@ -198,34 +222,75 @@ def probe_packing(model: nn.Module, device: torch.device) -> tuple[ForwardPath, 
             out = {}
             for path in ("padded", "packed"):
                 inputs = model_inputs(path, prompt_ids, responses, device, mask_dtype=attention_mask_dtype(model),
-                                      max_row_tokens=DEFAULT_MAX_ROW_TOKENS, keep_from_first=keep)
+                                      max_row_tokens=DEFAULT_MAX_ROW_TOKENS, keep_from_first=keep,
+                                      shared_prefix=shared_prefix)
                 out[path], _ = token_logprobs(response_logits(model, inputs), responses, 1.0)
-    except Exception as exc:  # an attention that refuses a 4-D mask or position_ids
-        return "padded", f"shared-prompt packing failed on {type(model).__name__} ({type(exc).__name__}: {exc})"
     finally:
         model.train(was_training)
-    diff = float((out["packed"] - out["padded"]).abs().max())
+    return float((out["packed"] - out["padded"]).abs().max())
+
+
+def probe_packing(model: nn.Module, device: torch.device) -> tuple[ForwardPath, str]:
+    """Whether ``model`` computes shared-prompt rows exactly: packed vs padded logprobs on a tiny
+    batch (two prompts, two completions each, different lengths). Returns the path and why."""
+    try:
+        diff = _packed_vs_padded(model, device, shared_prefix=False)
+    except Exception as exc:  # an attention that refuses a 4-D mask or position_ids
+        return "padded", f"shared-prompt packing failed on {type(model).__name__} ({type(exc).__name__}: {exc})"
     if not diff <= PROBE_TOLERANCE:
         return "padded", (f"{type(model).__name__} does not honour a 4-D attention mask with position_ids "
                           f"(packed vs padded logprobs differ by {diff:.2g})")
     return "packed", f"{type(model).__name__}: shared prompts packed (packed = padded within {diff:.1g})"
 
 
+def probe_shared_prefix(model: nn.Module, device: torch.device) -> tuple[bool, str]:
+    """Switch a packing model to the shared-prefix attention (:mod:`streamrl.engines.prefix_attention`)
+    where it computes the same logprobs as padded rows; returns whether it did, and why. The model's
+    attention is left as it was otherwise."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if prefix_attention.UNAVAILABLE is not None:
+        return False, f"dense-mask attention ({prefix_attention.UNAVAILABLE})"
+    if not prefix_attention.enable(model):
+        return False, f"dense-mask attention ({impl} attention: the shared-prefix one replaces sdpa only)"
+    calls = prefix_attention.layout_calls
+    try:
+        diff = _packed_vs_padded(model, device, shared_prefix=True)
+    except Exception as exc:
+        prefix_attention.disable(model)
+        return False, f"dense-mask attention (the shared-prefix one failed: {type(exc).__name__}: {exc})"
+    if prefix_attention.layout_calls == calls:
+        prefix_attention.disable(model)
+        return False, f"dense-mask attention ({type(model).__name__} does not pass the layout to its attention)"
+    if not diff <= PROBE_TOLERANCE:
+        prefix_attention.disable(model)
+        return False, f"dense-mask attention (shared-prefix vs padded logprobs differ by {diff:.2g})"
+    return True, f"shared-prefix attention (= padded within {diff:.1g})"
+
+
 class ResponseForward:
     """One engine's way to its response tokens' logprobs: the model's own forward on shared-prompt
-    rows where :func:`probe_packing` shows the model computes them exactly, else on padded rows.
+    rows where :func:`probe_packing` shows the model computes them exactly, else on padded rows;
+    on shared-prompt rows, with the shared-prefix attention where :func:`probe_shared_prefix` shows
+    it computes them exactly too.
 
     Built on the plain module (the probe's two tiny forwards are no collective): an engine that
     shards the module afterwards keeps calling the same object, now with FSDP2's hooks.
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *, pack_prompts: bool = True,
-                 max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS) -> None:
+                 max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS, shared_prefix: bool = True) -> None:
         self.model, self.device, self.max_row_tokens = model, device, max_row_tokens
         self.path: ForwardPath = "padded"
         self.why = "pack_prompts is off"
+        self.shared_prefix = False
         if pack_prompts:
             self.path, self.why = probe_packing(model, device)
+        if self.path == "packed":
+            if shared_prefix:
+                self.shared_prefix, why = probe_shared_prefix(model, device)
+            else:
+                why = "dense-mask attention (shared_prefix is off)"
+            self.why = f"{self.why}; {why}"
         self.mask_dtype = attention_mask_dtype(model)
         self.keep_from_first = uses_logits_to_keep(model)
 
@@ -233,7 +298,8 @@ class ResponseForward:
                  temperature: float) -> tuple[Tensor, Tensor]:
         """:func:`token_logprobs` of every response token (flat, sample order)."""
         inputs = model_inputs(self.path, prompt_ids, response_ids, self.device, mask_dtype=self.mask_dtype,
-                              max_row_tokens=self.max_row_tokens, keep_from_first=self.keep_from_first)
+                              max_row_tokens=self.max_row_tokens, keep_from_first=self.keep_from_first,
+                              shared_prefix=self.shared_prefix)
         return token_logprobs(response_logits(self.model, inputs), response_ids, temperature)
 
 

@@ -7,6 +7,7 @@ Face forward of each prompt+response alone. No process group: the packing runs o
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -144,15 +145,25 @@ def test_gradients_through_the_packed_forward_equal_the_padded(
     model: PreTrainedModel, tok: PreTrainedTokenizerFast, max_row_tokens: int
 ) -> None:
     prompts, responses = _batch(tok)
+    assert_same_gradients(
+        model, responses,
+        lambda m: _logprobs(m, "packed", prompts, responses, max_row_tokens=max_row_tokens),
+        lambda m: _logprobs(m, "padded", prompts, responses),
+    )
+
+
+def assert_same_gradients(model: torch.nn.Module, responses: list[Tensor],
+                          got: Callable[[torch.nn.Module], Tensor], want: Callable[[torch.nn.Module], Tensor]) -> None:
+    """The parameter gradients of a weighted sum of response logprobs, computed two ways on copies of ``model``."""
     weights = torch.linspace(-1.0, 2.0, sum(r.numel() for r in responses))  # every token counts differently
-    grads = {}
-    for path in ("packed", "padded"):
+    grads = []
+    for logprobs in (got, want):
         m = copy.deepcopy(model).train()
-        (_logprobs(m, path, prompts, responses, max_row_tokens=max_row_tokens) * weights).sum().backward()
-        grads[path] = {n: p.grad for n, p in m.named_parameters()}
-    assert all(g is not None for g in grads["packed"].values())
-    for name, g in grads["padded"].items():
-        torch.testing.assert_close(grads["packed"][name], g, atol=1e-5, rtol=1e-4, msg=name)
+        (logprobs(m) * weights).sum().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert all(g is not None for g in grads[0].values())
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_probe_packing_chooses_packed_where_the_model_honours_the_mask(

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""The train engine's step with the shared-prefix attention vs the dense-mask attention (its baseline).
+
+One process, ``FSDPTrainEngine`` in a gloo world of one, a seeded Qwen2 model (float32), a
+GRPO-like batch of ``G`` completions per prompt (random tokens, random advantages, token-mean
+loss), micro-batches of 64 samples, AdamW. Two engines on the same model and batch:
+
+* ``shared-prefix``: the default (``FSDPOptions.shared_prefix_attention``): each packed row's
+  completions attend to their prompt and themselves (streamrl/engines/prefix_attention.py);
+* ``dense-mask``: the same packed rows through SDPA with the dense ``width^2`` mask.
+
+Per shape, ``--reps`` alternating timed steps of each after ``--warmup`` untimed ones: step time
+median [min, max], and the step-0 loss of both as a cross-check that they compute the same step.
+Shapes: W2's (``ops/bench/grpo_vs_trl.py``: hidden 256, 4 layers, prompts 3..25 tokens, 16 x 8
+completions of 32), then longer ones of the size a GRPO run on real tasks has.
+
+Target: the dense-mask step time over the shared-prefix one >= 1.0 at every shape (never slower)
+and >= 1.5 at the longest.
+
+    python ops/bench/prefix_attention.py              # all shapes, 5 timed steps each
+    python ops/bench/prefix_attention.py --quick      # W2's shape, 2 steps: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from streamrl.algos.grpo import LossConfig
+from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
+from streamrl.engines.samples import TrainSample
+from streamrl.models.build import TinyModelSpec, build_model
+from streamrl.models.tokenizer import build_char_tokenizer
+
+try:
+    from ops.bench._common import fmt_spread, print_json_line, print_table, spread
+except ImportError:  # run as a script: ops/ is not a package
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import fmt_spread, print_json_line, print_table, spread
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    prompts: int
+    group: int
+    prompt_len: tuple[int, int]  # uniform in [lo, hi] tokens, one length per prompt
+    completion_len: int  # tokens of every completion
+    hidden: int = 256
+    layers: int = 4
+
+
+SHAPES = [
+    Shape("W2", 16, 8, (3, 25), 32),
+    Shape("P64 x 8 x C128", 16, 8, (32, 96), 128),
+    Shape("P200 x 8 x C256", 16, 8, (100, 200), 256),
+]
+
+
+def batch(shape: Shape, vocab: int, seed: int) -> list[TrainSample]:
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(shape.prompts):
+        prompt = torch.randint(3, vocab, (rng.randint(*shape.prompt_len),), generator=g)
+        for _ in range(shape.group):
+            response = torch.randint(3, vocab, (shape.completion_len,), generator=g)
+            samples.append(TrainSample(prompt, response, rng.uniform(-1.0, 1.0),
+                                       rollout_logprobs=torch.full((shape.completion_len,), -2.5)))
+    return samples
+
+
+def measure(shape: Shape, reps: int, warmup: int, micro_batch: int) -> dict:
+    tok = build_char_tokenizer()
+    spec = TinyModelSpec(hidden=shape.hidden, layers=shape.layers, heads=8, intermediate=2 * shape.hidden, seed=0,
+                         max_positions=4096)
+    samples = batch(shape, len(tok), seed=0)
+    engines = {name: FSDPTrainEngine(build_model(spec, tok), lr=1e-3, max_grad_norm=1.0, device="cpu",
+                                     options=FSDPOptions(shared_prefix_attention=on))
+               for name, on in (("shared-prefix", True), ("dense-mask", False))}
+    assert engines["shared-prefix"].forward.shared_prefix and not engines["dense-mask"].forward.shared_prefix
+    loss_config = LossConfig()
+
+    def step(engine: FSDPTrainEngine) -> tuple[float, float]:
+        t = time.perf_counter()
+        for start in range(0, len(samples), micro_batch):
+            engine.accumulate(samples[start:start + micro_batch], loss_config)
+        stats = engine.step()
+        return time.perf_counter() - t, float(stats["loss"])
+
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    first_loss = {}
+    for r in range(warmup + reps):
+        for name, engine in (engines.items() if r % 2 == 0 else reversed(engines.items())):
+            dt, loss = step(engine)
+            first_loss.setdefault(name, loss)
+            if r >= warmup:
+                times[name].append(dt)
+    tokens = sum(s.prompt_ids.numel() + s.response_ids.numel() for s in samples)
+    return {"shape": shape.name, "tokens": tokens, "loss0": first_loss,
+            "step_s": {name: spread(ts) for name, ts in times.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=5, help="timed steps per engine and shape (alternating)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per engine first")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=64, help="samples per accumulate")
+    p.add_argument("--quick", action="store_true", help="W2's shape only, 2 timed steps")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    store = tempfile.mkdtemp(prefix="streamrl-bench-prefix-")
+    dist.init_process_group("gloo", store=dist.FileStore(f"{store}/store", 1), rank=0, world_size=1)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    reps = 2 if args.quick else args.reps
+    load = [round(os.getloadavg()[0], 2)]
+    results = []
+    try:
+        for shape in shapes:
+            res = measure(shape, reps, args.warmup, args.micro_batch)
+            results.append(res)
+            s, d = res["step_s"]["shared-prefix"], res["step_s"]["dense-mask"]
+            print(f"{shape.name}: shared-prefix {fmt_spread(s, 3)} s, dense-mask {fmt_spread(d, 3)} s, "
+                  f"speed-up {d['median'] / s['median']:.2f}x", flush=True)
+    finally:
+        dist.destroy_process_group()
+    load.append(round(os.getloadavg()[0], 2))
+    rows = []
+    for res in results:
+        s, d = res["step_s"]["shared-prefix"], res["step_s"]["dense-mask"]
+        rows.append([res["shape"], res["tokens"], fmt_spread(s, 3), fmt_spread(d, 3),
+                     f"{d['median'] / s['median']:.2f}",
+                     f"{res['loss0']['shared-prefix']:.6f} / {res['loss0']['dense-mask']:.6f}"])
+    print(f"\nFSDPTrainEngine step, world of one, {args.threads} threads, micro-batch {args.micro_batch}, "
+          f"load average {load[0]} -> {load[1]}")
+    print_table(["shape", "tokens", "shared-prefix s", "dense-mask s", "speed-up", "step-0 loss (both)"], rows)
+    speedups = {r["shape"]: r["step_s"]["dense-mask"]["median"] / r["step_s"]["shared-prefix"]["median"]
+                for r in results}
+    print_json_line(
+        "prefix_attention",
+        figures={r["shape"]: {"step_s": r["step_s"]["shared-prefix"], "tokens": r["tokens"]} for r in results}
+        | {"load": load, "threads": args.threads},
+        baseline={r["shape"]: {"step_s": r["step_s"]["dense-mask"]} for r in results},
+        ratio={f"speedup {k}": v for k, v in speedups.items()},
+        target={"speedup every shape": ">= 1.0", f"speedup {shapes[-1].name}": ">= 1.5"},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The shared-prefix attention (streamrl/engines/prefix_attention.py) computes what the dense mask does.
+
+Float32 on CPU, against the padded rows and against the ground truth (each prompt+response alone
+through the plain forward); gradients too. No process group: the attention runs on a plain module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+from streamrl.engines import prefix_attention
+from streamrl.engines.logprob import LogprobEngine
+from streamrl.engines.packing import (
+    ResponseForward,
+    model_inputs,
+    packed_inputs,
+    probe_shared_prefix,
+    response_logits,
+    uses_logits_to_keep,
+)
+from streamrl.models.build import TinyModelSpec, build_model
+from tests.engines.test_packing import ATOL, CPU, _alone, _batch, _eager_copy, assert_same_gradients
+
+GQA = TinyModelSpec(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, seed=5)
+GPT2 = TinyModelSpec(arch="gpt2", hidden=32, layers=2, heads=4, intermediate=64, seed=3)
+
+
+def _logprobs(model: torch.nn.Module, path: str, prompts: list[Tensor], responses: list[Tensor], *,
+              shared_prefix: bool = False, max_row_tokens: int = 4096) -> Tensor:
+    inputs = model_inputs(path, prompts, responses, CPU, mask_dtype=None,  # type: ignore[arg-type]
+                          max_row_tokens=max_row_tokens, keep_from_first=uses_logits_to_keep(model),
+                          shared_prefix=shared_prefix)
+    logits = response_logits(model, inputs)
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.cat(responses).unsqueeze(1)).squeeze(1)
+
+
+@pytest.fixture(params=["qwen2", "qwen2-gqa", "gpt2"])
+def any_model(request: pytest.FixtureRequest, model: PreTrainedModel,
+              tok: PreTrainedTokenizerFast) -> PreTrainedModel:
+    return {"qwen2": lambda: model, "qwen2-gqa": lambda: build_model(GQA, tok),
+            "gpt2": lambda: build_model(GPT2, tok)}[request.param]()
+
+
+@pytest.mark.parametrize("max_row_tokens", [4096, 9, 2])
+def test_logprobs_equal_the_padded_rows_and_the_truth(
+    any_model: PreTrainedModel, tok: PreTrainedTokenizerFast, max_row_tokens: int
+) -> None:
+    prompts, responses = _batch(tok)
+    any_model.eval()
+    assert prefix_attention.enable(any_model)
+    calls = prefix_attention.layout_calls
+    with torch.no_grad():
+        got = _logprobs(any_model, "packed", prompts, responses, shared_prefix=True, max_row_tokens=max_row_tokens)
+        assert prefix_attention.layout_calls > calls  # the layout reached the attention
+        torch.testing.assert_close(got, _logprobs(any_model, "padded", prompts, responses), atol=ATOL, rtol=0)
+        torch.testing.assert_close(got, _alone(any_model, prompts, responses), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("max_row_tokens", [4096, 9])
+def test_gradients_equal_the_dense_mask(
+    any_model: PreTrainedModel, tok: PreTrainedTokenizerFast, max_row_tokens: int
+) -> None:
+    prompts, responses = _batch(tok)
+
+    def shared(m: torch.nn.Module) -> Tensor:
+        assert prefix_attention.enable(m)
+        return _logprobs(m, "packed", prompts, responses, shared_prefix=True, max_row_tokens=max_row_tokens)
+
+    assert_same_gradients(any_model, responses, shared,
+                          lambda m: _logprobs(m, "packed", prompts, responses, max_row_tokens=max_row_tokens))
+
+
+def test_the_layout_allows_exactly_what_the_dense_mask_allows(tok: PreTrainedTokenizerFast) -> None:
+    """Rebuild a dense [rows, width, width] mask from the layout: equal to packing's own on every real query."""
+    prompts, responses = _batch(tok)
+    for max_row_tokens in (4096, 9, 2):
+        inputs = packed_inputs(prompts, responses, CPU, mask_dtype=None, max_row_tokens=max_row_tokens,
+                               shared_prefix=True)
+        layout = inputs.shared_prefix
+        assert layout is not None
+        rows, width = inputs.kwargs["input_ids"].shape
+        assert layout.tokens == rows * width
+        # every real token is written exactly once, from a real query of one of the two pieces
+        real = layout.destination.sort().values
+        assert torch.equal(real, real.unique())
+        assert real.numel() == int(layout.prompt_valid.sum() + layout.completion_valid.sum())
+        allowed = torch.zeros(rows * width, rows * width, dtype=torch.bool)
+        for index, valid, mask, keys in (
+            (layout.prompt_index, layout.prompt_valid, layout.prompt_mask[:, 0], layout.prompt_index),
+            (layout.completion_index, layout.completion_valid, layout.completion_mask[:, 0],
+             torch.cat([layout.prompt_index.index_select(0, layout.completion_row), layout.completion_index], 1)),
+        ):
+            for n in range(index.shape[0]):
+                for i in valid[n].nonzero().squeeze(1).tolist():
+                    allowed[index[n, i], keys[n][mask[n, i]]] = True
+        dense = inputs.kwargs["attention_mask"][:, 0]  # [rows, width, width]
+        flat = torch.zeros_like(allowed)
+        for r in range(rows):
+            flat[r * width:(r + 1) * width, r * width:(r + 1) * width] = dense[r]
+        queries = real
+        assert torch.equal(allowed[queries], flat[queries]), max_row_tokens
+
+
+def test_without_a_layout_it_is_sdpa(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    """Calls that carry no layout (padded rows, generation with a KV cache) compute what sdpa does, bit for bit."""
+    prompts, responses = _batch(tok)
+    model.eval()
+    switched = copy.deepcopy(model)
+    assert prefix_attention.enable(switched)
+    assert switched.config._attn_implementation == prefix_attention.IMPLEMENTATION
+    with torch.no_grad():
+        for path in ("padded", "packed"):
+            assert torch.equal(_logprobs(switched, path, prompts, responses),
+                               _logprobs(model, path, prompts, responses))
+        ids = prompts[0].unsqueeze(0)
+        kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": tok.pad_token_id}
+        assert torch.equal(switched.generate(ids, **kwargs), model.generate(ids, **kwargs))
+    prefix_attention.disable(switched)
+    assert switched.config._attn_implementation == "sdpa"
+
+
+def test_the_switch_is_not_saved_with_the_model(
+    model: PreTrainedModel, tmp_path: pytest.TempPathFactory
+) -> None:
+    """A checkpoint of a switched model loads anywhere: its config does not name this implementation."""
+    assert prefix_attention.enable(model)
+    model.save_pretrained(tmp_path)  # type: ignore[arg-type]
+    text = (tmp_path / "config.json").read_text()  # type: ignore[operator]
+    assert prefix_attention.IMPLEMENTATION not in text and json.loads(text)["model_type"] == "qwen2"
+    prefix_attention.disable(model)
+
+
+class _DropsKwargs(Qwen2ForCausalLM):
+    """A causal LM whose forward does not hand extra keyword arguments on to its attention."""
+
+    def forward(self, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,  # type: ignore[override]
+                position_ids: Tensor | None = None, logits_to_keep: int = 0, **kwargs: object) -> object:
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               logits_to_keep=logits_to_keep, use_cache=False)
+
+
+def test_the_probe_uses_it_only_where_it_is_exact(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    on, why = probe_shared_prefix(copy.deepcopy(model), CPU)
+    assert on and "shared-prefix attention" in why
+    eager = _eager_copy(model)
+    on, why = probe_shared_prefix(eager, CPU)
+    assert not on and "eager attention" in why and eager.config._attn_implementation == "eager"
+    drops = _DropsKwargs(model.config)
+    drops.load_state_dict(model.state_dict())
+    drops.config._attn_implementation = "sdpa"
+    on, why = probe_shared_prefix(drops, CPU)
+    assert not on and "does not pass the layout" in why
+    assert drops.config._attn_implementation == "sdpa"  # put back as found
+
+    forward = ResponseForward(copy.deepcopy(model), CPU)
+    assert forward.path == "packed" and forward.shared_prefix and "shared-prefix attention" in forward.why
+    off = ResponseForward(copy.deepcopy(model), CPU, shared_prefix=False)
+    assert off.path == "packed" and not off.shared_prefix and "shared_prefix is off" in off.why
+    assert off.model.config._attn_implementation == "sdpa"
+    engine = LogprobEngine(copy.deepcopy(model).requires_grad_(False), device="cpu")
+    assert engine.forward.shared_prefix
+    prompts, responses = _batch(tok)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(engine.logprobs(prompts, responses)),
+                                   _alone(model, prompts, responses), atol=ATOL, rtol=0)
