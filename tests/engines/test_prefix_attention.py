@@ -170,3 +170,20 @@ def test_the_probe_uses_it_only_where_it_is_exact(model: PreTrainedModel, tok: P
     with torch.no_grad():
         torch.testing.assert_close(torch.cat(engine.logprobs(prompts, responses)),
                                    _alone(model, prompts, responses), atol=ATOL, rtol=0)
+
+
+def test_a_micro_batch_of_one_token_responses(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    """No completion has an input token (every response is EOS alone, or empty): only the prompts attend."""
+    prompts, _ = _batch(tok)
+    responses = [torch.tensor([4 + i % 3]) if i % 4 else torch.zeros(0, dtype=torch.int64)
+                 for i in range(len(prompts))]
+    layout = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True).shared_prefix
+    assert layout is not None and layout.completion_row.numel() == 0
+    switched = copy.deepcopy(model).train()
+    assert prefix_attention.enable(switched)
+    got = _logprobs(switched, "packed", prompts, responses, shared_prefix=True)
+    got.sum().backward()
+    assert all(p.grad is not None for p in switched.parameters() if p.requires_grad)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(got.detach(), _alone(model, prompts, responses), atol=ATOL, rtol=0)
