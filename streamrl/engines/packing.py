@@ -30,13 +30,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
 
-from streamrl.engines import prefix_attention
-from streamrl.engines.prefix_attention import SharedPrefixLayout
+if TYPE_CHECKING:
+    from streamrl.engines.prefix_attention import SharedPrefixLayout
 
 ForwardPath = Literal["packed", "padded"]
 DEFAULT_MAX_ROW_TOKENS = 4096  # tokens per packed row: its mask costs width^2 bools (16 MiB at 4096)
@@ -125,6 +125,10 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
     B = len(lengths)
     layout = None
     if shared_prefix:
+        # imported here: it registers with transformers' model code, which the launcher's pipeline
+        # checks (importing this module through the stages) must not load
+        from streamrl.engines.prefix_attention import SharedPrefixLayout
+
         prompt_lengths = [pos[0].numel() for pos in pos_rows]
         completions = [(where[i][0], where[i][2], response_ids[i].numel() - 1)
                        for i in range(len(prompt_ids)) if response_ids[i].numel() > 1]
@@ -247,6 +251,8 @@ def probe_shared_prefix(model: nn.Module, device: torch.device) -> tuple[bool, s
     """Switch a packing model to the shared-prefix attention (:mod:`streamrl.engines.prefix_attention`)
     where it computes the same logprobs as padded rows; returns whether it did, and why. The model's
     attention is left as it was otherwise."""
+    from streamrl.engines import prefix_attention  # transformers' model code: see packed_inputs
+
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if prefix_attention.UNAVAILABLE is not None:
         return False, f"dense-mask attention ({prefix_attention.UNAVAILABLE})"
