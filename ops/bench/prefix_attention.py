@@ -5,7 +5,8 @@ One process, ``FSDPTrainEngine`` in a gloo world of one, a seeded Qwen2 model (f
 GRPO-like batch of ``G`` completions per prompt (random tokens, random advantages, token-mean
 loss), micro-batches of 64 samples, AdamW. Two engines on the same model and batch:
 
-* ``shared-prefix``: the default (``FSDPOptions.shared_prefix_attention``): each packed row's
+* ``shared-prefix``: ``FSDPOptions.shared_prefix_attention`` at every row width
+  (``shared_prefix_min_width=0``; the default takes it from 512 tokens): each packed row's
   completions attend to their prompt and themselves (streamrl/engines/prefix_attention.py);
 * ``dense-mask``: the same packed rows through SDPA with the dense ``width^2`` mask.
 
@@ -14,8 +15,9 @@ median [min, max], and the step-0 loss of both as a cross-check that they comput
 Shapes: W2's (``ops/bench/grpo_vs_trl.py``: hidden 256, 4 layers, prompts 3..25 tokens, 16 x 8
 completions of 32), then longer ones of the size a GRPO run on real tasks has.
 
-Target: the dense-mask step time over the shared-prefix one >= 1.0 at every shape (never slower)
-and >= 1.5 at the longest.
+Target: the dense-mask step time over the shared-prefix one >= 1.0 from the default
+``shared_prefix_min_width`` (512-token rows) on, and >= 1.5 at the longest. Run it with
+``OMP_WAIT_POLICY=PASSIVE`` for the pipeline's workers' setting.
 
     python ops/bench/prefix_attention.py              # all shapes, 5 timed steps each
     python ops/bench/prefix_attention.py --quick      # W2's shape, 2 steps: a smoke run
@@ -61,6 +63,7 @@ class Shape:
 
 SHAPES = [
     Shape("W2", 16, 8, (3, 25), 32),
+    Shape("P16-48 x 8 x C64", 16, 8, (16, 48), 64),
     Shape("P64 x 8 x C128", 16, 8, (32, 96), 128),
     Shape("P200 x 8 x C256", 16, 8, (100, 200), 256),
 ]
@@ -85,7 +88,7 @@ def measure(shape: Shape, reps: int, warmup: int, micro_batch: int) -> dict:
                          max_positions=4096)
     samples = batch(shape, len(tok), seed=0)
     engines = {name: FSDPTrainEngine(build_model(spec, tok), lr=1e-3, max_grad_norm=1.0, device="cpu",
-                                     options=FSDPOptions(shared_prefix_attention=on))
+                                     options=FSDPOptions(shared_prefix_attention=on, shared_prefix_min_width=0))
                for name, on in (("shared-prefix", True), ("dense-mask", False))}
     assert engines["shared-prefix"].forward.shared_prefix and not engines["dense-mask"].forward.shared_prefix
     loss_config = LossConfig()
@@ -152,7 +155,7 @@ def main() -> None:
         | {"load": load, "threads": args.threads},
         baseline={r["shape"]: {"step_s": r["step_s"]["dense-mask"]} for r in results},
         ratio={f"speedup {k}": v for k, v in speedups.items()},
-        target={"speedup every shape": ">= 1.0", f"speedup {shapes[-1].name}": ">= 1.5"},
+        target={"speedup from 512-token rows (every shape but W2)": ">= 1.0", f"speedup {shapes[-1].name}": ">= 1.5"},
     )
 
 

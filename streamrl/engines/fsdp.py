@@ -65,7 +65,13 @@ from streamrl.algos.grpo import (
     unnormalized_loss,
     zero_at_zero_advantage,
 )
-from streamrl.engines.packing import DEFAULT_MAX_ROW_TOKENS, ForwardPath, ResponseForward, flat_response_index
+from streamrl.engines.packing import (
+    DEFAULT_MAX_ROW_TOKENS,
+    DEFAULT_SHARED_PREFIX_MIN_WIDTH,
+    ForwardPath,
+    ResponseForward,
+    flat_response_index,
+)
 from streamrl.engines.parallel import (
     ParallelConfigError,
     apply_tensor_parallel,
@@ -114,6 +120,8 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # on packed rows, attend each completion to its prompt and itself only instead of through the
     # dense width^2 mask (streamrl/engines/prefix_attention.py); used only where a probe shows it exact
     shared_prefix_attention: bool = True
+    # ... for micro-batches whose packed rows are at least this wide (tokens); narrower: the dense mask
+    shared_prefix_min_width: int = DEFAULT_SHARED_PREFIX_MIN_WIDTH
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -196,7 +204,8 @@ class FSDPTrainEngine:
         # before sharding: the probe's two tiny forwards run on the plain module, no collective
         self.forward = ResponseForward(model.to(self.device), self.device, pack_prompts=options.pack_prompts,
                                        max_row_tokens=options.max_row_tokens,
-                                       shared_prefix=options.shared_prefix_attention)
+                                       shared_prefix=options.shared_prefix_attention,
+                                       shared_prefix_min_width=options.shared_prefix_min_width)
         log.info("train forward: %s (%s)", self.forward.path, self.forward.why)
         self._shard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]

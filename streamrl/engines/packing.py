@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 
 ForwardPath = Literal["packed", "padded"]
 DEFAULT_MAX_ROW_TOKENS = 4096  # tokens per packed row: its mask costs width^2 bools (16 MiB at 4096)
+# Rows narrower than this (tokens) keep the dense mask: there the attention is a small share of the
+# step and the shared-prefix attention's gathers cost about what it saves (0.91-1.05x at W2's
+# 263-token rows, 1.5x at 1080, docs/benchmarks.md §18)
+DEFAULT_SHARED_PREFIX_MIN_WIDTH = 512
 PROBE_TOLERANCE = 1e-4  # packed vs padded logprob difference (float32) that still counts as the same maths
 
 
@@ -81,11 +85,13 @@ def padded_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
 
 def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], device: torch.device, *,
                   mask_dtype: torch.dtype | None, max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
-                  keep_from_first: bool = True, shared_prefix: bool = False) -> ModelInputs:
+                  keep_from_first: bool = True, shared_prefix: bool = False,
+                  shared_prefix_min_width: int = 0) -> ModelInputs:
     """Shared-prompt rows (see the module doc). ``mask_dtype`` None: a boolean mask (sdpa), else an
     additive mask of that dtype (eager attention). ``shared_prefix``: also the rows' layout for
-    :mod:`streamrl.engines.prefix_attention` (the dense mask is built too: a model whose attention
-    does not take the layout uses it)."""
+    :mod:`streamrl.engines.prefix_attention` when the widest row has at least
+    ``shared_prefix_min_width`` tokens (the dense mask is built too: a model whose attention does
+    not take the layout uses it)."""
     # group samples by prompt content, in order of first appearance
     group_of: dict[tuple[int, ...], int] = {}
     members: list[list[int]] = []
@@ -124,7 +130,7 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
     width = max(lengths)
     B = len(lengths)
     layout = None
-    if shared_prefix:
+    if shared_prefix and width >= shared_prefix_min_width:
         # imported here: it registers with transformers' model code, which the launcher's pipeline
         # checks (importing this module through the stages) must not load
         from streamrl.engines.prefix_attention import SharedPrefixLayout
@@ -172,11 +178,12 @@ def attention_mask_dtype(model: nn.Module) -> torch.dtype | None:
 
 def model_inputs(path: ForwardPath, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor],
                  device: torch.device, *, mask_dtype: torch.dtype | None, max_row_tokens: int,
-                 keep_from_first: bool = True, shared_prefix: bool = False) -> ModelInputs:
+                 keep_from_first: bool = True, shared_prefix: bool = False,
+                 shared_prefix_min_width: int = 0) -> ModelInputs:
     if path == "packed":
         return packed_inputs(prompt_ids, response_ids, device, mask_dtype=mask_dtype,
                              max_row_tokens=max_row_tokens, keep_from_first=keep_from_first,
-                             shared_prefix=shared_prefix)
+                             shared_prefix=shared_prefix, shared_prefix_min_width=shared_prefix_min_width)
     return padded_inputs(prompt_ids, response_ids, device, keep_from_first=keep_from_first)
 
 
@@ -284,8 +291,12 @@ class ResponseForward:
     """
 
     def __init__(self, model: nn.Module, device: torch.device, *, pack_prompts: bool = True,
-                 max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS, shared_prefix: bool = True) -> None:
+                 max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS, shared_prefix: bool = True,
+                 shared_prefix_min_width: int = DEFAULT_SHARED_PREFIX_MIN_WIDTH) -> None:
+        """``shared_prefix_min_width``: a micro-batch's rows take the shared-prefix attention from this
+        width (tokens) on; narrower ones the dense mask (sdpa exactly)."""
         self.model, self.device, self.max_row_tokens = model, device, max_row_tokens
+        self.shared_prefix_min_width = shared_prefix_min_width
         self.path: ForwardPath = "padded"
         self.why = "pack_prompts is off"
         self.shared_prefix = False
@@ -305,7 +316,7 @@ class ResponseForward:
         """:func:`token_logprobs` of every response token (flat, sample order)."""
         inputs = model_inputs(self.path, prompt_ids, response_ids, self.device, mask_dtype=self.mask_dtype,
                               max_row_tokens=self.max_row_tokens, keep_from_first=self.keep_from_first,
-                              shared_prefix=self.shared_prefix)
+                              shared_prefix=self.shared_prefix, shared_prefix_min_width=self.shared_prefix_min_width)
         return token_logprobs(response_logits(self.model, inputs), response_ids, temperature)
 
 

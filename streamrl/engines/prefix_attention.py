@@ -11,8 +11,9 @@ computes the same attention in two dense pieces:
   C, P + C]``, the prompt keys and values gathered once per completion.
 
 That is (P + C) * C scores per completion instead of (P + G*C)^2 / G, about G-fold less work
-for long completions (a GRPO group of 8 × 500 tokens: 8×) and, on the 2-core CPU, 2.7× faster
-at the W2 benchmark's shape (docs/benchmarks.md §1).
+for long completions (a GRPO group of 8 × 500 tokens: 8×), at the price of a few gathers per
+layer: the train step is 1.2-2× faster from 512-token rows on and slower below
+(docs/benchmarks.md §18), so the engines use it from a row width on (``shared_prefix_min_width``).
 
 It plugs in through transformers' attention interface: :func:`enable` switches a model whose
 attention is ``sdpa`` to the implementation registered here, which computes exactly what

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2ForCausa
 from streamrl.engines import prefix_attention
 from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.packing import (
+    DEFAULT_SHARED_PREFIX_MIN_WIDTH,
     ResponseForward,
     model_inputs,
     packed_inputs,
@@ -187,3 +188,19 @@ def test_a_micro_batch_of_one_token_responses(model: PreTrainedModel, tok: PreTr
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(got.detach(), _alone(model, prompts, responses), atol=ATOL, rtol=0)
+
+
+def test_narrow_rows_keep_the_dense_mask(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    """Below ``shared_prefix_min_width`` (tokens of the widest row) a micro-batch builds no layout and
+    runs sdpa exactly; from it on, the layout reaches the attention."""
+    prompts, responses = _batch(tok)
+    width = packed_inputs(prompts, responses, CPU, mask_dtype=None).width
+    assert width < DEFAULT_SHARED_PREFIX_MIN_WIDTH
+    for min_width, used in ((DEFAULT_SHARED_PREFIX_MIN_WIDTH, False), (width + 1, False), (width, True)):
+        forward = ResponseForward(copy.deepcopy(model).eval(), CPU, shared_prefix_min_width=min_width)
+        assert forward.shared_prefix
+        calls = prefix_attention.layout_calls
+        with torch.no_grad():
+            got, _ = forward.logprobs(prompts, responses, 1.0)
+        assert (prefix_attention.layout_calls > calls) == used, min_width
+        torch.testing.assert_close(got, _alone(model.eval(), prompts, responses), atol=ATOL, rtol=0)
