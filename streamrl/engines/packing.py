@@ -269,15 +269,16 @@ def probe_shared_prefix(model: nn.Module, device: torch.device) -> tuple[bool, s
     try:
         diff = _packed_vs_padded(model, device, shared_prefix=True)
     except Exception as exc:
-        prefix_attention.disable(model)
-        return False, f"dense-mask attention (the shared-prefix one failed: {type(exc).__name__}: {exc})"
-    if prefix_attention.layout_calls == calls:
-        prefix_attention.disable(model)
-        return False, f"dense-mask attention ({type(model).__name__} does not pass the layout to its attention)"
-    if not diff <= PROBE_TOLERANCE:
-        prefix_attention.disable(model)
-        return False, f"dense-mask attention (shared-prefix vs padded logprobs differ by {diff:.2g})"
-    return True, f"shared-prefix attention (= padded within {diff:.1g})"
+        refused = f"the shared-prefix one failed: {type(exc).__name__}: {exc}"
+    else:
+        if prefix_attention.layout_calls == calls:
+            refused = f"{type(model).__name__} does not pass the layout to its attention"
+        elif not diff <= PROBE_TOLERANCE:
+            refused = f"shared-prefix vs padded logprobs differ by {diff:.2g}"
+        else:
+            return True, f"shared-prefix attention (= padded within {diff:.1g})"
+    prefix_attention.disable(model)
+    return False, f"dense-mask attention ({refused})"
 
 
 class ResponseForward:

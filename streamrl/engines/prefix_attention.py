@@ -80,9 +80,9 @@ class SharedPrefixLayout:
         # key j < P of the row; a padding query (i >= P) still sees key 0, so its softmax is finite
         prompt_mask = (causal_p & prompt_valid.unsqueeze(1)).unsqueeze(1)
 
-        crow = torch.tensor([r for r, _, _ in completions], dtype=torch.int64).reshape(-1)
-        cstart = torch.tensor([s for _, s, _ in completions], dtype=torch.int64).reshape(-1)
-        clen = torch.tensor([n for _, _, n in completions], dtype=torch.int64).reshape(-1)
+        crow = torch.tensor([r for r, _, _ in completions], dtype=torch.int64)
+        cstart = torch.tensor([s for _, s, _ in completions], dtype=torch.int64)
+        clen = torch.tensor([n for _, _, n in completions], dtype=torch.int64)
         ccols = torch.arange(c_max)
         completion_valid = ccols.unsqueeze(0) < clen.unsqueeze(1)
         first = crow * width + cstart

@@ -47,11 +47,12 @@ def _batch(tok: PreTrainedTokenizerFast) -> tuple[list[Tensor], list[Tensor]]:
 
 
 def _logprobs(model: torch.nn.Module, path: ForwardPath, prompts: list[Tensor], responses: list[Tensor], *,
-              max_row_tokens: int = 4096, keep_from_first: bool | None = None) -> Tensor:
-    """Flat response-token logprobs [N] through ``path``'s layout (with gradient if enabled)."""
+              max_row_tokens: int = 4096, keep_from_first: bool | None = None, shared_prefix: bool = False) -> Tensor:
+    """Flat response-token logprobs [N] through ``path``'s layout (with gradient if enabled);
+    ``shared_prefix``: with the packed rows' layout for the shared-prefix attention."""
     keep = uses_logits_to_keep(model) if keep_from_first is None else keep_from_first
     inputs = model_inputs(path, prompts, responses, CPU, mask_dtype=attention_mask_dtype(model),
-                          max_row_tokens=max_row_tokens, keep_from_first=keep)
+                          max_row_tokens=max_row_tokens, keep_from_first=keep, shared_prefix=shared_prefix)
     logits = response_logits(model, inputs)
     targets = torch.cat(responses)
     return torch.log_softmax(logits.float(), -1).gather(1, targets.unsqueeze(1)).squeeze(1)

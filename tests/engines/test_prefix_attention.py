@@ -19,26 +19,22 @@ from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.packing import (
     DEFAULT_SHARED_PREFIX_MIN_WIDTH,
     ResponseForward,
-    model_inputs,
     packed_inputs,
     probe_shared_prefix,
-    response_logits,
-    uses_logits_to_keep,
 )
 from streamrl.models.build import TinyModelSpec, build_model
-from tests.engines.test_packing import ATOL, CPU, _alone, _batch, _eager_copy, assert_same_gradients
+from tests.engines.test_packing import (
+    ATOL,
+    CPU,
+    _alone,
+    _batch,
+    _eager_copy,
+    _logprobs,
+    assert_same_gradients,
+)
 
 GQA = TinyModelSpec(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, seed=5)
 GPT2 = TinyModelSpec(arch="gpt2", hidden=32, layers=2, heads=4, intermediate=64, seed=3)
-
-
-def _logprobs(model: torch.nn.Module, path: str, prompts: list[Tensor], responses: list[Tensor], *,
-              shared_prefix: bool = False, max_row_tokens: int = 4096) -> Tensor:
-    inputs = model_inputs(path, prompts, responses, CPU, mask_dtype=None,  # type: ignore[arg-type]
-                          max_row_tokens=max_row_tokens, keep_from_first=uses_logits_to_keep(model),
-                          shared_prefix=shared_prefix)
-    logits = response_logits(model, inputs)
-    return torch.log_softmax(logits.float(), -1).gather(1, torch.cat(responses).unsqueeze(1)).squeeze(1)
 
 
 @pytest.fixture(params=["qwen2", "qwen2-gqa", "gpt2"])
