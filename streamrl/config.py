@@ -272,7 +272,9 @@ class StageOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: Annotated[str | None, Meta(description=(
         "Device of the stage's workers (cpu, cuda, cuda:N, npu, auto); the pipeline's default is "
         "resources.device"))] = None
-    threads: Annotated[int | None, Meta(description="torch intra-op threads per worker")] = None
+    threads: Annotated[int | None, Meta(description=(
+        "The most torch intra-op threads a worker computes with; with resources.core_share, fewer while other "
+        "stages compute on the host (an equal share of its cores)"))] = None
     options: Annotated[dict[str, Any] | None, Meta(description=(
         "Stage options, merged over the pipeline's options of that stage (built-in stages' options: see "
         "the options.* sections)"))] = None
@@ -321,6 +323,10 @@ class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         msgspec.field(default_factory=RayConfig))
     device: Annotated[str, Meta(description=(
         "Default device of model stages: cpu, cuda, cuda:N, npu, auto"))] = "cpu"
+    core_share: Annotated[bool, Meta(description=(
+        "CPU stages share the host's cores at each decoder layer and decode step: a compute call uses its "
+        "stage's threads while it computes alone, an equal share of the cores while other stages compute "
+        "too (docs/architecture.md §7, Threads). false: each stage keeps its threads"))] = True
     dock: Annotated[DockConfig, Meta(description="The transfer dock")] = msgspec.field(default_factory=DockConfig)
     start_timeout_s: Annotated[float, Meta(description=(
         "Seconds within which worker start-up (imports, model build) must finish"))] = 120.0

@@ -65,6 +65,7 @@ from streamrl.algos.grpo import (
     unnormalized_loss,
     zero_at_zero_advantage,
 )
+from streamrl.engines.core_share import rebalance_at_layers
 from streamrl.engines.packing import (
     DEFAULT_MAX_ROW_TOKENS,
     DEFAULT_SHARED_PREFIX_MIN_WIDTH,
@@ -237,6 +238,7 @@ class FSDPTrainEngine:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=self.device.type != "cpu") if options.cpu_offload \
             else OffloadPolicy()
+        rebalance_at_layers(layers)  # a run's share of the host's cores, layer by layer (core_share.py)
         for layer in layers:
             fully_shard(layer, mesh=self.dp_mesh, mp_policy=mp, offload_policy=offload,
                         reshard_after_forward=options.reshard_after_forward)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from streamrl.engines.core_share import rebalance_at_layers
 from streamrl.engines.packing import DEFAULT_MAX_ROW_TOKENS, ForwardPath, ResponseForward
 from streamrl.engines.samples import TrainBatchError, TrainSample, check_sample
 from streamrl.models.device import resolve_device
@@ -30,6 +31,13 @@ class LogprobEngine:
         self.forward = ResponseForward(self.model, self.device, pack_prompts=pack_prompts,
                                        max_row_tokens=max_row_tokens)
         log.info("logprob forward: %s (%s)", self.forward.path, self.forward.why)
+        # torch.distributed's DTensor loads with it: here, not where streamrl.engines is imported
+        from streamrl.engines.parallel import ParallelConfigError, decoder_layers
+
+        try:
+            rebalance_at_layers(decoder_layers(self.model))  # a run's share of the host's cores (core_share.py)
+        except ParallelConfigError:
+            pass  # no decoder-layer classes named: the share is set at each call's start only
 
     @property
     def forward_path(self) -> ForwardPath:

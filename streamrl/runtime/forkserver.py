@@ -8,11 +8,29 @@ import contextlib
 import multiprocessing
 import os
 import signal
+from collections.abc import Mapping
 
-# Idle OpenMP threads of one stage must not spin while another stage computes: with the
-# default (active) policy, generate and train on 2 cores slowed each other 5-50x here. Set
-# before the forkserver starts (workers inherit it); a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How long an idle OpenMP thread spins before it sleeps, in libgomp's spin iterations (one
+# `pause` instruction each, ten to a few hundred cycles depending on the CPU). Long enough
+# to bridge the gaps between a compute call's parallel regions, short enough that a stage which
+# stopped computing frees its core soon. OpenMP's default (300000) burns cores another stage
+# computes on: generate and train on 2 cores slowed each other 5-50x with it. Passive waits (0)
+# make every region pay a wake-up: a second thread then costs more than it gives. 3000 and 1000
+# cost W2's synchronous run 15-35 %. The run's core share (streamrl.engines.core_share) keeps at
+# most one computing thread per core, which is what lets the threads spin at all. Measured:
+# docs/benchmarks.md §19.
+SPIN_COUNT = "20000"
+
+
+def openmp_waits(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The OpenMP wait settings the workers start with: the user's own where they set
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT, else a short spin."""
+    own = {name: environ[name] for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if name in environ}
+    return own or {"GOMP_SPINCOUNT": SPIN_COUNT}
+
+
+# Set before the forkserver imports torch (OpenMP reads it once, when it loads); workers inherit it.
+os.environ.update(openmp_waits())
 
 # Workers fork from a server that imported these once: start-up costs one torch/transformers
 # import instead of one per worker. Forking happens before any OpenMP pool or CUDA context exists

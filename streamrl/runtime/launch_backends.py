@@ -37,7 +37,7 @@ from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
-from streamrl.runtime.forkserver import context
+from streamrl.runtime.forkserver import context, openmp_waits
 from streamrl.runtime.orphans import claim_dir
 from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
 from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess, free_port
@@ -310,7 +310,7 @@ class RayLaunch(LaunchBackend):
         host, node = self.ray.worker_hosts[name]
         self.ray.call(host.make_dirs.remote([str(log_path.parent)], [self.tmp, self.shm]))
         spec = msgspec.structs.replace(spec, parent_pid=self.ray.host_pid(name), home_warehouse=node.warehouse)
-        env = {"STREAMRL_LOG": os.environ.get("STREAMRL_LOG", "INFO"), "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {"STREAMRL_LOG": os.environ.get("STREAMRL_LOG", "INFO"), **openmp_waits()}
         proc = self.ray.spawn_worker(name, msgspec.json.encode(spec), str(spec_path), str(log_path), env)
         for w in members:
             w.log_path, w.proc = log_path, proc

@@ -49,6 +49,7 @@ from streamrl.security import ClientAuth, ServerAuth
 
 if TYPE_CHECKING:
     from streamrl.config import RunConfig
+    from streamrl.engines.core_share import CoreShare
     from streamrl.runtime.checkpoints import ResumeFrom
     from streamrl.runtime.control import ControlClient
     from streamrl.runtime.pipeline import PipelineSpec, StageSpec
@@ -140,14 +141,27 @@ class StageContext:
     # the dock controller's statistics (one round trip; its counters, e.g. samples_discarded), set
     # once the worker's dock client is open: a source reads it to generate as much as consumers drop
     dock_statistics: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    # this worker process's share of the host's cores (resources.core_share, CPU stages of a launched
+    # run): run_sync marks its thread computing, the engines rebalance its torch threads; None: off
+    cores: CoreShare | None = None
 
     @property
     def options(self) -> dict[str, Any]:
         return self.spec.options
 
     async def run_sync(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run blocking compute in a worker thread so leases and weight serving keep going."""
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        """Run blocking compute in a worker thread so leases and weight serving keep going; with a
+        core share, the thread counts as computing on this host meanwhile."""
+        call = functools.partial(fn, *args, **kwargs)
+        cores = self.cores
+        if cores is None:
+            return await anyio.to_thread.run_sync(call)
+
+        def computing() -> T:
+            with cores.computing():
+                return call()
+
+        return await anyio.to_thread.run_sync(computing)
 
     def report_metrics(self, metrics: dict[str, float]) -> None:
         """This stage's own figures (e.g. reward-server latency); they join every later step's

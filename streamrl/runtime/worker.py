@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -34,6 +34,7 @@ from streamrl.config import RunConfig
 from streamrl.dock.client import DockClient, Lease
 from streamrl.dock.errors import DockError, EndOfStream, RemoteError
 from streamrl.metrics.trace import Tracer, open_tracer, reset_tracer, tracer, use_tracer
+from streamrl.models.device import resolve_device
 from streamrl.runtime.checkpoints import ResumeFrom
 from streamrl.runtime.control import ControlClient
 from streamrl.runtime.orphans import remove_if_owner_is, wait_gone
@@ -41,6 +42,9 @@ from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
 from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun
 from streamrl.security import ClientAuth, ServerAuth
+
+if TYPE_CHECKING:
+    from streamrl.engines.core_share import CoreShare
 
 log = logging.getLogger("streamrl.worker")
 
@@ -151,12 +155,13 @@ async def run_worker(spec: WorkerSpec) -> int:
 
     Returns the process exit code (0 ok, 1 if any of its stages failed)."""
     shared: dict[str, Any] = {}
+    cores = _core_share(spec)
     if not spec.colocated:
-        return await _run_stage_worker(spec, spec.stage, shared)
+        return await _run_stage_worker(spec, spec.stage, shared, cores)
     codes: list[int] = []
 
     async def one(sspec: StageSpec) -> None:
-        codes.append(await _run_stage_worker(spec, sspec, shared))
+        codes.append(await _run_stage_worker(spec, sspec, shared, cores))
 
     async with anyio.create_task_group() as tg:
         for sspec in [spec.stage, *spec.colocated]:
@@ -164,7 +169,31 @@ async def run_worker(spec: WorkerSpec) -> int:
     return max(codes, default=0)
 
 
-async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str, Any]) -> int:
+def _core_share(spec: WorkerSpec) -> CoreShare | None:
+    """This process's part in the host's core share: where resources.core_share is on, the run has
+    a shared-memory scratch directory on this host, and a stage of the process computes on the CPU."""
+    stages = [spec.stage, *spec.colocated]
+    if not (spec.config.resources.core_share and spec.shm_dir
+            and any(_on_cpu(s.device or spec.config.resources.device) for s in stages)):
+        return None
+    from streamrl.engines.core_share import CoreShare  # the engines package: in the workers only
+
+    share = CoreShare(Path(spec.shm_dir) / "cores", max(s.threads for s in stages))
+    log.info("core share: up to %d torch threads while computing alone, an equal share of the host's %d cores "
+             "while other stages compute too", share.threads, share.cores)
+    return share
+
+
+def _on_cpu(device: str) -> bool:
+    """Whether a stage's device setting means the CPU (a bad setting is the stage's own error to raise)."""
+    name = device.strip().lower()
+    if name == "auto":
+        return resolve_device("auto").type == "cpu"
+    return name.partition(":")[0] == "cpu"
+
+
+async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str, Any],
+                            cores: CoreShare | None = None) -> int:
     cfg = spec.config
     auth = spec.auth.get(sspec.name)  # this stage's role only, even where colocated stages share the process
     control = ControlClient(spec.control_endpoint, sspec.name, spec.worker, token=spec.token, auth=auth)
@@ -184,7 +213,7 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                                scratch_dir=Path(spec.scratch_dir) if spec.scratch_dir else None,
                                shm_dir=Path(spec.shm_dir) if spec.shm_dir else None,
                                auth=auth, server_auth=spec.server_auth,
-                               rendezvous_endpoint=spec.rendezvous_endpoint)
+                               rendezvous_endpoint=spec.rendezvous_endpoint, cores=cores)
             ctx.tasks = tg  # type: ignore[attr-defined]  # for stages that serve in the background
             if spec.parent_pid:  # from the start: a launcher killed during set-up leaves no orphan
                 tg.start_soon(_watch_parent, spec, control, tg)

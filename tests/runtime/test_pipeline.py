@@ -61,7 +61,7 @@ def test_stage_overrides_from_the_run_config_apply(tmp_path: Path) -> None:
     assert (score.workers, score.micro_batch, score.options) == (2, 8, {"on_sample_error": "default",
                                                                         "score_key": "b"})
     assert spec.stage("train").threads == 1
-    assert spec.stage("generate").micro_batch == 64  # untouched stages keep the file's values
+    assert spec.stage("generate").micro_batch == _stage(GRPO, "generate")["micro_batch"]  # untouched: the file's
 
 
 @pytest.mark.parametrize(

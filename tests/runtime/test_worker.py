@@ -141,3 +141,45 @@ async def test_busy_time_counts_while_a_batch_runs(tmp_path: Path) -> None:
     in_flight = [e for e in busy if e.batches == 0]  # reported before the first batch ended
     assert in_flight and 0.2 < max(e.busy_s for e in in_flight) <= 1.3, [(e.batches, e.busy_s) for e in busy]
     assert busy[-1].samples == N and busy[-1].busy_s >= 1.2 * busy[-1].batches * 0.9
+
+
+@pytest.mark.parametrize("core_share", [True, False])
+async def test_compute_calls_take_their_share_of_the_hosts_cores(tmp_path: Path, core_share: bool) -> None:
+    """With resources.core_share a compute call marks its thread in the run's shared-memory
+    directory and gets its stage's threads while it computes alone; without, nothing is marked."""
+    import os
+
+    import torch
+
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    run_dir.mkdir()
+    dock = ThreadDock(["look"], capacity=64).start()
+    server = c.ControlServer("tcp://127.0.0.1:0")
+    threads_before = torch.get_num_threads()
+    try:
+        async with DockClient(dock.controller_endpoint) as client:
+            await client.add({"x": list(range(N))}, group_size=1)
+            await client.close_input()
+            cfg = load_config({"resources": {"launch": "inprocess", "core_share": core_share}})
+            stage = StageSpec(name="look", cls="tests.runtime.user_stages:ThreadLooker", reads=["x"], writes=["y"],
+                              micro_batch=4, threads=2)
+            spec = WorkerSpec(config=cfg, stage=stage, worker=0, dock_endpoint=dock.controller_endpoint,
+                              control_endpoint=server.endpoint, weights_endpoint=f"ipc://{run_dir}/no-publisher",
+                              run_dir=str(run_dir), shm_dir=str(shm))
+            code, _ = await _drive(spec, server)
+    finally:
+        server.close()
+        dock.stop()
+        torch.set_num_threads(threads_before)
+    assert code == 0
+    looks = [json.loads(line) for line in (run_dir / "look-threads.jsonl").read_text().splitlines()]
+    assert len(looks) == N // 4
+    for look in looks:
+        if core_share:  # this worker alone computes: its own marker, the stage's threads (at most the cores)
+            assert look["markers"] == [f"{os.getpid()}-{m.split('-')[1]}" for m in look["markers"]]
+            assert len(look["markers"]) == 1
+            assert look["threads"] == min(2, len(os.sched_getaffinity(0)))
+        else:
+            assert look["markers"] is None
+    if core_share:
+        assert os.listdir(shm / "cores") == []  # every call took its marker away

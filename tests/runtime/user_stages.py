@@ -115,6 +115,27 @@ class Recorder:
         _record(self.ctx, self.file + ".closed", {"worker": self.ctx.worker})
 
 
+class ThreadLooker:
+    """Writes ``y`` = 2 * ``x``; records, from inside its compute call (``run_sync``), the torch
+    threads it got and the host's core-share markers (None: no share directory)."""
+
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+
+    def _look(self) -> dict[str, Any]:
+        shm = self.ctx.shm_dir
+        cores = shm / "cores" if shm is not None else None
+        markers = sorted(os.listdir(cores)) if cores is not None and cores.exists() else None
+        return {"threads": torch.get_num_threads(), "markers": markers, "pid": os.getpid()}
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        _record(self.ctx, f"{self.ctx.spec.name}-threads", await self.ctx.run_sync(self._look))
+        return {"y": [2 * int(x) for x in batch.columns["x"]]}
+
+    async def close(self) -> None:
+        pass
+
+
 class Doubler:
     """Writes ``y`` = 2 * ``x``; fails on samples whose ``x`` is in ``options.fail_on`` (a
     ValueError) and kills its own process on those in ``options.die_on`` (``options.how``:

@@ -1,0 +1,159 @@
+"""A host's CPU cores shared among the compute calls of a run's stages (``resources.core_share``).
+
+On a CPU host every computing stage (generate, train, reference, ...) is its own process with
+its own pool of torch (OpenMP) threads. A fixed pool per stage fits only one moment: when two
+stages compute at once, pools that add up to more than the cores slow both (threads preempt
+each other inside every parallel region); when one computes alone, a pool sized for sharing
+leaves cores idle. In a streamed RL step both happen within a second: generation alone, then
+generation beside training, then training alone.
+
+So each compute call marks its thread busy in a directory that the run's workers on this host
+share (:meth:`CoreShare.computing`: one empty file per computing thread, named by process and
+thread, in the run's shared-memory scratch directory), and the engines call :func:`rebalance`
+at each decoder layer (forward and backward) and each decode step. ``rebalance`` gives the
+calling thread ``min(threads, cores // busy)`` torch threads: the stage's whole ``threads``
+while it computes alone, an equal share of the cores while others compute too. Threads change
+between layers, never inside an operator.
+
+Why the OpenMP waits matter: a parallel region's threads wait for the next region by spinning,
+then sleep. Passive waits (no spin) make each of the thousands of small regions of a step pay a
+wake-up, which cost more than a second thread gives; long spins (OpenMP's default, about a
+millisecond or more) burn cores another stage needs. The share keeps at most one thread per core
+busy, so the workers spin a short while (``GOMP_SPINCOUNT``, set by
+:mod:`streamrl.runtime.forkserver`) and then sleep.
+
+A call outside :meth:`CoreShare.computing` (an engine used directly, a test) is not affected:
+:func:`rebalance` does nothing there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+_local = threading.local()  # .share: the CoreShare this thread computes under; .threads: its torch threads
+
+
+class CoreShareError(ValueError):
+    """A core share was asked for with an impossible setting; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreShareStatistics:
+    """What one process's share did: compute ``calls`` marked busy, ``rebalances`` (looks at the
+    busy count), ``changes`` of a thread's torch threads, and the ``threads`` the last look gave
+    (0 before any)."""
+
+    calls: int
+    rebalances: int
+    changes: int
+    threads: int
+
+
+class CoreShare:
+    """This process's part in the host's share (one per worker process; its stages' compute
+    threads use it)."""
+
+    def __init__(self, directory: Path, threads: int, *, cores: int | None = None) -> None:
+        """``directory``: shared by every worker of the run on this host (created if missing);
+        ``threads``: the most torch threads a compute call of this process uses; ``cores``: the
+        cores to share (default: those this process may run on)."""
+        if threads < 1:
+            raise CoreShareError(f"threads must be >= 1, got {threads}")
+        available = cores if cores is not None else len(os.sched_getaffinity(0))
+        if available < 1:
+            raise CoreShareError(f"cores must be >= 1, got {available}")
+        self.directory, self.threads, self.cores = directory, threads, available
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._pid = os.getpid()
+        self._calls = self._rebalances = self._changes = self._last = 0
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """Mark the calling thread busy for the block, with its share of the cores from the start."""
+        if getattr(_local, "share", None) is not None:  # nested: the outer block holds the marker
+            yield
+            return
+        marker = self.directory / f"{self._pid}-{threading.get_native_id()}"
+        marker.touch()
+        _local.share = self
+        self._calls += 1
+        try:
+            self.rebalance()
+            yield
+        finally:
+            _local.share = None
+            marker.unlink(missing_ok=True)
+
+    def busy(self) -> int:
+        """Threads computing on this host now (this one included when it computes)."""
+        count = 0
+        for name in os.listdir(self.directory):
+            pid = int(name.split("-", 1)[0]) if name.split("-", 1)[0].isdigit() else 0
+            if pid == self._pid or (pid > 0 and _alive(pid)):  # a killed worker's marker counts no more
+                count += 1
+        return count
+
+    def rebalance(self) -> int:
+        """Set the calling thread's torch threads to its share now; returns it."""
+        share = max(1, min(self.threads, self.cores // max(self.busy(), 1)))
+        self._rebalances += 1
+        self._last = share
+        if getattr(_local, "threads", None) != share:
+            torch.set_num_threads(share)  # this thread's OpenMP pool (and MKL's)
+            _local.threads = share
+            self._changes += 1
+        return share
+
+    def statistics(self) -> CoreShareStatistics:
+        return CoreShareStatistics(self._calls, self._rebalances, self._changes, self._last)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def rebalance() -> None:
+    """The engines' hook: the calling thread's share of the cores, where it computes under a
+    :class:`CoreShare`; nothing elsewhere."""
+    share: CoreShare | None = getattr(_local, "share", None)
+    if share is not None:
+        share.rebalance()
+
+
+def rebalance_at_layers(layers: Iterable[nn.Module]) -> None:
+    """Call :func:`rebalance` before each of ``layers``' forward and before its backward."""
+    for layer in layers:
+        layer.register_forward_pre_hook(_before_forward)
+        layer.register_forward_hook(_before_backward)
+
+
+def _before_forward(module: nn.Module, args: object) -> None:
+    rebalance()
+
+
+def _before_backward(module: nn.Module, args: object, output: object) -> None:
+    # A hook on the layer's output gradient runs when the backward reaches the layer: lighter
+    # than a module backward hook, which wraps every input and output in an autograd node.
+    if getattr(_local, "share", None) is None or not torch.is_grad_enabled():
+        return
+    out = output[0] if isinstance(output, tuple) and output else output
+    if isinstance(out, Tensor) and out.requires_grad:
+        out.register_hook(_on_output_grad)
+
+
+def _on_output_grad(grad: Tensor) -> None:
+    rebalance()

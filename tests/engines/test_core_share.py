@@ -1,0 +1,226 @@
+"""The host's core share (streamrl.engines.core_share): real processes marking their compute
+calls, the thread counts each gets, and the engines' rebalance points (decode steps, decoder
+layers forward and backward)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from streamrl.algos.grpo import LossConfig
+from streamrl.engines.core_share import CoreShare, CoreShareError, rebalance
+from streamrl.engines.fsdp import FSDPTrainEngine
+from streamrl.engines.logprob import LogprobEngine
+from streamrl.engines.rollout import TorchRolloutEngine
+from streamrl.engines.samples import TrainSample
+from tests.engines.conftest import TINY, encode
+
+# a process that computes under the share of DIR until its stdin closes: prints "in" once inside
+HOLDER = """
+import sys
+from pathlib import Path
+from streamrl.engines.core_share import CoreShare
+share = CoreShare(Path(sys.argv[1]), threads=1, cores=4)
+with share.computing():
+    print("in", flush=True)
+    sys.stdin.read()
+"""
+
+
+class Holder:
+    """Another real process computing under the same share directory, for as long as it is open."""
+
+    def __init__(self, directory: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # blocks until it computes (or fails: then "")
+        assert line.strip() == "in", f"the holder process did not start computing (exit {self.proc.poll()})"
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def restore_threads() -> object:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+pytestmark = pytest.mark.usefixtures("restore_threads")
+
+
+def test_a_call_computing_alone_gets_its_stages_threads(tmp_path: Path) -> None:
+    share = CoreShare(tmp_path / "cores", threads=3, cores=4)
+    with share.computing():
+        assert torch.get_num_threads() == 3
+        assert share.busy() == 1
+        assert len(os.listdir(tmp_path / "cores")) == 1  # this thread's marker
+    assert os.listdir(tmp_path / "cores") == []
+    stats = share.statistics()
+    assert (stats.calls, stats.rebalances, stats.threads) == (1, 1, 3)
+
+
+def test_computing_processes_split_the_cores_and_get_them_back(tmp_path: Path) -> None:
+    directory = tmp_path / "cores"
+    share = CoreShare(directory, threads=4, cores=4)
+    with share.computing():
+        assert torch.get_num_threads() == 4
+        holder = Holder(directory)
+        try:
+            assert share.busy() == 2
+            assert share.rebalance() == 2 and torch.get_num_threads() == 2
+        finally:
+            holder.close()
+        assert share.rebalance() == 4 and torch.get_num_threads() == 4  # alone again
+    assert share.statistics().changes >= 2
+    assert os.listdir(directory) == []  # both markers gone
+
+
+def test_more_computing_threads_than_cores_get_one_each(tmp_path: Path) -> None:
+    directory = tmp_path / "cores"
+    holders = [Holder(directory), Holder(directory)]
+    try:
+        share = CoreShare(directory, threads=2, cores=2)
+        with share.computing():
+            assert share.busy() == 3
+            assert torch.get_num_threads() == 1
+    finally:
+        for h in holders:
+            h.close()
+
+
+def test_a_killed_workers_marker_counts_no_more(tmp_path: Path) -> None:
+    directory = tmp_path / "cores"
+    directory.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    (directory / f"{dead.pid}-1").touch()  # what a worker killed inside a compute call leaves
+    (directory / "not-a-marker").touch()
+    share = CoreShare(directory, threads=2, cores=2)
+    with share.computing():
+        assert share.busy() == 1
+        assert torch.get_num_threads() == 2
+
+
+def test_the_marker_goes_when_the_call_fails_and_nested_calls_share_it(tmp_path: Path) -> None:
+    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
+    with pytest.raises(RuntimeError, match="boom"), share.computing():
+        with share.computing():  # e.g. a compute call that calls another engine's
+            assert len(os.listdir(tmp_path / "cores")) == 1
+        raise RuntimeError("boom")
+    assert os.listdir(tmp_path / "cores") == []
+    assert share.statistics().calls == 1
+
+
+def test_threads_of_one_process_each_count(tmp_path: Path) -> None:
+    """Colocated stages compute in threads of one process: each thread is one busy marker."""
+    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
+    inside, release = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def other() -> None:
+        with share.computing():
+            inside.set()
+            release.wait(timeout=30)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert inside.wait(timeout=30)
+        with share.computing():
+            seen.append(share.busy())
+            seen.append(torch.get_num_threads())
+    finally:
+        release.set()
+        t.join(timeout=30)
+    assert seen == [2, 1]
+
+
+def test_rebalance_outside_a_share_changes_nothing(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    rebalance()
+    assert torch.get_num_threads() == 1
+    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
+    assert share.statistics().rebalances == 0
+
+
+def test_bad_settings_are_named(tmp_path: Path) -> None:
+    with pytest.raises(CoreShareError, match="threads must be >= 1"):
+        CoreShare(tmp_path, threads=0)
+    with pytest.raises(CoreShareError, match="cores must be >= 1"):
+        CoreShare(tmp_path, threads=1, cores=0)
+
+
+# --- the engines' rebalance points --------------------------------------------------------
+
+
+def test_generation_rebalances_at_each_decode_step(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                   model: torch.nn.Module) -> None:
+    engine = TorchRolloutEngine(model, eos_token_id=-1, pad_token_id=tok.pad_token_id, device="cpu")  # no EOS
+    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
+    prompts = encode(tok, ["12=", "345="]) * 2
+    with share.computing():
+        engine.generate(prompts, max_new_tokens=5, seed=0)
+    # the call's start, then before each of the 4 decode steps (the 5th token is sampled, never fed)
+    assert share.statistics().rebalances == 1 + 4
+
+
+def test_a_decode_step_takes_the_share_of_the_moment(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                     model: torch.nn.Module) -> None:
+    """Another process starts computing while generation runs: the next decode step halves the threads."""
+    directory = tmp_path / "cores"
+    engine = TorchRolloutEngine(model, eos_token_id=-1, pad_token_id=tok.pad_token_id, device="cpu")
+    share = CoreShare(directory, threads=4, cores=4)
+    seen: list[int] = []
+    holder: list[Holder] = []
+    original = engine._sample
+
+    def sample(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        if len(seen) == 2:
+            holder.append(Holder(directory))
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    engine._sample = sample  # type: ignore[method-assign]
+    try:
+        with share.computing():
+            engine.generate(encode(tok, ["12="]), max_new_tokens=4, seed=0)
+    finally:
+        for h in holder:
+            h.close()
+    assert seen == [4, 4, 2, 2]
+
+
+def test_training_rebalances_before_each_layers_forward_and_backward(
+    tmp_path: Path, tok: PreTrainedTokenizerFast, model: torch.nn.Module, world_of_one: None
+) -> None:
+    engine = FSDPTrainEngine(model, lr=1e-3, device="cpu")
+    prompt = encode(tok, ["12="])[0]
+    samples = [TrainSample(prompt, torch.tensor([5, 6, 7]), advantage=a) for a in (1.0, -1.0)]
+    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
+    with share.computing():
+        engine.accumulate(samples, LossConfig())
+    # the call's start, each layer's forward, each layer's backward (one row: one forward)
+    assert share.statistics().rebalances == 1 + 2 * TINY.layers
+    engine.step()  # outside the share: the hooks do nothing there
+    assert share.statistics().rebalances == 1 + 2 * TINY.layers
+
+
+def test_reference_logprobs_rebalance_before_each_layer(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                       model: torch.nn.Module) -> None:
+    engine = LogprobEngine(model, device="cpu")
+    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
+    with share.computing():
+        engine.logprobs(encode(tok, ["12="]), [torch.tensor([5, 6])])
+    assert share.statistics().rebalances == 1 + TINY.layers  # no backward
