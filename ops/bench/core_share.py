@@ -36,30 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_spread, print_json_line, print_table, ratio, spread
 from grpo_vs_trl import ROOT, streamrl_config
 
-# name -> (config overrides, environment the run starts with)
-SETTINGS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    "fixed": ({"resources": {"core_share": False}, "stages": {"generate": {"threads": 1, "micro_batch": 64}}},
+# name -> (`streamrl run` overrides, environment the run starts with)
+SETTINGS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "fixed": (["resources.core_share=false", "stages.generate.threads=1", "stages.generate.micro_batch=64"],
               {"OMP_WAIT_POLICY": "PASSIVE"}),
-    "shared-64": ({"stages": {"generate": {"micro_batch": 64}}}, {}),
-    "shared": ({}, {}),
+    "shared-64": (["stages.generate.micro_batch=64"], {}),
+    "shared": ([], {}),
 }
 TARGET = 1.0  # the share must not be slower than fixed threads on any of these runs
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _merge(dict(out.get(key) or {}), value) if isinstance(value, dict) else value
-    return out
-
-
 def run(workload: str, staleness: int, setting: str, seed: int, tmp: Path) -> dict[str, float]:
     overrides, env_extra = SETTINGS[setting]
-    cfg = _merge(streamrl_config(workload, seed, staleness, str(tmp / "runs")), overrides)
     path = tmp / f"{workload}-k{staleness}-{setting}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
+    path.write_text(yaml.safe_dump(streamrl_config(workload, seed, staleness, str(tmp / "runs"))))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "run", str(path), "--print-result"],
+    proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "run", str(path), *overrides, "--print-result"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT, env={**env, **env_extra})
     if proc.returncode != 0:
         raise RuntimeError(f"{workload} k={staleness} {setting} failed:\n{proc.stderr[-3000:]}")

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from streamrl.runtime.orphans import process_alive
+
 _local = threading.local()  # .share: the CoreShare this thread computes under; .threads: its torch threads
 
 
@@ -96,8 +98,9 @@ class CoreShare:
         """Threads computing on this host now (this one included when it computes)."""
         count = 0
         for name in os.listdir(self.directory):
-            pid = int(name.split("-", 1)[0]) if name.split("-", 1)[0].isdigit() else 0
-            if pid == self._pid or (pid > 0 and _alive(pid)):  # a killed worker's marker counts no more
+            pid = name.split("-", 1)[0]
+            # a killed worker's marker counts no more
+            if pid.isdigit() and (int(pid) == self._pid or process_alive(int(pid))):
                 count += 1
         return count
 
@@ -114,16 +117,6 @@ class CoreShare:
 
     def statistics(self) -> CoreShareStatistics:
         return CoreShareStatistics(self._calls, self._rebalances, self._changes, self._last)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def rebalance() -> None:

@@ -45,7 +45,7 @@ from streamrl.runtime.checkpoints import (
 )
 from streamrl.runtime.forkserver import start_forkserver, stop_forkserver
 from streamrl.runtime.launch_backends import BACKENDS, LaunchBackend, _Worker
-from streamrl.runtime.orphans import SHM_DIR, make_private_dir, remove_dead_owners
+from streamrl.runtime.orphans import SHM_DIR, make_private_dir, process_alive, remove_dead_owners
 from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
 from streamrl.runtime.prerun import load_pipeline, resolve_run_length
 from streamrl.runtime.rendezvous import RendezvousServer
@@ -203,8 +203,6 @@ def truncate_metrics(path: Path, version: int) -> tuple[list[dict[str, Any]], li
 def _remove_stale_ipc(run_dir: Path) -> None:
     """The ipc directories an earlier launcher of this run directory recorded in logs/pids.json,
     when that launcher is gone (killed: it could not clean up after itself)."""
-    from streamrl.runtime.worker import process_alive
-
     try:
         pids = json.loads((run_dir / "logs" / "pids.json").read_text())
     except (OSError, ValueError):

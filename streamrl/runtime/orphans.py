@@ -37,6 +37,21 @@ _PRIVATE = re.compile(r"^srl-[a-z0-9_]{8}$")  # tempfile.mkdtemp(prefix="srl-"):
 POLL_S = 0.2  # without a pidfd (not Linux): how often a worker checks that its launcher runs
 
 
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return True  # no /proc (not Linux): existence is all we can tell
+
+
 def _bases() -> list[Path]:
     return [Path("/tmp"), Path(SHM_DIR)]  # where launchers make them (socket paths must stay short)
 
@@ -79,8 +94,6 @@ def remove_if_owner_is(dirs: list[str], pid: int) -> list[str]:
 def remove_dead_owners() -> list[Path]:
     """Remove every private directory whose owner launcher no longer runs (killed, so it could not
     remove them itself, and none of its workers outlived it to do so)."""
-    from streamrl.runtime.worker import process_alive
-
     removed = []
     for base in _bases():
         with contextlib.suppress(OSError):
@@ -98,8 +111,6 @@ async def wait_gone(pid: int) -> None:
     """Return once process ``pid`` has ended (a zombie counts as ended). On Linux a pidfd turns
     readable the moment the process exits: no polling delay, and no confusion with a later process
     that reuses the pid."""
-    from streamrl.runtime.worker import process_alive
-
     wait_readable = getattr(anyio, "wait_readable", None)  # anyio >= 4.7
     fd: int | None = None
     if wait_readable is not None and hasattr(os, "pidfd_open"):

@@ -34,7 +34,7 @@ from streamrl.config import RunConfig
 from streamrl.dock.client import DockClient, Lease
 from streamrl.dock.errors import DockError, EndOfStream, RemoteError
 from streamrl.metrics.trace import Tracer, open_tracer, reset_tracer, tracer, use_tracer
-from streamrl.models.device import resolve_device
+from streamrl.models.device import DeviceUnavailableError, resolve_device
 from streamrl.runtime.checkpoints import ResumeFrom
 from streamrl.runtime.control import ControlClient
 from streamrl.runtime.orphans import remove_if_owner_is, wait_gone
@@ -186,10 +186,10 @@ def _core_share(spec: WorkerSpec) -> CoreShare | None:
 
 def _on_cpu(device: str) -> bool:
     """Whether a stage's device setting means the CPU (a bad setting is the stage's own error to raise)."""
-    name = device.strip().lower()
-    if name == "auto":
-        return resolve_device("auto").type == "cpu"
-    return name.partition(":")[0] == "cpu"
+    try:
+        return resolve_device(device).type == "cpu"
+    except DeviceUnavailableError:
+        return False
 
 
 async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str, Any],
@@ -326,21 +326,6 @@ def _root_cause(exc: BaseException) -> BaseException:
         real = [e for e in exc.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
         exc = (real or list(exc.exceptions))[0]
     return exc
-
-
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return True  # no /proc (not Linux): existence is all we can tell
 
 
 # After the launcher is gone, how long a worker may take to stop before it exits hard (at most;
