@@ -15,8 +15,16 @@ W2: completions/s (training time only, as in grpo_vs_trl). W1: milliseconds per 
 to mean reward 0.9 (the steps are the same under every setting unless float rounding moves them).
 Last line: one JSON object.
 
+``--grain`` measures instead what sets the share's ``TEAM_GRAIN``: one Qwen2 decoder layer, as
+training runs it (one packed row, forward and backward) and as decoding does (one token per
+row, forward), at widths 128/256/512 and 16 to 2048 rows, on 2 torch threads against 1 (the
+baseline), in a process with the workers' OpenMP waits.
+
     python ops/bench/core_share.py                  # W1 and W2, k = 0 and 1, 3 repetitions
     python ops/bench/core_share.py --workload W2 --reps 5
+    python ops/bench/core_share.py --grain          # about a minute
+    python ops/bench/core_share.py --against /tmp/old   # the defaults against another checkout's
+                                                        # (git worktree add /tmp/old COMMIT)
 """
 
 from __future__ import annotations
@@ -46,13 +54,16 @@ SETTINGS: dict[str, tuple[list[str], dict[str, str]]] = {
 TARGET = 1.0  # the share must not be slower than fixed threads on any of these runs
 
 
-def run(workload: str, staleness: int, setting: str, seed: int, tmp: Path) -> dict[str, float]:
-    overrides, env_extra = SETTINGS[setting]
+def run(workload: str, staleness: int, setting: str, seed: int, tmp: Path,
+        settings: dict[str, tuple[list[str], dict[str, str]]]) -> dict[str, float]:
+    overrides, env_extra = settings[setting]
     path = tmp / f"{workload}-k{staleness}-{setting}.yaml"
     path.write_text(yaml.safe_dump(streamrl_config(workload, seed, staleness, str(tmp / "runs"))))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    # --against: the other checkout's package first on the path (the pipeline files are this one's)
+    cwd = Path(env_extra.get("PYTHONPATH", ROOT))
     proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "run", str(path), *overrides, "--print-result"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env={**env, **env_extra})
+                          capture_output=True, text=True, timeout=900, cwd=cwd, env={**env, **env_extra})
     if proc.returncode != 0:
         raise RuntimeError(f"{workload} k={staleness} {setting} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -62,12 +73,118 @@ def run(workload: str, staleness: int, setting: str, seed: int, tmp: Path) -> di
             "steps": steps}
 
 
+GRAIN_WIDTHS = (128, 256, 512)
+GRAIN_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def layer_times(width: int, rows: int) -> dict[str, float]:
+    """Median milliseconds of one decoder layer's train pass and decode pass, on 1 and 2 threads."""
+    import time
+
+    import torch
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
+    heads = max(4, width // 32)
+    config = Qwen2Config(hidden_size=width, intermediate_size=2 * width, num_attention_heads=heads,
+                         num_key_value_heads=heads, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    layer, rope = Qwen2DecoderLayer(config, 0), Qwen2RotaryEmbedding(config)
+    x = torch.randn(1, rows, width, requires_grad=True)  # training: one packed row of `rows` tokens
+    positions = torch.arange(rows)[None]
+    embeddings = rope(x, positions)
+    xd = torch.randn(rows, 1, width)  # decoding: `rows` sequences, one token each
+    positions_d = torch.zeros(rows, 1, dtype=torch.long)
+    embeddings_d = rope(xd, positions_d)
+
+    def train() -> None:
+        out = layer(x, position_embeddings=embeddings, attention_mask=None, position_ids=positions)
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+    def decode() -> None:
+        with torch.no_grad():
+            layer(xd, position_embeddings=embeddings_d, attention_mask=None, position_ids=positions_d)
+
+    times: dict[str, float] = {}
+    for name, fn in (("train", train), ("decode", decode)):
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for _ in range(2):
+                fn()
+            samples = []
+            for _ in range(15 if rows < 1024 else 7):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            times[f"{name}_{threads}"] = 1e3 * sorted(samples)[len(samples) // 2]
+    return times
+
+
+def grain_child() -> None:
+    for width in GRAIN_WIDTHS:
+        for rows in GRAIN_ROWS:
+            print(json.dumps({"width": width, "rows": rows, **layer_times(width, rows)}), flush=True)
+
+
+def grain() -> None:
+    from streamrl.engines.core_share import TEAM_GRAIN
+    from streamrl.runtime.forkserver import openmp_waits
+
+    # the workers' OpenMP waits must be in the environment before torch starts: a child process
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(openmp_waits(env))
+    load = [os.getloadavg()[0]]
+    proc = subprocess.run([sys.executable, __file__, "--grain-child"], capture_output=True, text=True,
+                          timeout=900, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the layer timings failed:\n{proc.stderr[-3000:]}")
+    load.append(os.getloadavg()[0])
+    rows_out, figures, baseline, ratios = [], {}, {}, {}
+    below, above = [], []  # second-thread speed-ups on work under 2 grains (one thread) and from 2 grains
+    for line in proc.stdout.splitlines():
+        r = json.loads(line)
+        work = r["rows"] * r["width"] ** 2
+        for name in ("train", "decode"):
+            gain = r[f"{name}_1"] / r[f"{name}_2"]
+            key = f"w{r['width']}_r{r['rows']}_{name}"
+            figures[key + "_2threads_ms"] = round(r[f"{name}_2"], 3)
+            baseline[key + "_1thread_ms"] = round(r[f"{name}_1"], 3)
+            ratios[key] = round(gain, 3)
+            (below if work < 2 * TEAM_GRAIN else above).append(gain)
+            rows_out.append([r["width"], r["rows"], f"{work / 2**20:.2f}", name, f"{r[f'{name}_1']:.3f}",
+                             f"{r[f'{name}_2']:.3f}", f"{gain:.2f}", max(1, min(2, work // TEAM_GRAIN))])
+    print_table(["width", "rows", "work (M)", "pass", "1 thread ms", "2 threads ms", "speed-up",
+                 "threads the share gives"], rows_out)
+    print(f"speed-up of a second thread: under 2 grains {fmt_spread(spread(below), 2)}, "
+          f"from 2 grains {fmt_spread(spread(above), 2)}; load average {min(load):.2f} .. {max(load):.2f}")
+    print_json_line("core_share_grain", figures, baseline, ratios,
+                    {"team_grain": TEAM_GRAIN, "speed_up_under_2_grains_median_max": 1.1},
+                    load_average=[min(load), max(load)],
+                    speed_up_under_2_grains=spread(below), speed_up_from_2_grains=spread(above))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["W1", "W2", "both"], default="both")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grain", action="store_true", help="time decoder layers on 1 and 2 threads instead")
+    ap.add_argument("--grain-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--against", type=Path, metavar="CHECKOUT",
+                    help="compare the defaults with another checkout's (e.g. a git worktree of an older commit) "
+                         "instead of with the fixed threads")
     args = ap.parse_args()
+    if args.grain_child:
+        grain_child()
+        return
+    if args.grain:
+        grain()
+        return
+    settings, base_name = SETTINGS, "fixed"
+    if args.against is not None:
+        if not (args.against / "streamrl" / "__init__.py").is_file():
+            raise SystemExit(f"--against {args.against}: no streamrl package there; pass a checkout's root")
+        settings, base_name = {"against": ([], {"PYTHONPATH": str(args.against.resolve())}), "shared": ([], {})}, "against"
     workloads = ["W1", "W2"] if args.workload == "both" else [args.workload]
     cases = [(w, k) for w in workloads for k in (0, 1)]
     results: dict[str, list[dict[str, float]]] = {}
@@ -75,8 +192,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="streamrl-core-share-") as tmp:
         for rep in range(args.reps):
             for w, k in cases:
-                for setting in SETTINGS:
-                    r = run(w, k, setting, args.seed, Path(tmp))
+                for setting in settings:
+                    r = run(w, k, setting, args.seed, Path(tmp), settings)
                     results.setdefault(f"{w} k={k} {setting}", []).append(r)
                     print(f"rep {rep} {w} k={k} {setting:9s} {r['completions_per_s']:7.1f} completions/s "
                           f"{r['ms_per_step']:7.1f} ms/step  {r['steps']} steps  load {os.getloadavg()[0]:.2f}",
@@ -90,19 +207,20 @@ def main() -> None:
     for w, k in cases:
         # W2: completions/s (higher is better); W1: ms per step (lower is better), so its ratio is fixed / shared
         metric = "completions_per_s" if w == "W2" else "ms_per_step"
-        base = spread(r[metric] for r in results[f"{w} k={k} fixed"])
+        base = spread(r[metric] for r in results[f"{w} k={k} {base_name}"])
         baseline[f"{w}_k{k}_{metric}"] = base
-        for setting in ("shared-64", "shared"):
+        for setting in (name for name in settings if name != base_name):
             s = spread(r[metric] for r in results[f"{w} k={k} {setting}"])
             gain = ratio(s, base) if w == "W2" else ratio(base, s)
             figures[f"{w}_k{k}_{setting}_{metric}"] = s
             ratios[f"{w}_k{k}_{setting}"] = round(gain, 3)
             rows.append([f"{w} k={k}", metric, setting, fmt_spread(s), fmt_spread(base), f"{gain:.2f}"])
     print()
-    print_table(["run", "figure", "setting", "median [min, max]", "fixed threads", "speed-up"], rows)
+    print_table(["run", "figure", "setting", "median [min, max]", base_name, "speed-up"], rows)
     print(f"load average {min(load):.2f} .. {max(load):.2f}")
     print_json_line("core_share", figures, baseline, ratios, {"speed_up_min": TARGET},
-                    load_average=[min(load), max(load)], reps=args.reps)
+                    load_average=[min(load), max(load)], reps=args.reps, baseline_setting=base_name,
+                    against=str(args.against) if args.against else None)
 
 
 if __name__ == "__main__":

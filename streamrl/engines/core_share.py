@@ -15,6 +15,12 @@ calling thread ``min(threads, cores // busy)`` torch threads: the stage's whole 
 while it computes alone, an equal share of the cores while others compute too. Threads change
 between layers, never inside an operator.
 
+A small layer gets fewer: the engines pass each layer's or decode step's ``work`` (its rows
+times its width squared, in proportion to its matmul FLOPs), and a call gets one thread per
+:data:`TEAM_GRAIN` of it. On less work a second thread gives a layer nothing, while
+its team's waits burn a core that the run's other processes (rewards, the dock, the
+controller) need.
+
 Why the OpenMP waits matter: a parallel region's threads wait for the next region by spinning,
 then sleep. Passive waits (no spin) make each of the thousands of small regions of a step pay a
 wake-up, which cost more than a second thread gives; long spins (OpenMP's default, about a
@@ -39,6 +45,14 @@ import torch
 from torch import Tensor, nn
 
 from streamrl.runtime.orphans import process_alive
+
+# Work (rows x width^2) per torch thread, so a team of n threads forms from n x 1M. Under 2M a
+# second thread sped a Qwen2 decoder layer (forward, and forward + backward; widths 128 to 512)
+# up 0.7-1.2x, median 1.0 (`python ops/bench/core_share.py --grain`, docs/benchmarks.md section
+# 19). A larger grain costs generation: at 4M (where a layer alone gains about 1.2x) W2's
+# generation was 20-30 % slower, because a decode step's attention over the cache and its
+# sampling also split across the rows, which the width^2 measure does not count.
+TEAM_GRAIN = 2**20
 
 _local = threading.local()  # .share: the CoreShare this thread computes under; .threads: its torch threads
 
@@ -104,9 +118,13 @@ class CoreShare:
                 count += 1
         return count
 
-    def rebalance(self) -> int:
-        """Set the calling thread's torch threads to its share now; returns it."""
-        share = max(1, min(self.threads, self.cores // max(self.busy(), 1)))
+    def rebalance(self, work: int | None = None) -> int:
+        """Set the calling thread's torch threads to its share now, and to one per
+        :data:`TEAM_GRAIN` of ``work`` (the next layer's rows x width^2; None: no cap); returns it."""
+        share = min(self.threads, self.cores // max(self.busy(), 1))
+        if work is not None:
+            share = min(share, work // TEAM_GRAIN)
+        share = max(1, share)
         self._rebalances += 1
         self._last = share
         if getattr(_local, "threads", None) != share:
@@ -119,23 +137,32 @@ class CoreShare:
         return CoreShareStatistics(self._calls, self._rebalances, self._changes, self._last)
 
 
-def rebalance() -> None:
-    """The engines' hook: the calling thread's share of the cores, where it computes under a
-    :class:`CoreShare`; nothing elsewhere."""
+def rebalance(work: int | None = None) -> None:
+    """The engines' hook: the calling thread's share of the cores for the next ``work`` (rows x
+    width^2; None: no cap), where it computes under a :class:`CoreShare`; nothing elsewhere."""
     share: CoreShare | None = getattr(_local, "share", None)
     if share is not None:
-        share.rebalance()
+        share.rebalance(work)
+
+
+def layer_work(hidden: object) -> int | None:
+    """The work of a layer over ``hidden`` ([..., width] activations): rows x width^2."""
+    if not isinstance(hidden, Tensor) or hidden.dim() == 0:
+        return None
+    return hidden.numel() * hidden.shape[-1]
 
 
 def rebalance_at_layers(layers: Iterable[nn.Module]) -> None:
-    """Call :func:`rebalance` before each of ``layers``' forward and before its backward."""
+    """Call :func:`rebalance` before each of ``layers``' forward and before its backward, with
+    the work of the layer's input (forward) or of its output's gradient (backward)."""
     for layer in layers:
-        layer.register_forward_pre_hook(_before_forward)
+        layer.register_forward_pre_hook(_before_forward, with_kwargs=True)
         layer.register_forward_hook(_before_backward)
 
 
-def _before_forward(module: nn.Module, args: object) -> None:
-    rebalance()
+def _before_forward(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    if getattr(_local, "share", None) is not None:
+        rebalance(layer_work(args[0] if args else kwargs.get("hidden_states")))
 
 
 def _before_backward(module: nn.Module, args: object, output: object) -> None:
@@ -149,4 +176,4 @@ def _before_backward(module: nn.Module, args: object, output: object) -> None:
 
 
 def _on_output_grad(grad: Tensor) -> None:
-    rebalance()
+    rebalance(layer_work(grad))

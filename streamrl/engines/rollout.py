@@ -85,6 +85,8 @@ def sample_tokens(
 class _Decoder(Protocol):
     """A model with a per-row KV cache: prefill prompts, then one token per row at a time."""
 
+    width: int  # the hidden size: a forward over n rows is n x width^2 of work (core_share.py)
+
     def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, max_new_tokens: int) -> Tensor: ...
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor: ...
@@ -96,6 +98,7 @@ class _FunctionalDecoder:
     def __init__(self, fn: FunctionalForward, cache: KVCache) -> None:
         self.fn = fn
         self.cache = cache
+        self.width = fn.hidden
         self.step_index = 0  # generated tokens fed so far = generated columns written
 
     def prefill(self, input_ids: Tensor, lengths: Tensor, expand: Tensor, max_new_tokens: int) -> Tensor:
@@ -128,6 +131,7 @@ class _HFDecoder:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.width = int(model.config.get_text_config().hidden_size)
         self.cache: DynamicCache | None = None
         self.mask: Tensor | None = None  # [B, columns] 1 = real key
 
@@ -262,6 +266,7 @@ class BatchedRolloutEngine(ABC):
         try:
             with self._generation_scope():
                 decoder = self._decoder()
+                rebalance(padded.numel() * decoder.width**2)  # this call's share of the cores (core_share.py)
                 logits = decoder.prefill(
                     padded.to(device), lengths.to(device), expand, max_new_tokens
                 )
@@ -318,7 +323,7 @@ class BatchedRolloutEngine(ABC):
                 slot_rows, positions, tokens = slot_rows[keep], positions[keep], tokens[keep]
                 rows_host = [rows_host[slot] for slot in keep_host]
                 alive = [True] * len(keep_host)
-            rebalance()  # this call's share of the cores, where a run shares them (core_share.py)
+            rebalance(len(rows_host) * decoder.width**2)  # this step's share of the cores (core_share.py)
             logits = decoder.step(tokens, positions + t)  # token t sits at position prompt_len + t
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()

@@ -1,6 +1,6 @@
 """The host's core share (streamrl.engines.core_share): real processes marking their compute
-calls, the thread counts each gets, and the engines' rebalance points (decode steps, decoder
-layers forward and backward)."""
+calls, the thread counts each gets, the cap by a call's work, and the engines' rebalance points
+(prefill and decode steps, decoder layers forward and backward) with the work they pass."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from streamrl.algos.grpo import LossConfig
-from streamrl.engines.core_share import CoreShare, CoreShareError, rebalance
+from streamrl.engines import core_share
+from streamrl.engines.core_share import TEAM_GRAIN, CoreShare, CoreShareError, rebalance
 from streamrl.engines.fsdp import FSDPTrainEngine
 from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.rollout import TorchRolloutEngine
@@ -33,6 +34,18 @@ with share.computing():
     print("in", flush=True)
     sys.stdin.read()
 """
+
+
+class RecordingShare(CoreShare):
+    """A real share that also keeps the work each rebalance was given."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.works: list[int | None] = []
+
+    def rebalance(self, work: int | None = None) -> int:
+        self.works.append(work)
+        return super().rebalance(work)
 
 
 class Holder:
@@ -148,6 +161,31 @@ def test_threads_of_one_process_each_count(tmp_path: Path) -> None:
     assert seen == [2, 1]
 
 
+def test_small_work_gets_one_thread_per_grain(tmp_path: Path) -> None:
+    """A team forms only where the work pays for it: one thread per TEAM_GRAIN of rows x width^2."""
+    share = CoreShare(tmp_path / "cores", threads=4, cores=4)
+    with share.computing():
+        assert torch.get_num_threads() == 4  # the call's start: no work named yet
+        assert share.rebalance(TEAM_GRAIN - 1) == 1 and torch.get_num_threads() == 1
+        assert share.rebalance(0) == 1  # an empty layer still computes on one thread
+        assert share.rebalance(2 * TEAM_GRAIN) == 2 and torch.get_num_threads() == 2
+        assert share.rebalance(3 * TEAM_GRAIN + 5) == 3
+        assert share.rebalance(100 * TEAM_GRAIN) == 4  # never more than the stage's threads
+        assert share.rebalance(None) == 4
+        holder = Holder(tmp_path / "cores")
+        try:
+            assert share.rebalance(100 * TEAM_GRAIN) == 2  # nor more than its share of the cores
+        finally:
+            holder.close()
+
+
+def test_the_grain_is_measured_in_rows_times_width_squared() -> None:
+    assert core_share.layer_work(torch.zeros(3, 5, 16)) == 15 * 16 * 16
+    assert core_share.layer_work(torch.zeros(7, 8)) == 7 * 8 * 8
+    assert core_share.layer_work(torch.tensor(1.0)) is None
+    assert core_share.layer_work(None) is None
+
+
 def test_rebalance_outside_a_share_changes_nothing(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     rebalance()
@@ -166,20 +204,51 @@ def test_bad_settings_are_named(tmp_path: Path) -> None:
 # --- the engines' rebalance points --------------------------------------------------------
 
 
-def test_generation_rebalances_at_each_decode_step(tmp_path: Path, tok: PreTrainedTokenizerFast,
-                                                   model: torch.nn.Module) -> None:
-    engine = TorchRolloutEngine(model, eos_token_id=-1, pad_token_id=tok.pad_token_id, device="cpu")  # no EOS
-    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
-    prompts = encode(tok, ["12=", "345="]) * 2
+def test_generation_names_the_work_of_its_prefill_and_decode_steps(
+    tmp_path: Path, tok: PreTrainedTokenizerFast, model: torch.nn.Module
+) -> None:
+    engine = TorchRolloutEngine(model, eos_token_id=-1, pad_token_id=tok.pad_token_id, device="cpu")
+    share = RecordingShare(tmp_path / "cores", threads=2, cores=2)
+    prompts = encode(tok, ["12=", "345="]) * 3  # 2 unique prompts share their prefill rows
+    width = max(len(p) for p in prompts)
     with share.computing():
-        engine.generate(prompts, max_new_tokens=5, seed=0)
-    # the call's start, then before each of the 4 decode steps (the 5th token is sampled, never fed)
-    assert share.statistics().rebalances == 1 + 4
+        engine.generate(prompts, max_new_tokens=4, seed=0)
+    square = TINY.hidden**2
+    # the call's start, the prefill (2 padded rows), then before each of the 3 decode steps of 6
+    # rows (the 4th token is sampled, never fed)
+    assert share.works == [None, 2 * width * square] + [6 * square] * 3
+    assert share.statistics().threads == 1  # a tiny model's steps never pay for a team
+
+
+def test_a_small_call_uses_one_thread_and_a_large_one_a_team(
+    tmp_path: Path, tok: PreTrainedTokenizerFast, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = TorchRolloutEngine(model, eos_token_id=-1, pad_token_id=tok.pad_token_id, device="cpu")
+    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
+    seen: list[int] = []
+    original = engine._sample
+
+    def sample(*args: object, **kwargs: object) -> object:
+        seen.append(torch.get_num_threads())
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    engine._sample = sample  # type: ignore[method-assign]
+    with share.computing():
+        engine.generate(encode(tok, ["12="]) * 4, max_new_tokens=3, seed=0)
+    assert seen == [1, 1, 1]
+    # a grain of 2 rows' work: the 4 decode rows pay for a team of 2, the prefill's one shared
+    # row of 3 tokens does not
+    monkeypatch.setattr(core_share, "TEAM_GRAIN", 2 * TINY.hidden**2)
+    seen.clear()
+    with share.computing():
+        engine.generate(encode(tok, ["12="]) * 4, max_new_tokens=3, seed=0)
+    assert seen == [1, 2, 2]
 
 
 def test_a_decode_step_takes_the_share_of_the_moment(tmp_path: Path, tok: PreTrainedTokenizerFast,
-                                                     model: torch.nn.Module) -> None:
+                                                     model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another process starts computing while generation runs: the next decode step halves the threads."""
+    monkeypatch.setattr(core_share, "TEAM_GRAIN", 1)  # the tiny model's steps count as large
     directory = tmp_path / "cores"
     engine = TorchRolloutEngine(model, eos_token_id=-1, pad_token_id=tok.pad_token_id, device="cpu")
     share = CoreShare(directory, threads=4, cores=4)
@@ -203,19 +272,26 @@ def test_a_decode_step_takes_the_share_of_the_moment(tmp_path: Path, tok: PreTra
     assert seen == [4, 4, 2, 2]
 
 
-def test_training_rebalances_before_each_layers_forward_and_backward(
+def test_training_rebalances_before_each_layers_forward_and_backward_with_its_work(
     tmp_path: Path, tok: PreTrainedTokenizerFast, model: torch.nn.Module, world_of_one: None
 ) -> None:
     engine = FSDPTrainEngine(model, lr=1e-3, device="cpu")
     prompt = encode(tok, ["12="])[0]
     samples = [TrainSample(prompt, torch.tensor([5, 6, 7]), advantage=a) for a in (1.0, -1.0)]
-    share = CoreShare(tmp_path / "cores", threads=2, cores=2)
+    share = RecordingShare(tmp_path / "cores", threads=2, cores=2)
     with share.computing():
         engine.accumulate(samples, LossConfig())
-    # the call's start, each layer's forward, each layer's backward (one row: one forward)
-    assert share.statistics().rebalances == 1 + 2 * TINY.layers
+    # the call's start, then each layer's forward and each layer's backward (one row: one forward)
+    assert share.works[0] is None
+    layers = share.works[1:]
+    assert len(layers) == 2 * TINY.layers
     engine.step()  # outside the share: the hooks do nothing there
     assert share.statistics().rebalances == 1 + 2 * TINY.layers
+    # one packed row (the shared prompt once, then both responses): its tokens x width^2, the same
+    # for every layer's forward (its input) and backward (its output's gradient)
+    tokens = len(layers) and layers[0] // TINY.hidden**2  # type: ignore[operator]
+    assert len(prompt) + 2 * 2 <= tokens <= len(prompt) + 2 * 3  # a response's last token may not be fed
+    assert layers == [tokens * TINY.hidden**2] * len(layers)
 
 
 def test_reference_logprobs_rebalance_before_each_layer(tmp_path: Path, tok: PreTrainedTokenizerFast,
@@ -225,3 +301,18 @@ def test_reference_logprobs_rebalance_before_each_layer(tmp_path: Path, tok: Pre
     with share.computing():
         engine.logprobs(encode(tok, ["12="]), [torch.tensor([5, 6])])
     assert share.statistics().rebalances == 1 + TINY.layers  # no backward
+
+
+def test_reference_logprobs_name_each_layers_work(tmp_path: Path, tok: PreTrainedTokenizerFast,
+                                                  model: torch.nn.Module) -> None:
+    engine = LogprobEngine(model, device="cpu")
+    share = RecordingShare(tmp_path / "cores", threads=2, cores=2)
+    prompt = encode(tok, ["12="])[0]
+    with share.computing():
+        engine.logprobs([prompt], [torch.tensor([5, 6])])
+    works = share.works[1:]
+    assert len(works) == TINY.layers
+    # the prompt and the response, whose last token may not be fed: tokens x width^2 per layer
+    assert works[0] is not None and works[0] % TINY.hidden**2 == 0
+    assert len(prompt) + 1 <= works[0] // TINY.hidden**2 <= len(prompt) + 2
+    assert works == [works[0]] * TINY.layers
