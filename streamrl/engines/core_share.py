@@ -17,9 +17,9 @@ between layers, never inside an operator.
 
 A small layer gets fewer: the engines pass each layer's or decode step's ``work`` (its rows
 times its width squared, in proportion to its matmul FLOPs), and a call gets one thread per
-:data:`TEAM_GRAIN` of it. On less work a second thread gives a layer nothing, while
-its team's waits burn a core that the run's other processes (rewards, the dock, the
-controller) need.
+:data:`LAYER_GRAIN` of it (:data:`DECODE_GRAIN` in a decode step). On less work a second
+thread gives little, while its team's waits burn a core that the run's other processes
+(rewards, the dock, the controller) need.
 
 Why the OpenMP waits matter: a parallel region's threads wait for the next region by spinning,
 then sleep. Passive waits (no spin) make each of the thousands of small regions of a step pay a
@@ -46,13 +46,16 @@ from torch import Tensor, nn
 
 from streamrl.runtime.orphans import process_alive
 
-# Work (rows x width^2) per torch thread, so a team of n threads forms from n x 1M. Under 2M a
-# second thread sped a Qwen2 decoder layer (forward, and forward + backward; widths 128 to 512)
-# up 0.7-1.2x, median 1.0 (`python ops/bench/core_share.py --grain`, docs/benchmarks.md section
-# 19). A larger grain costs generation: at 4M (where a layer alone gains about 1.2x) W2's
-# generation was 20-30 % slower, because a decode step's attention over the cache and its
-# sampling also split across the rows, which the width^2 measure does not count.
-TEAM_GRAIN = 2**20
+# Work (rows x width^2) per torch thread of a decoder layer's forward or backward (training,
+# reference logprobs, the prefill): a team of n threads forms from n x 4M. A second thread sped a
+# Qwen2 decoder layer up 0.7-1.2x under 2M, about 1.2x at 4M, 1.3-1.5x at 8M and 1.5-1.9x from
+# 16M (`python ops/bench/core_share.py --grain`, docs/benchmarks.md section 19), while a team's
+# spinning waits take a core from the run's other processes.
+LAYER_GRAIN = 4 * 2**20
+# Work per torch thread of a decode step: a team from 2M. A decode step gains from a second
+# thread at less matmul work than a layer alone, because its attention over each row's cache
+# and its sampling split across the rows too: at 4M W2's generation was 20-30 % slower.
+DECODE_GRAIN = 2**20
 
 _local = threading.local()  # .share: the CoreShare this thread computes under; .threads: its torch threads
 
@@ -118,12 +121,13 @@ class CoreShare:
                 count += 1
         return count
 
-    def rebalance(self, work: int | None = None) -> int:
-        """Set the calling thread's torch threads to its share now, and to one per
-        :data:`TEAM_GRAIN` of ``work`` (the next layer's rows x width^2; None: no cap); returns it."""
+    def rebalance(self, work: int | None = None, grain: int | None = None) -> int:
+        """Set the calling thread's torch threads to its share now, and to one per ``grain``
+        (default :data:`LAYER_GRAIN`) of ``work`` (what follows: rows x width^2; None: no cap);
+        returns it."""
         share = min(self.threads, self.cores // max(self.busy(), 1))
         if work is not None:
-            share = min(share, work // TEAM_GRAIN)
+            share = min(share, work // (grain or LAYER_GRAIN))
         share = max(1, share)
         self._rebalances += 1
         self._last = share
@@ -137,12 +141,13 @@ class CoreShare:
         return CoreShareStatistics(self._calls, self._rebalances, self._changes, self._last)
 
 
-def rebalance(work: int | None = None) -> None:
+def rebalance(work: int | None = None, grain: int | None = None) -> None:
     """The engines' hook: the calling thread's share of the cores for the next ``work`` (rows x
-    width^2; None: no cap), where it computes under a :class:`CoreShare`; nothing elsewhere."""
+    width^2; None: no cap) at one thread per ``grain`` (default :data:`LAYER_GRAIN`), where it computes under a
+    :class:`CoreShare`; nothing elsewhere."""
     share: CoreShare | None = getattr(_local, "share", None)
     if share is not None:
-        share.rebalance(work)
+        share.rebalance(work, grain)
 
 
 def layer_work(hidden: object) -> int | None:

@@ -16,8 +16,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from streamrl.algos.grpo import LossConfig
-from streamrl.engines import core_share
-from streamrl.engines.core_share import TEAM_GRAIN, CoreShare, CoreShareError, rebalance
+from streamrl.engines import core_share, rollout
+from streamrl.engines.core_share import DECODE_GRAIN, LAYER_GRAIN, CoreShare, CoreShareError, rebalance
 from streamrl.engines.fsdp import FSDPTrainEngine
 from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.rollout import TorchRolloutEngine
@@ -42,10 +42,12 @@ class RecordingShare(CoreShare):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.works: list[int | None] = []
+        self.grains: list[int | None] = []
 
-    def rebalance(self, work: int | None = None) -> int:
+    def rebalance(self, work: int | None = None, grain: int | None = None) -> int:
         self.works.append(work)
-        return super().rebalance(work)
+        self.grains.append(grain)
+        return super().rebalance(work, grain)
 
 
 class Holder:
@@ -162,19 +164,22 @@ def test_threads_of_one_process_each_count(tmp_path: Path) -> None:
 
 
 def test_small_work_gets_one_thread_per_grain(tmp_path: Path) -> None:
-    """A team forms only where the work pays for it: one thread per TEAM_GRAIN of rows x width^2."""
+    """A team forms only where the work pays for it: one thread per grain of rows x width^2."""
     share = CoreShare(tmp_path / "cores", threads=4, cores=4)
     with share.computing():
         assert torch.get_num_threads() == 4  # the call's start: no work named yet
-        assert share.rebalance(TEAM_GRAIN - 1) == 1 and torch.get_num_threads() == 1
+        assert share.rebalance(LAYER_GRAIN - 1) == 1 and torch.get_num_threads() == 1
         assert share.rebalance(0) == 1  # an empty layer still computes on one thread
-        assert share.rebalance(2 * TEAM_GRAIN) == 2 and torch.get_num_threads() == 2
-        assert share.rebalance(3 * TEAM_GRAIN + 5) == 3
-        assert share.rebalance(100 * TEAM_GRAIN) == 4  # never more than the stage's threads
+        assert share.rebalance(2 * LAYER_GRAIN) == 2 and torch.get_num_threads() == 2
+        assert share.rebalance(3 * LAYER_GRAIN + 5) == 3
+        assert share.rebalance(100 * LAYER_GRAIN) == 4  # never more than the stage's threads
         assert share.rebalance(None) == 4
+        # a decode step's grain is its own: it gains from a second thread at less work
+        assert DECODE_GRAIN < LAYER_GRAIN
+        assert share.rebalance(2 * DECODE_GRAIN, DECODE_GRAIN) == 2
         holder = Holder(tmp_path / "cores")
         try:
-            assert share.rebalance(100 * TEAM_GRAIN) == 2  # nor more than its share of the cores
+            assert share.rebalance(100 * LAYER_GRAIN) == 2  # nor more than its share of the cores
         finally:
             holder.close()
 
@@ -217,6 +222,7 @@ def test_generation_names_the_work_of_its_prefill_and_decode_steps(
     # the call's start, the prefill (2 padded rows), then before each of the 3 decode steps of 6
     # rows (the 4th token is sampled, never fed)
     assert share.works == [None, 2 * width * square] + [6 * square] * 3
+    assert share.grains == [None, None] + [DECODE_GRAIN] * 3  # the prefill is a layer's
     assert share.statistics().threads == 1  # a tiny model's steps never pay for a team
 
 
@@ -236,9 +242,9 @@ def test_a_small_call_uses_one_thread_and_a_large_one_a_team(
     with share.computing():
         engine.generate(encode(tok, ["12="]) * 4, max_new_tokens=3, seed=0)
     assert seen == [1, 1, 1]
-    # a grain of 2 rows' work: the 4 decode rows pay for a team of 2, the prefill's one shared
-    # row of 3 tokens does not
-    monkeypatch.setattr(core_share, "TEAM_GRAIN", 2 * TINY.hidden**2)
+    # a decode grain of 2 rows' work: the 4 decode rows pay for a team of 2; the prefill (one
+    # shared row of 3 tokens, a layer's grain) does not
+    monkeypatch.setattr(rollout, "DECODE_GRAIN", 2 * TINY.hidden**2)
     seen.clear()
     with share.computing():
         engine.generate(encode(tok, ["12="]) * 4, max_new_tokens=3, seed=0)
@@ -248,7 +254,8 @@ def test_a_small_call_uses_one_thread_and_a_large_one_a_team(
 def test_a_decode_step_takes_the_share_of_the_moment(tmp_path: Path, tok: PreTrainedTokenizerFast,
                                                      model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another process starts computing while generation runs: the next decode step halves the threads."""
-    monkeypatch.setattr(core_share, "TEAM_GRAIN", 1)  # the tiny model's steps count as large
+    monkeypatch.setattr(core_share, "LAYER_GRAIN", 1)  # the tiny model's prefill and steps count as large
+    monkeypatch.setattr(rollout, "DECODE_GRAIN", 1)
     directory = tmp_path / "cores"
     engine = TorchRolloutEngine(model, eos_token_id=-1, pad_token_id=tok.pad_token_id, device="cpu")
     share = CoreShare(directory, threads=4, cores=4)
