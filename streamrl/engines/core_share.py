@@ -125,9 +125,9 @@ class CoreShare:
         """Set the calling thread's torch threads to its share now, and to one per ``grain``
         (default :data:`LAYER_GRAIN`) of ``work`` (what follows: rows x width^2; None: no cap);
         returns it."""
-        share = min(self.threads, self.cores // max(self.busy(), 1))
-        if work is not None:
-            share = min(share, work // (grain or LAYER_GRAIN))
+        share = self.threads if work is None else min(self.threads, work // (grain or LAYER_GRAIN))
+        if share > 1:  # one thread needs no look at the others (a small layer's hot path)
+            share = min(share, self.cores // max(self.busy(), 1))
         share = max(1, share)
         self._rebalances += 1
         self._last = share
@@ -150,11 +150,17 @@ def rebalance(work: int | None = None, grain: int | None = None) -> None:
         share.rebalance(work, grain)
 
 
+def work(rows: int, width: int) -> int:
+    """The unit the grains count: a forward over ``rows`` of a ``width``-wide model, rows x width^2
+    (in proportion to its matmul FLOPs)."""
+    return rows * width * width
+
+
 def layer_work(hidden: object) -> int | None:
-    """The work of a layer over ``hidden`` ([..., width] activations): rows x width^2."""
+    """The work of a layer over ``hidden`` ([..., width] activations)."""
     if not isinstance(hidden, Tensor) or hidden.dim() == 0:
         return None
-    return hidden.numel() * hidden.shape[-1]
+    return work(hidden.numel() // hidden.shape[-1], hidden.shape[-1]) if hidden.shape[-1] else 0
 
 
 def rebalance_at_layers(layers: Iterable[nn.Module]) -> None:
@@ -166,8 +172,7 @@ def rebalance_at_layers(layers: Iterable[nn.Module]) -> None:
 
 
 def _before_forward(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-    if getattr(_local, "share", None) is not None:
-        rebalance(layer_work(args[0] if args else kwargs.get("hidden_states")))
+    rebalance(layer_work(args[0] if args else kwargs.get("hidden_states")))
 
 
 def _before_backward(module: nn.Module, args: object, output: object) -> None:

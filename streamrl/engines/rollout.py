@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from streamrl.engines.core_share import DECODE_GRAIN, rebalance
+from streamrl.engines.core_share import DECODE_GRAIN, rebalance, work
 from streamrl.models.device import resolve_device
 from streamrl.models.functional import FunctionalCausalLM, FunctionalForward, KVCache, unsupported_reason
 
@@ -266,7 +266,7 @@ class BatchedRolloutEngine(ABC):
         try:
             with self._generation_scope():
                 decoder = self._decoder()
-                rebalance(padded.numel() * decoder.width**2)  # this call's share of the cores (core_share.py)
+                rebalance(work(padded.numel(), decoder.width))  # this call's share of the cores (core_share.py)
                 logits = decoder.prefill(
                     padded.to(device), lengths.to(device), expand, max_new_tokens
                 )
@@ -323,7 +323,7 @@ class BatchedRolloutEngine(ABC):
                 slot_rows, positions, tokens = slot_rows[keep], positions[keep], tokens[keep]
                 rows_host = [rows_host[slot] for slot in keep_host]
                 alive = [True] * len(keep_host)
-            rebalance(len(rows_host) * decoder.width**2, DECODE_GRAIN)  # this step's share of the cores (core_share.py)
+            rebalance(work(len(rows_host), decoder.width), DECODE_GRAIN)  # this step's share of the cores (core_share.py)
             logits = decoder.step(tokens, positions + t)  # token t sits at position prompt_len + t
         tokens_cpu = out_tokens.cpu()
         logprobs_cpu = out_logprobs.cpu()
