@@ -25,6 +25,8 @@ baseline), in a process with the workers' OpenMP waits.
     python ops/bench/core_share.py --grain          # about a minute
     python ops/bench/core_share.py --against /tmp/old   # the defaults against another checkout's
                                                         # (git worktree add /tmp/old COMMIT)
+    python ops/bench/core_share.py --event-loop --reps 5   # a compute thread's kernels, the worker's
+                                                        # event loop thread pinned to 1 torch thread or not
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +167,79 @@ def grain() -> None:
                     speed_up_under_2_grains=spread(below), speed_up_from_2_grains=spread(above))
 
 
+def event_loop_child(pinned: bool) -> None:
+    """One worker process's threads: the main (event loop) thread runs a large op of its own (a
+    message copy), then a compute thread times W2's optimizer step and a train micro-batch on 2
+    torch threads. ``pinned``: the main thread first took ``pin_event_loop_thread``, as workers do."""
+    import threading
+
+    import torch
+
+    from streamrl.runtime.worker import pin_event_loop_thread
+
+    if pinned:
+        pin_event_loop_thread(2)
+    else:
+        torch.set_num_threads(2)  # what a worker's main thread took before the pin
+    torch.randn(1 << 22).mul_(2.0)  # the event loop's own work
+    times: dict[str, float] = {}
+
+    def compute() -> None:
+        torch.set_num_threads(2)  # what the core share gives a stage computing alone
+        params = [torch.randn(256, 512) for _ in range(16)]  # W2-sized, as its AdamW sees them
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        a, b = torch.randn(2048, 256), torch.randn(256, 512)  # a W2 micro-batch's MLP matmul
+        x = torch.randn(1 << 20)
+        for name, fn, n in (("adamw_ms", opt.step, 50), ("matmul_ms", lambda: a @ b, 50),
+                            ("elementwise_ms", lambda: x.mul_(1.0001), 200)):
+            for _ in range(5):
+                fn()
+            samples = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            times[name] = 1e3 * sorted(samples)[n // 2]
+
+    t = threading.Thread(target=compute)
+    t.start()
+    t.join()
+    print(json.dumps(times), flush=True)
+
+
+def event_loop(reps: int) -> None:
+    """The compute thread's kernels with and without the event loop thread pinned to one torch thread."""
+    from streamrl.runtime.forkserver import openmp_waits
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(openmp_waits(env))  # the workers' short spin
+    load = [os.getloadavg()[0]]
+    got: dict[str, list[dict[str, float]]] = {"pinned": [], "unpinned": []}
+    for rep in range(reps):
+        for case in (("unpinned", "pinned") if rep % 2 == 0 else ("pinned", "unpinned")):
+            proc = subprocess.run([sys.executable, __file__, "--event-loop-child", case], capture_output=True,
+                                  text=True, timeout=300, cwd=ROOT, env=env)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {case} child failed:\n{proc.stderr[-3000:]}")
+            got[case].append(json.loads(proc.stdout.splitlines()[-1]))
+            print(f"rep {rep} {case:9s} {got[case][-1]}", flush=True)
+    load.append(os.getloadavg()[0])
+    figures, baseline, ratios, rows = {}, {}, {}, []
+    for name in ("adamw_ms", "matmul_ms", "elementwise_ms"):
+        f = spread(r[name] for r in got["pinned"])
+        b = spread(r[name] for r in got["unpinned"])
+        figures[name], baseline[name] = f, b
+        ratios[name] = round(ratio(b, f), 2)
+        rows.append([name, fmt_spread(b, 3), fmt_spread(f, 3), f"{ratios[name]:.2f}"])
+    print_table(["compute thread, 2 torch threads", "event loop with its own team", "event loop pinned to 1",
+                 "speed-up"], rows)
+    print(f"load average {min(load):.2f} .. {max(load):.2f}")
+    print_json_line("core_share_event_loop", figures, baseline, ratios, {"speed_up": ">= 1"},
+                    load_average=[min(load), max(load)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["W1", "W2", "both"], default="both")
@@ -171,6 +247,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grain", action="store_true", help="time decoder layers on 1 and 2 threads instead")
     ap.add_argument("--grain-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--event-loop", action="store_true",
+                    help="time a compute thread's kernels with the event loop thread pinned to one torch thread or not")
+    ap.add_argument("--event-loop-child", choices=["pinned", "unpinned"], help=argparse.SUPPRESS)
     ap.add_argument("--against", type=Path, metavar="CHECKOUT",
                     help="compare the defaults with another checkout's (e.g. a git worktree of an older commit) "
                          "instead of with the fixed threads")
@@ -180,6 +259,12 @@ def main() -> None:
         return
     if args.grain:
         grain()
+        return
+    if args.event_loop_child:
+        event_loop_child(args.event_loop_child == "pinned")
+        return
+    if args.event_loop:
+        event_loop(args.reps)
         return
     settings, base_name = SETTINGS, "fixed"
     if args.against is not None:

@@ -56,6 +56,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_of(name: str) -> torch.dtype | None:
+    """The dtype a wire name (:func:`dtype_name`) stands for; None for a name the codec does not carry."""
+    return _DTYPES.get(name)
+
+
 def _as_bytes_view(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's bytes (0-d included)."""
     return t.reshape(-1).view(torch.uint8)

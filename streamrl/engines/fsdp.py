@@ -566,15 +566,17 @@ class FSDPTrainEngine:
                 "gradients": size([local(p.grad) for p in self.params if p.grad is not None]),
                 "optimizer": size(moments)}
 
-    def full_state_dict(self, *, all_ranks: bool = False) -> dict[str, Tensor]:
+    def full_state_dict(self, *, all_ranks: bool = False, copy: bool = True) -> dict[str, Tensor]:
         """The full float32 parameters and buffers on the host (collective), owned by the caller.
 
         Rank 0 only by default (the other ranks get ``{}``: a full copy per rank is wasted host
         memory on a real model); ``all_ranks=True`` returns it everywhere.
 
         Buffer lifetime: the tensors are fresh copies, never views of the live parameters, so a
-        caller may keep serving them while the next steps update the model in place (the policy
-        publisher does).
+        caller may keep serving them while the next steps update the model in place. With
+        ``copy=False`` they are the gathered tensors as they come, on the training device: views of
+        the live parameters where one rank holds them whole, for a caller that copies them itself
+        before the next step (the policy publisher's snapshot).
         """
         self.check_on_device()
         keep = all_ranks or self.is_first_rank
@@ -586,7 +588,7 @@ class FSDPTrainEngine:
                 t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()  # collective
             if keep:
                 # copy=True: never a view of the live parameters (at one rank, to_local() is one)
-                out[name] = t.detach().to("cpu", copy=True)
+                out[name] = t.detach().to("cpu", copy=True) if copy else t.detach()
         return out
 
     def export_pretrained(

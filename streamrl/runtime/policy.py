@@ -14,6 +14,14 @@ Buffer lifetime: ``publish`` snapshots (clones) the weights, so the optimizer ma
 live parameters while earlier snapshots are still being sent; a snapshot is freed once it is
 replaced and every send that references it has completed (pyzmq holds references until then).
 
+On one host the weights skip the socket: a publisher given the run's shared-memory directory
+writes each version into a file there (:mod:`streamrl.runtime.policy_file`), and a subscriber
+given the same directory asks for it (``WeightsRequest.files``); the reply then names the file
+and its layout instead of carrying frames, and the subscriber maps it. A subscriber that cannot
+open the file (it was replaced meanwhile, or the publisher is on another host) asks again for
+frames; after two such misses in a row it asks for frames only. The file is the snapshot: the
+publisher serves frames from the same bytes.
+
 Limits (the publisher serves every generator from the trainer's process, so no request may hurt
 it): requests are at most ``MAX_REQUEST_BYTES`` (ZMQ_MAXMSGSIZE: a request is ~50 bytes), decoded
 through :func:`streamrl.wire.decode` with ``timeout_s`` in [0, 3600]; each peer has at most one
@@ -27,9 +35,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import mmap
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import anyio
@@ -42,6 +53,8 @@ from streamrl import wire
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.protocol import TensorColumn
 from streamrl.metrics.trace import tracer
+from streamrl.runtime import policy_file
+from streamrl.runtime.policy_file import PolicyFileError, WeightSlot
 from streamrl.security import ClientAuth, ServerAuth, release_context, secure_client, secure_server
 
 log = logging.getLogger("streamrl.policy")
@@ -57,6 +70,7 @@ class WeightsRequest(_Msg, tag="weights_request"):
     need: int  # answer once a version >= need exists
     want_weights: bool
     timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)]  # long-poll wait; NaN/inf refused
+    files: bool = False  # the subscriber shares the publisher's shm directory: name the version's file
 
 
 class WeightsReply(_Msg, tag="weights_reply"):
@@ -66,6 +80,11 @@ class WeightsReply(_Msg, tag="weights_reply"):
     # names[i] are the parameter names of weights[i], in order. None = no weights in this reply.
     names: list[list[str]] | None = None
     weights: list[TensorColumn] | None = None
+    # or (a request with files, a publisher with a shm directory): the version's file in it, its size
+    # in bytes and where each tensor sits (streamrl.runtime.policy_file); no frames then
+    file: str | None = None
+    file_bytes: int = 0
+    slots: list[WeightSlot] | None = None
 
 
 _request_decoder = msgspec.msgpack.Decoder(WeightsRequest)
@@ -74,10 +93,24 @@ _encoder = msgspec.msgpack.Encoder()
 
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_WAITING = 4096  # peers whose long poll is held at once (a run has one per generate worker)
+# files a subscriber could not map in a row before it asks for frames only: one miss is a version
+# replaced between the reply and the open; a second says the publisher's directory is not ours
+FILE_MISSES_BEFORE_FRAMES = 2
 
 
 class PolicyTimeout(TimeoutError):
     """The version a stage needs did not appear in time (is the trainer alive?)."""
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """One version's weights as the publisher serves them (:meth:`PolicyPublisher.snapshot`): host
+    tensors nothing writes again, and the version's file where there is one."""
+
+    version: int
+    names: list[str]
+    tensors: list[torch.Tensor]
+    file: tuple[str, int, list[WeightSlot]] | None  # (name in the shm directory, bytes, slots)
 
 
 @dataclass
@@ -91,7 +124,9 @@ class PolicyPublisher:
     """Serves the newest policy version from the trainer's process."""
 
     def __init__(self, bind: str, context: zmq.asyncio.Context | None = None, *,
-                 auth: ServerAuth | None = None) -> None:
+                 auth: ServerAuth | None = None, shm_dir: Path | None = None) -> None:
+        """``shm_dir``: the run's shared-memory scratch directory; each version is written into a
+        file there for the subscribers of this host (None: weights go over the socket only)."""
         self.ctx = context or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -104,25 +139,89 @@ class PolicyPublisher:
         self._names: list[str] = []
         self._tensors: list[torch.Tensor] = []
         self._pending: dict[bytes, _Pending] = {}  # by peer, oldest first: one waiting request each
+        self.files_dir = shm_dir / policy_file.DIRECTORY if shm_dir is not None else None
+        self.writes_files = self.files_dir is not None  # false once the directory could not hold a version
+        self._token = policy_file.new_token()
+        self._file: tuple[str, int, list[WeightSlot]] | None = None  # the current version's (name, bytes, slots)
+        # a file allocated ahead for the next version (name, bytes, mapping), made by a thread of its own
+        # while training goes on: a fresh file's pages cost as much to zero as to fill
+        self._spare: tuple[str, int, mmap.mmap] | None = None
+        self._spare_lock = threading.Lock()
+        self._spare_maker: threading.Thread | None = None
+        self._spares = itertools.count()
         self.bytes_sent = 0
+        self.files_served = 0  # replies that named the version's file instead of sending it
         self.dropped = 0  # requests that were not valid (counted, logged sparsely)
         self._warn = wire.SparseLog(log).warning
 
-    async def publish(self, version: int, state: Mapping[str, torch.Tensor], *, owned: bool = False) -> None:
+    def snapshot(self, version: int, state: Mapping[str, torch.Tensor], *, owned: bool = False) -> PolicySnapshot:
+        """``state`` copied as version ``version`` will be served, for :meth:`publish`: written into
+        the version's file where the publisher has a shm directory (one copy, from any device),
+        else copied to the host. ``owned=True``: the caller hands over CPU tensors it made for this
+        version and never writes them again, so without a file they are served as they are.
+
+        Blocking, and it touches no socket: a trainer runs it on its compute thread (copying a large
+        model is long for an event loop, and the event loop computes on one thread)."""
+        names = list(state)
+        if self.files_dir is not None and self.writes_files and state:
+            # the file is the snapshot; frames for another host's subscribers are views of it
+            name = policy_file.file_name(self._token, version)
+            with self._spare_lock:
+                spare, self._spare = self._spare, None
+            try:
+                size, slots, views = policy_file.write_snapshot(self.files_dir, name, state, spare)
+            except OSError as exc:  # the shared memory cannot hold it: the socket can, from now on
+                log.warning("cannot write policy version %d into %s (%s): its weights go over the socket, "
+                            "as every later version's", version, self.files_dir, exc)
+                self.writes_files = False
+            else:
+                return PolicySnapshot(version, names, list(views.values()), (name, size, slots))
+        if owned and all(t.device.type == "cpu" for t in state.values()):
+            return PolicySnapshot(version, names, [t.detach() for t in state.values()], None)
+        return PolicySnapshot(version, names, [t.detach().to("cpu", copy=True) for t in state.values()], None)
+
+    async def publish(self, version: int, state: Mapping[str, torch.Tensor] | None = None, *, owned: bool = False,
+                      snapshot: PolicySnapshot | None = None) -> None:
         """Make ``version`` current and answer everyone waiting for it at once.
 
-        Snapshots ``state`` (see the module's buffer-lifetime note). ``owned=True``: the caller
-        hands over CPU tensors it made for this version (e.g. a gathered full state dict) and never
-        writes them again, so they are served as they are, without a second copy."""
+        Its weights: ``state``, snapshotted here (see the module's buffer-lifetime note and
+        :meth:`snapshot`), or a ``snapshot`` made beforehand; neither: a version number only."""
         if version <= self.version and self._tensors:
             raise ValueError(f"policy versions must increase: {version} after {self.version}")
-        self._names = list(state)
-        if owned and all(t.device.type == "cpu" for t in state.values()):
-            self._tensors = [t.detach() for t in state.values()]
-        else:
-            self._tensors = [t.detach().to("cpu", copy=True) for t in state.values()]
+        if snapshot is None:
+            snapshot = self.snapshot(version, state or {}, owned=owned)
+        elif snapshot.version != version or state is not None:
+            raise ValueError(f"publish({version}) was given the snapshot of version {snapshot.version}"
+                             + (" and a state" if state is not None else ""))
+        previous = self._file
+        self._names, self._tensors, self._file = snapshot.names, snapshot.tensors, snapshot.file
         self.version = version
+        if previous is not None and self.files_dir is not None:
+            policy_file.remove(self.files_dir, previous[0])  # its readers keep their mappings
         await self._answer()
+        if snapshot.file is not None and self.writes_files:
+            self._make_spare(snapshot.file[1])
+
+    def _make_spare(self, size: int) -> None:
+        """Allocate the next version's file in a thread of its own (unless one is being made)."""
+        if self._spare_maker is not None and self._spare_maker.is_alive():
+            return
+        assert self.files_dir is not None
+        directory, name = self.files_dir, f"policy-{self._token}-next{next(self._spares)}.bin"
+
+        def make() -> None:
+            try:
+                mapped = policy_file.allocate(directory, name, size, populate=True)
+            except OSError as exc:  # out of shared memory: the next snapshot allocates its own file
+                log.warning("could not allocate the next policy version's file: %s", exc)
+                return
+            with self._spare_lock:
+                old, self._spare = self._spare, (name, size, mapped)
+            if old is not None:
+                policy_file.remove(directory, old[0])
+
+        self._spare_maker = threading.Thread(target=make, name="streamrl-policy-spare", daemon=True)
+        self._spare_maker.start()
 
     async def serve(self) -> None:
         """Answer requests forever (run it as a background task)."""
@@ -165,7 +264,12 @@ class PolicyPublisher:
     async def _reply(self, identity: bytes, req: WeightsRequest) -> None:
         frames: list[object] = []
         reply = WeightsReply(req.req_id, self.version)
-        if req.want_weights and self.version > req.have and self.version >= req.need and self._tensors:
+        if (req.want_weights and req.files and self._file is not None and self.version > req.have
+                and self.version >= req.need):
+            name, size, slots = self._file
+            reply = WeightsReply(req.req_id, self.version, file=name, file_bytes=size, slots=slots)
+            self.files_served += 1
+        elif req.want_weights and self.version > req.have and self.version >= req.need and self._tensors:
             by_dtype: dict[str, list[int]] = {}
             for i, t in enumerate(self._tensors):
                 by_dtype.setdefault(str(t.dtype), []).append(i)
@@ -188,6 +292,14 @@ class PolicyPublisher:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self.files_dir is not None:
+            if self._spare_maker is not None:
+                self._spare_maker.join(timeout=30)
+            with self._spare_lock:
+                spare, self._spare = self._spare, None
+            for name in ([self._file[0]] if self._file is not None else []) + ([spare[0]] if spare else []):
+                policy_file.remove(self.files_dir, name)
+            self._file = None
         if self.allow_list is not None:  # the context's ZAP handler served this run: stop it
             release_context(self.ctx)
 
@@ -197,7 +309,9 @@ class PolicySubscriber:
     which every stage builds itself from the config, so waiting for it costs nothing."""
 
     def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None,
-                 poll_s: float = 1.0, *, auth: ClientAuth | None = None) -> None:
+                 poll_s: float = 1.0, *, auth: ClientAuth | None = None, shm_dir: Path | None = None) -> None:
+        """``shm_dir``: the run's shared-memory scratch directory on this host; weights come as the
+        publisher's file there where it shares it (None: over the socket)."""
         self.endpoint = endpoint
         self.auth = auth
         self.ctx = context or zmq.asyncio.Context.instance()
@@ -206,7 +320,14 @@ class PolicySubscriber:
         self.known_version = 0
         self._quiet_until = 0.0  # no opportunistic version checks before this (monotonic s)
         self._ids = itertools.count(1)
-        self.bytes_received = 0
+        self.files_dir = shm_dir / policy_file.DIRECTORY if shm_dir is not None else None
+        self._file_misses = 0  # files named by replies that this process could not map, in a row
+        self.bytes_received = 0  # weights over the socket
+        self.files_mapped = 0  # versions taken from the publisher's file
+
+    @property
+    def asks_for_files(self) -> bool:
+        return self.files_dir is not None and self._file_misses < FILE_MISSES_BEFORE_FRAMES
 
     def _socket(self) -> zmq.asyncio.Socket:
         if self.sock is None:
@@ -220,7 +341,8 @@ class PolicySubscriber:
                    ) -> tuple[WeightsReply, list[zmq.Frame]]:
         sock = self._socket()
         rid = next(self._ids)
-        await sock.send(_encoder.encode(WeightsRequest(rid, have, need, want, wait_s)))
+        files = want and self.asks_for_files
+        await sock.send(_encoder.encode(WeightsRequest(rid, have, need, want, wait_s, files)))
         try:
             with anyio.fail_after(wait_s + reply_timeout_s):
                 while True:
@@ -272,10 +394,10 @@ class PolicySubscriber:
                 self._quiet_until = time.monotonic() + 10.0
                 self.close()  # drop the unanswered request with its socket
                 return have, None
-            got = self._unpack(have, reply, frames)
+            got = await self._unpack(have, reply, frames)
             if got[1] is not None:  # a newer version came: a span (the mere checks are not)
                 tracer().complete("fetch weights", "policy", started, time.perf_counter(), "policy", have=have,
-                                  need=need, version=reply.version, bytes=sum(len(f) for f in frames))
+                                  need=need, version=got[0], bytes=_nbytes(got[1]))
             return got
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else math.inf)
         with tracer().span("fetch weights", "policy", "policy", have=have, need=need) as span:
@@ -283,15 +405,29 @@ class PolicySubscriber:
                 wait = min(self.poll_s, max(0.0, deadline - time.monotonic()))
                 reply, frames = await self._ask(have, need, True, wait)
                 if reply.version >= need:
-                    span["version"] = reply.version
-                    span["bytes"] = sum(len(f) for f in frames)
-                    return self._unpack(have, reply, frames)
+                    version, state = await self._unpack(have, reply, frames)
+                    span["version"] = version
+                    span["bytes"] = _nbytes(state)
+                    return version, state
                 if time.monotonic() >= deadline:
                     raise PolicyTimeout(f"policy version {need} did not appear within {timeout_s} s "
                                         f"(newest: {reply.version}; is the trainer running?)")
 
-    def _unpack(self, have: int, reply: WeightsReply, frames: list[zmq.Frame]
-                ) -> tuple[int, dict[str, torch.Tensor] | None]:
+    async def _unpack(self, have: int, reply: WeightsReply, frames: list[zmq.Frame]
+                      ) -> tuple[int, dict[str, torch.Tensor] | None]:
+        if reply.file is not None:
+            try:
+                assert self.files_dir is not None  # the request asked for files only with a directory
+                mapped = policy_file.map_snapshot(self.files_dir, reply.file, reply.file_bytes, reply.slots or [])
+            except PolicyFileError as exc:
+                # replaced since the reply (a newer version is out), or the publisher's host is not ours
+                self._file_misses += 1
+                log.info("policy version %d: %s; asking for it over the socket", reply.version, exc)
+                reply, frames = await self._ask(have, reply.version, True, 0.0)
+                return await self._unpack(have, reply, frames)
+            self._file_misses = 0
+            self.files_mapped += 1
+            return reply.version, mapped
         if reply.weights is None or reply.names is None:
             return have, None
         state: dict[str, torch.Tensor] = {}
@@ -305,3 +441,7 @@ class PolicySubscriber:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+
+
+def _nbytes(state: dict[str, torch.Tensor] | None) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values()) if state else 0

@@ -41,7 +41,7 @@ from streamrl.reshard import (
     WeightSender,
 )
 from streamrl.runtime.pipeline import StageSpec, colocated_tensor_parallel, inference_tensor_parallel
-from streamrl.runtime.policy import PolicyPublisher
+from streamrl.runtime.policy import PolicyPublisher, PolicySnapshot
 from streamrl.runtime.stage import StageContext
 from streamrl.stages.world import weights_receiver
 
@@ -112,7 +112,8 @@ class _VersionNumbers:
         self.ctx = ctx
         self.publisher: PolicyPublisher | None = None
         if ctx.worker == 0:
-            self.publisher = PolicyPublisher(ctx.weights_endpoint, auth=ctx.server_auth)
+            # the generators of this host map each version from the run's shared memory
+            self.publisher = PolicyPublisher(ctx.weights_endpoint, auth=ctx.server_auth, shm_dir=ctx.shm_dir)
             ctx.tasks.start_soon(self.publisher.serve)  # type: ignore[attr-defined]
 
     async def announce(self, version: int) -> None:
@@ -147,11 +148,18 @@ class PublishHandOver(HandOver):
 
     async def publish(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        state = await self.ctx.run_sync(self.trainer.engine.full_state_dict)  # collective; rank 0 gets it
+        engine, publisher = self.trainer.engine, self.channel.publisher
+
+        def gather() -> PolicySnapshot | None:
+            # collective; rank 0 gets the state, as the live tensors where it holds them whole, and
+            # copies it once: into the version's file in the run's shared memory (or to the host)
+            state = engine.full_state_dict(copy=False)
+            return publisher.snapshot(version, state) if publisher is not None else None
+
+        snapshot = await self.ctx.run_sync(gather)  # the compute thread: the copy needs no event loop
         t1 = time.perf_counter()
-        if self.channel.publisher is not None:
-            # a fresh CPU copy gathered for this version alone: served without another copy
-            await self.channel.publisher.publish(version, state, owned=True)
+        if publisher is not None:
+            await publisher.publish(version, snapshot=snapshot)
         return {"gather_ms": (t1 - t0) * 1e3, "publish_ms": (time.perf_counter() - t1) * 1e3}
 
     async def close(self) -> None:

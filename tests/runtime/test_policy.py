@@ -1,4 +1,6 @@
-"""Policy versions over real ZeroMQ sockets: numbering, long-polls, bitwise weights, snapshots."""
+"""Policy versions over real ZeroMQ sockets: numbering, long-polls, bitwise weights, snapshots;
+and on one host through the version's file in the run's shared memory (the ``files`` fixture
+case runs every test here that way too)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from streamrl.runtime.policy import PolicyPublisher, PolicySubscriber, PolicyTimeout
+from tests.runtime.policy_serving import served
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -26,22 +29,28 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture(params=["tcp", "ipc"])
+@pytest.fixture(params=["tcp", "ipc", "files"])
 async def publisher(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[PolicyPublisher]:
     bind = "tcp://127.0.0.1:0" if request.param == "tcp" else f"ipc://{tmp_path}/weights"
-    pub = PolicyPublisher(bind)
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(pub.serve)
-            yield pub
-            tg.cancel_scope.cancel()
-    finally:
-        pub.close()
+    async with served(PolicyPublisher(bind, shm_dir=tmp_path / "shm" if request.param == "files" else None)) as pub:
+        yield pub
+
+
+def _version_files(publisher: PolicyPublisher) -> list[str]:
+    """The publisher's versions' files (not the spare it allocates ahead for the next one)."""
+    assert publisher.files_dir is not None
+    return sorted(p.name for p in publisher.files_dir.iterdir() if "-v" in p.name)
+
+
+def _subscriber(publisher: PolicyPublisher) -> PolicySubscriber:
+    """A subscriber of the publisher's host: it shares the publisher's shm directory, if any."""
+    shm = publisher.files_dir.parent if publisher.files_dir is not None else None
+    return PolicySubscriber(publisher.endpoint, poll_s=0.5, shm_dir=shm)
 
 
 @pytest.fixture
 async def subscriber(publisher: PolicyPublisher) -> AsyncIterator[PolicySubscriber]:
-    sub = PolicySubscriber(publisher.endpoint, poll_s=0.5)
+    sub = _subscriber(publisher)
     yield sub
     sub.close()
 
@@ -127,7 +136,10 @@ async def test_fetch_returns_the_published_weights_bitwise(publisher: PolicyPubl
     version, got = await subscriber.fetch(have=1, need=0, timeout_s=10)
     assert version == 2 and got is not None
     _assert_bitwise_equal(got, state2)
-    assert subscriber.bytes_received > 0
+    if publisher.files_dir is None:
+        assert subscriber.bytes_received > 0
+    else:  # both versions came as files, none over the socket
+        assert (subscriber.files_mapped, subscriber.bytes_received, publisher.files_served) == (2, 0, 2)
 
 
 async def test_fetch_long_polls_for_a_future_version(publisher: PolicyPublisher,
@@ -163,7 +175,7 @@ async def test_a_mutation_after_publish_does_not_reach_subscribers(publisher: Po
 
 async def test_many_subscribers_get_the_same_version(publisher: PolicyPublisher) -> None:
     state = _state(5)
-    subs = [PolicySubscriber(publisher.endpoint, poll_s=0.5) for _ in range(4)]
+    subs = [_subscriber(publisher) for _ in range(4)]
     results: dict[int, tuple[int, dict[str, torch.Tensor] | None]] = {}
     try:
         async def fetch(i: int) -> None:
@@ -213,3 +225,152 @@ async def test_a_state_with_mixed_dtypes_is_served() -> None:
     finally:
         sub.close()
         pub.close()
+
+
+async def test_a_version_file_outlives_its_replacement_for_its_readers(file_publisher: PolicyPublisher) -> None:
+    """One file per version, private to the run's user; the next publish removes it, and a
+    generator still holding its tensors reads them unchanged."""
+    pub = file_publisher
+    assert pub.files_dir is not None
+    sub = _subscriber(pub)
+    try:
+        first = _state(1)
+        await pub.publish(1, first)
+        _, got1 = await sub.fetch(have=0, need=1, timeout_s=10)
+        assert got1 is not None
+        files = _version_files(pub)
+        assert len(files) == 1 and files[0].endswith("-v1.bin")
+        assert pub.files_dir.stat().st_mode & 0o777 == 0o700
+        assert (pub.files_dir / files[0]).stat().st_mode & 0o777 == 0o600
+
+        second = _state(2)
+        await pub.publish(2, second)
+        assert _version_files(pub) == [files[0].replace("-v1.bin", "-v2.bin")]
+        _assert_bitwise_equal(got1, first)  # the unlinked file's pages live on in this mapping
+        _, got2 = await sub.fetch(have=1, need=2, timeout_s=10)
+        assert got2 is not None
+        _assert_bitwise_equal(got2, second)
+        assert sub.files_mapped == 2 and sub.bytes_received == 0
+    finally:
+        sub.close()
+
+
+async def test_the_next_versions_file_is_allocated_ahead_and_close_removes_every_file(tmp_path: Path) -> None:
+    """After a publish a thread allocates the next version's file (a spare, never named in a
+    reply); the next snapshot of the same size becomes that file; close() removes them all."""
+    pub = PolicyPublisher(f"ipc://{tmp_path}/weights", shm_dir=tmp_path / "shm")
+    assert pub.files_dir is not None
+    await pub.publish(1, _state(1))
+    assert pub._spare_maker is not None
+    pub._spare_maker.join(timeout=10)
+    spare = [p.name for p in pub.files_dir.iterdir() if "-next" in p.name]
+    assert len(spare) == 1 and _version_files(pub) == [next(p.name for p in pub.files_dir.iterdir() if "-v1" in p.name)]
+    spare_inode = (pub.files_dir / spare[0]).stat().st_ino
+    await pub.publish(2, _state(2))
+    v2 = _version_files(pub)
+    assert len(v2) == 1 and v2[0].endswith("-v2.bin")
+    assert (pub.files_dir / v2[0]).stat().st_ino == spare_inode  # the spare, renamed and filled
+    sub = _subscriber(pub)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pub.serve)
+            _, got = await sub.fetch(have=0, need=2, timeout_s=10)
+            tg.cancel_scope.cancel()
+        assert got is not None
+        _assert_bitwise_equal(got, _state(2))
+    finally:
+        sub.close()
+    pub.close()
+    assert list(pub.files_dir.iterdir()) == []
+
+
+async def test_a_write_into_received_weights_stays_in_that_process(file_publisher: PolicyPublisher) -> None:
+    """Subscribers map the file copy-on-write: one that writes into its tensors changes neither
+    the file nor another subscriber's copy."""
+    state = _state(3)
+    await file_publisher.publish(1, state)
+    a, b = _subscriber(file_publisher), _subscriber(file_publisher)
+    try:
+        _, got_a = await a.fetch(have=0, need=1, timeout_s=10)
+        assert got_a is not None
+        for t in got_a.values():
+            t.add_(1.0)
+        _, got_b = await b.fetch(have=0, need=1, timeout_s=10)
+        assert got_b is not None and b.files_mapped == 1
+        _assert_bitwise_equal(got_b, state)
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_subscriber_of_another_host_gets_the_weights_over_the_socket(file_publisher: PolicyPublisher,
+                                                                             tmp_path: Path) -> None:
+    """A reply names a file this subscriber's directory does not hold (another host's): it asks
+    again for frames, and after two misses in a row asks for frames only."""
+    sub = PolicySubscriber(file_publisher.endpoint, poll_s=0.5, shm_dir=tmp_path / "elsewhere")
+    try:
+        for version in (1, 2, 3):
+            state = _state(version)
+            await file_publisher.publish(version, state)
+            got_version, got = await sub.fetch(have=version - 1, need=version, timeout_s=10)
+            assert got_version == version and got is not None
+            _assert_bitwise_equal(got, state)
+        assert sub.files_mapped == 0 and sub.bytes_received > 0
+        assert not sub.asks_for_files
+        assert file_publisher.files_served == 2  # versions 1 and 2; 3 was asked for as frames at once
+    finally:
+        sub.close()
+
+
+async def test_a_file_gone_before_it_is_opened_costs_a_new_ask_not_the_version(
+        file_publisher: PolicyPublisher) -> None:
+    """A reply's file can be gone when the subscriber opens it (the next version replaced it, or the
+    run's directory was cleaned): the subscriber asks again and gets the version all the same."""
+    pub = file_publisher
+    assert pub.files_dir is not None
+    sub = _subscriber(pub)
+    try:
+        state = _state(1)
+        await pub.publish(1, state)
+        (pub.files_dir / _version_files(pub)[0]).unlink()
+        version, got = await sub.fetch(have=0, need=1, timeout_s=10)
+        assert version == 1 and got is not None
+        _assert_bitwise_equal(got, state)
+        assert sub.files_mapped == 0 and sub.bytes_received > 0
+    finally:
+        sub.close()
+
+
+def test_a_shared_memory_too_small_for_a_version_sends_it_over_the_socket(tmp_path: Path) -> None:
+    """Where the directory cannot hold a version (a container's small /dev/shm; here a file-size
+    limit on the publisher's process), its allocation fails cleanly, never a SIGBUS on the write,
+    and that version and every later one go over the socket. In a subprocess: the limit is
+    process state."""
+    import subprocess
+    import sys
+
+    probe = f"""
+import resource, signal, anyio, torch
+from pathlib import Path
+from streamrl.runtime.policy import PolicyPublisher, PolicySubscriber
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, as ENOSPC on a full tmpfs
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+state = {{"big": torch.arange(256 * 1024, dtype=torch.float32)}}  # 1 MiB: more than the limit
+async def main():
+    pub = PolicyPublisher("ipc://{tmp_path}/w", shm_dir=Path("{tmp_path}/shm"))
+    sub = PolicySubscriber(pub.endpoint, poll_s=0.5, shm_dir=Path("{tmp_path}/shm"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pub.serve)
+        for v in (1, 2):
+            await pub.publish(v, snapshot=pub.snapshot(v, state))
+            version, got = await sub.fetch(have=v - 1, need=v, timeout_s=10)
+            assert version == v and torch.equal(got["big"], state["big"])
+        tg.cancel_scope.cancel()
+    print(pub.writes_files, sub.files_mapped, sub.bytes_received > 0, sorted(p.name for p in Path("{tmp_path}/shm/policy").iterdir()))
+    sub.close(); pub.close()
+anyio.run(main)
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "0", "True", "[]"], out.stdout + out.stderr
+    assert "its weights go over the socket" in out.stderr

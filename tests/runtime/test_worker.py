@@ -183,3 +183,28 @@ async def test_compute_calls_take_their_share_of_the_hosts_cores(tmp_path: Path,
             assert look["markers"] is None
     if core_share:
         assert os.listdir(shm / "cores") == []  # every call took its marker away
+
+
+def test_the_event_loop_thread_computes_on_one_torch_thread_and_compute_threads_on_the_stages() -> None:
+    """``pin_event_loop_thread``: the event loop's thread keeps one torch thread even after a
+    compute thread set more and the loop ran a large op (so it never makes an OpenMP team beside
+    the compute thread's); a thread started later gets the stage's threads. In a fresh
+    interpreter: torch's thread counts are process state."""
+    import subprocess
+    import sys
+
+    probe = """
+import threading, torch
+from streamrl.runtime.worker import pin_event_loop_thread
+pin_event_loop_thread(3)
+seen = []
+def compute():
+    seen.append(torch.get_num_threads())
+    torch.set_num_threads(2)  # what the core share does in a compute call
+    torch.randn(1 << 20).mul_(2.0)
+t = threading.Thread(target=compute); t.start(); t.join()
+torch.randn(1 << 20).mul_(2.0)  # the event loop's own large op (a message copy, a snapshot)
+print(seen[0], torch.get_num_threads())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["3", "1"], out.stdout + out.stderr
