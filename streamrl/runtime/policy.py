@@ -162,6 +162,8 @@ class PolicyPublisher:
 
         Blocking, and it touches no socket: a trainer runs it on its compute thread (copying a large
         model is long for an event loop, and the event loop computes on one thread)."""
+        if version <= self.version and self._tensors:
+            raise ValueError(f"policy versions must increase: {version} after {self.version}")
         names = list(state)
         if self.files_dir is not None and self.writes_files and state:
             # the file is the snapshot; frames for another host's subscribers are views of it
@@ -186,13 +188,17 @@ class PolicyPublisher:
 
         Its weights: ``state``, snapshotted here (see the module's buffer-lifetime note and
         :meth:`snapshot`), or a ``snapshot`` made beforehand; neither: a version number only."""
-        if version <= self.version and self._tensors:
+        stale = version <= self.version and bool(self._tensors)
+        if snapshot is not None and (stale or snapshot.version != version or state is not None):
+            if snapshot.file is not None and self.files_dir is not None:
+                policy_file.remove(self.files_dir, snapshot.file[0])  # never served: nothing maps it
+            if not stale:
+                raise ValueError(f"publish({version}) was given the snapshot of version {snapshot.version}"
+                                 + (" and a state" if state is not None else ""))
+        if stale:
             raise ValueError(f"policy versions must increase: {version} after {self.version}")
         if snapshot is None:
             snapshot = self.snapshot(version, state or {}, owned=owned)
-        elif snapshot.version != version or state is not None:
-            raise ValueError(f"publish({version}) was given the snapshot of version {snapshot.version}"
-                             + (" and a state" if state is not None else ""))
         previous = self._file
         self._names, self._tensors, self._file = snapshot.names, snapshot.tensors, snapshot.file
         self.version = version

@@ -74,7 +74,13 @@ async def test_versions_must_increase(publisher: PolicyPublisher) -> None:
     for stale in (2, 1):
         with pytest.raises(ValueError, match="must increase"):
             await publisher.publish(stale, _state())
+        with pytest.raises(ValueError, match="must increase"):  # a snapshot made for it is not kept
+            await publisher.publish(stale, snapshot=publisher.snapshot(stale, _state()))
+    with pytest.raises(ValueError, match="the snapshot of version 4"):
+        await publisher.publish(3, snapshot=publisher.snapshot(4, _state()))
     assert publisher.version == 2
+    if publisher.files_dir is not None:
+        assert len(_version_files(publisher)) == 1  # version 2's
 
 
 async def test_version_zero_needs_no_publisher(tmp_path: Path) -> None:
