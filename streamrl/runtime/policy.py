@@ -162,8 +162,7 @@ class PolicyPublisher:
 
         Blocking, and it touches no socket: a trainer runs it on its compute thread (copying a large
         model is long for an event loop, and the event loop computes on one thread)."""
-        if version <= self.version and self._tensors:
-            raise ValueError(f"policy versions must increase: {version} after {self.version}")
+        self._check_newer(version)
         names = list(state)
         if self.files_dir is not None and self.writes_files and state:
             # the file is the snapshot; frames for another host's subscribers are views of it
@@ -188,17 +187,18 @@ class PolicyPublisher:
 
         Its weights: ``state``, snapshotted here (see the module's buffer-lifetime note and
         :meth:`snapshot`), or a ``snapshot`` made beforehand; neither: a version number only."""
-        stale = version <= self.version and bool(self._tensors)
-        if snapshot is not None and (stale or snapshot.version != version or state is not None):
-            if snapshot.file is not None and self.files_dir is not None:
-                policy_file.remove(self.files_dir, snapshot.file[0])  # never served: nothing maps it
-            if not stale:
-                raise ValueError(f"publish({version}) was given the snapshot of version {snapshot.version}"
-                                 + (" and a state" if state is not None else ""))
-        if stale:
-            raise ValueError(f"policy versions must increase: {version} after {self.version}")
         if snapshot is None:
             snapshot = self.snapshot(version, state or {}, owned=owned)
+        else:
+            try:
+                self._check_newer(version)
+                if snapshot.version != version or state is not None:
+                    raise ValueError(f"publish({version}) was given the snapshot of version {snapshot.version}"
+                                     + (" and a state" if state is not None else ""))
+            except ValueError:
+                if snapshot.file is not None and self.files_dir is not None:
+                    policy_file.remove(self.files_dir, snapshot.file[0])  # never served: nothing maps it
+                raise
         previous = self._file
         self._names, self._tensors, self._file = snapshot.names, snapshot.tensors, snapshot.file
         self.version = version
@@ -208,12 +208,16 @@ class PolicyPublisher:
         if snapshot.file is not None and self.writes_files:
             self._make_spare(snapshot.file[1])
 
+    def _check_newer(self, version: int) -> None:
+        if version <= self.version and self._tensors:
+            raise ValueError(f"policy versions must increase: {version} after {self.version}")
+
     def _make_spare(self, size: int) -> None:
         """Allocate the next version's file in a thread of its own (unless one is being made)."""
         if self._spare_maker is not None and self._spare_maker.is_alive():
             return
         assert self.files_dir is not None
-        directory, name = self.files_dir, f"policy-{self._token}-next{next(self._spares)}.bin"
+        directory, name = self.files_dir, policy_file.spare_name(self._token, next(self._spares))
 
         def make() -> None:
             try:
@@ -303,8 +307,9 @@ class PolicyPublisher:
                 self._spare_maker.join(timeout=30)
             with self._spare_lock:
                 spare, self._spare = self._spare, None
-            for name in ([self._file[0]] if self._file is not None else []) + ([spare[0]] if spare else []):
-                policy_file.remove(self.files_dir, name)
+            for held in (self._file, spare):
+                if held is not None:
+                    policy_file.remove(self.files_dir, held[0])
             self._file = None
         if self.allow_list is not None:  # the context's ZAP handler served this run: stop it
             release_context(self.ctx)

@@ -66,6 +66,11 @@ def file_name(token: str, version: int) -> str:
     return f"policy-{token}-v{version}.bin"
 
 
+def spare_name(token: str, n: int) -> str:
+    """A file allocated ahead for a version to come; never named in a reply (not a :func:`file_name`)."""
+    return f"policy-{token}-next{n}.bin"
+
+
 def layout(state: Mapping[str, torch.Tensor]) -> tuple[int, list[WeightSlot]]:
     """The size in bytes and the slots of ``state``'s file."""
     slots: list[WeightSlot] = []
