@@ -11,8 +11,9 @@ Buffer-lifetime rules (each one has a test in tests/dock/test_codec.py):
    every byte arrived there, so "await put, then mutate" is safe.
 2. *Non-contiguous tensors are copied* (``contiguous()``): the copy is what rule 1 keeps alive.
 3. *Small tensors are packed*: every tensor under the threshold is copied into one pack frame
-   per message (aligned to ``ALIGN`` bytes per value), because a frame per 16-byte tensor costs
-   far more in per-frame overhead than the copy.
+   per message, because a frame per 16-byte tensor costs far more in per-frame overhead than the
+   copy. A column's values lie back to back from an ``ALIGN`` boundary: one copy per column on
+   the way out, one split into views on the way in, not a few torch calls per value.
 4. *Received tensors are views of the received frame* (``torch.frombuffer``). The tensor keeps
    the zmq Frame alive through the buffer protocol, so the frame outlives every view of it. A
    consequence: one small value that is still referenced keeps its whole pack frame alive.
@@ -24,6 +25,7 @@ Buffer-lifetime rules (each one has a test in tests/dock/test_codec.py):
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,7 +37,11 @@ from streamrl.dock.errors import WireFormatError
 from streamrl.dock.protocol import Column, ObjectColumn, TensorColumn
 
 ZERO_COPY_BYTES = 64 * 1024  # below this a tensor is packed: a frame costs more than a copy
-ALIGN = 16  # byte alignment of each value inside a pack frame (covers every torch dtype)
+ALIGN = 16  # byte alignment of each column's values inside a pack frame (covers every torch dtype)
+# a column's small values are joined by one torch.cat below this many elements, where torch runs a
+# cat on the calling thread (at::internal::GRAIN_SIZE); above, part by part with numpy, which never
+# wakes torch's thread pool
+SERIAL_CAT_ELEMENTS = 32768
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
@@ -48,6 +54,7 @@ _DTYPES: dict[str, torch.dtype] = {
 for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
     if hasattr(torch, _name):
         _DTYPES[_name] = getattr(torch, _name)
+_ITEMSIZE: dict[torch.dtype, int] = {dt: dt.itemsize for dt in _DTYPES.values()}
 
 Frame = Any  # a buffer-protocol object on send (memoryview/bytes), a zmq.Frame or bytes on receive
 
@@ -70,7 +77,7 @@ def encode_columns(columns: Mapping[str, Sequence[Any]], n: int) -> tuple[list[C
     """Encode ``columns`` (name -> one value per sample, ``n`` samples) into header columns + frames."""
     header: list[Column] = []
     frames: list[Frame] = []
-    pack_parts: list[torch.Tensor] = []
+    pack_parts: list[np.ndarray] = []
     pack_size = 0
     pack_frame: int | None = None  # index of the pack frame, assigned when the first small value comes
     for name, values in columns.items():
@@ -84,31 +91,50 @@ def encode_columns(columns: Mapping[str, Sequence[Any]], n: int) -> tuple[list[C
             if dtype_name(dtype) not in _DTYPES:
                 raise ValueError(f"column {name!r} has unsupported dtype {dtype}")
             shapes, frame_ids, offsets = [], [], []
+            small: list[torch.Tensor] = []  # this column's packed values, flat, back to back
+            run = 0  # bytes of them so far
+            leading_empty: list[int] = []  # positions of empty values met before the run's first bytes
+            start = -1  # where this column's run starts in the pack: aligned (rule 3), at its first bytes
             for v in values:
                 if v.device.type != "cpu":
                     v = v.cpu()  # device tensors are staged through host memory
-                v = v.contiguous()  # rule 2: the contiguous copy is what stays alive
+                if not v.is_contiguous():
+                    v = v.contiguous()  # rule 2: the contiguous copy is what stays alive
                 shapes.append(list(v.shape))
-                nbytes = v.numel() * v.element_size()
+                nbytes = v.nbytes
                 if nbytes >= ZERO_COPY_BYTES:
                     # rule 1: own frame, zero-copy; the memoryview pins the tensor's storage
                     frame_ids.append(len(frames))
                     offsets.append(0)
                     frames.append(memoryview(_as_bytes_view(v).numpy()))
                 else:
-                    # rule 3: packed, copied below with torch.cat
                     if pack_frame is None:
                         pack_frame = len(frames)
                         frames.append(b"")  # placeholder, filled once the pack is complete
-                    pad = (-pack_size) % ALIGN
-                    if pad:
-                        pack_parts.append(torch.zeros(pad, dtype=torch.uint8))
-                        pack_size += pad
                     frame_ids.append(pack_frame)
-                    offsets.append(pack_size)
                     if nbytes:
-                        pack_parts.append(_as_bytes_view(v))
-                        pack_size += nbytes
+                        if start < 0:
+                            start = pack_size + (-pack_size) % ALIGN
+                            for k in leading_empty:  # keep the run unbroken for the receiver's one split
+                                offsets[k] = start
+                        offsets.append(start + run)
+                        small.append(v if v.dim() == 1 else v.reshape(-1))
+                        run += nbytes
+                    elif start < 0:  # an empty value before the run: placed at its start once known,
+                        leading_empty.append(len(offsets))  # else at the pack's end (within the frame)
+                        offsets.append(pack_size - pack_size % v.element_size())
+                    else:
+                        offsets.append(start + run)
+            if small:
+                if start > pack_size:
+                    pack_parts.append(np.zeros(start - pack_size, np.uint8))
+                # values of one dtype need no padding between them: one copy for the whole column,
+                # torch.cat where it is small enough to stay on this thread (see the pack below)
+                if run // _ITEMSIZE[dtype] < SERIAL_CAT_ELEMENTS:
+                    pack_parts.append(_as_bytes_view(torch.cat(small) if len(small) > 1 else small[0]).numpy())
+                else:
+                    pack_parts.extend(_as_bytes_view(v).numpy() for v in small)
+                pack_size = start + run
             header.append(TensorColumn(name, dtype_name(dtype), shapes, frame_ids, offsets))
         elif any(isinstance(v, torch.Tensor) for v in values):
             raise ValueError(f"column {name!r} mixes tensors and other values: use one kind per column")
@@ -117,7 +143,7 @@ def encode_columns(columns: Mapping[str, Sequence[Any]], n: int) -> tuple[list[C
     if pack_frame is not None:
         # numpy, not torch.cat: torch copies 32-64 KiB parts with its thread pool, which costs
         # milliseconds of wake-up on a busy machine; this is a plain single-threaded memcpy
-        packed = np.concatenate([t.numpy() for t in pack_parts]) if pack_parts else np.zeros(0, np.uint8)
+        packed = np.concatenate(pack_parts) if pack_parts else np.zeros(0, np.uint8)
         frames[pack_frame] = memoryview(packed)
     return header, frames
 
@@ -159,6 +185,38 @@ def _frame_len(frame: Frame) -> int:
     return len(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
+def _aligned_frame(raw: list[torch.Tensor], aligned: dict[tuple[int, int], torch.Tensor], fid: int,
+                   itemsize: int) -> torch.Tensor:
+    """Frame ``fid`` as bytes whose address suits ``itemsize``: rule 5 copies a misaligned frame
+    once, and later values of that frame reuse the copy."""
+    buf = raw[fid]
+    if buf.data_ptr() % itemsize == 0:
+        return buf
+    key = (fid, itemsize)
+    if key not in aligned:
+        aligned[key] = buf.clone()
+    return aligned[key]
+
+
+def _view(raw: list[torch.Tensor], aligned: dict[tuple[int, int], torch.Tensor], fid: int, off: int,
+          shape: list[int], numel: int, dtype: torch.dtype, itemsize: int) -> torch.Tensor:
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    buf = _aligned_frame(raw, aligned, fid, itemsize)
+    return buf[off : off + numel * itemsize].view(dtype).reshape(shape)
+
+
+def _split_run(raw: list[torch.Tensor], aligned: dict[tuple[int, int], torch.Tensor], fid: int, off: int,
+               shapes: list[list[int]], numels: list[int], dtype: torch.dtype, itemsize: int) -> list[torch.Tensor]:
+    """A column whose values lie back to back in one frame: one typed view, one split into views."""
+    total = sum(numels)
+    if total == 0:
+        return [torch.empty(shape, dtype=dtype) for shape in shapes]
+    buf = _aligned_frame(raw, aligned, fid, itemsize)
+    parts = buf[off : off + total * itemsize].view(dtype).split(numels)
+    return [part if len(shape) == 1 else part.reshape(shape) for part, shape in zip(parts, shapes, strict=True)]
+
+
 def _decode(
     columns: Sequence[Column], frames: Sequence[Frame], n: int, exact: bool, users: list[set[int]] | None
 ) -> dict[str, list[Any]]:
@@ -180,39 +238,32 @@ def _decode(
                     raise WireFormatError(f"column {name!r}: unknown dtype {dt!r}")
                 if not (len(shapes) == len(fids) == len(offs) == n):
                     raise WireFormatError(f"column {name!r}: shapes/frames/offsets must have {n} entries")
-                itemsize = torch.empty(0, dtype=dtype).element_size()
-                values_out: list[Any] = []
+                itemsize = _ITEMSIZE[dtype]
+                numels: list[int] = []
+                run = n > 0  # every value in one frame, back to back: one split makes them all
                 for k, (shape, fid, off) in enumerate(zip(shapes, fids, offs, strict=True)):
                     if not 0 <= fid < len(raw):
                         raise WireFormatError(f"column {name!r}: frame {fid} missing ({len(raw)} frames)")
-                    if any(d < 0 for d in shape):
+                    if shape and min(shape) < 0:
                         raise WireFormatError(f"column {name!r}: negative dimension in shape {shape}")
-                    numel = 1
-                    for d in shape:
-                        numel *= d
+                    numel = math.prod(shape)
                     nbytes = numel * itemsize
-                    buf = raw[fid]
-                    if off < 0 or off % itemsize or off + nbytes > buf.numel():
+                    if off < 0 or off % itemsize or off + nbytes > raw[fid].numel():
                         raise WireFormatError(
                             f"column {name!r}: bytes [{off}, {off + nbytes}) fall outside frame {fid} "
-                            f"of {buf.numel()} bytes or are misaligned"
+                            f"of {raw[fid].numel()} bytes or are misaligned"
                         )
                     if budget is not None and ends is not None:
                         budget[fid] += nbytes + (-nbytes) % ALIGN
                         ends[fid] = max(ends[fid], off + nbytes)
                     if users is not None:
                         users[fid].add(k)
-                    if nbytes == 0:
-                        values_out.append(torch.empty(shape, dtype=dtype))
-                        continue
-                    if buf.data_ptr() % itemsize:
-                        # rule 5: copy a misaligned frame once, reuse the copy for later values
-                        key = (fid, itemsize)
-                        if key not in aligned:
-                            aligned[key] = buf.clone()
-                        buf = aligned[key]
-                    values_out.append(buf[off : off + nbytes].view(dtype).reshape(shape))
-                out[name] = values_out
+                    if k and (fid != fids[0] or off != offs[k - 1] + numels[-1] * itemsize):
+                        run = False
+                    numels.append(numel)
+                out[name] = (_split_run(raw, aligned, fids[0], offs[0], shapes, numels, dtype, itemsize) if run
+                             else [_view(raw, aligned, fid, off, shape, numel, dtype, itemsize)
+                                   for shape, fid, off, numel in zip(shapes, fids, offs, numels, strict=True)])
     if budget is not None and ends is not None:
         for fid, (size, end) in enumerate(zip(budget, ends, strict=True)):
             length = raw[fid].numel()

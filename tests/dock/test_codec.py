@@ -74,12 +74,59 @@ def test_ragged_columns_and_objects_in_one_message() -> None:
     assert out["meta"] == objs
 
 
-def test_pack_offsets_are_aligned_for_every_dtype() -> None:
+def test_each_column_packs_back_to_back_from_an_aligned_start() -> None:
+    """Rule 3's layout: a column's small values follow one another with no gap, its first one at a
+    multiple of ALIGN (so every offset suits the dtype), and the pack frame is as long as they are."""
     values = [torch.ones(1, dtype=torch.int8), torch.ones(3, dtype=torch.int8)]
-    cols, _ = encode_columns({"a": values, "b": [torch.ones(1, dtype=torch.float64)] * 2}, 2)
-    for col in cols:
-        assert isinstance(col, TensorColumn)
-        assert all(off % ALIGN == 0 for off in col.offsets)
+    cols, frames = encode_columns({"a": values, "b": [torch.ones(1, dtype=torch.float64)] * 2}, 2)
+    a, b = cols
+    assert isinstance(a, TensorColumn) and isinstance(b, TensorColumn)
+    assert a.offsets == [0, 1]
+    assert b.offsets == [ALIGN, ALIGN + 8]
+    assert len(frames) == 1 and memoryview(frames[0]).nbytes == ALIGN + 16
+    out = decode_columns(cols, _send_recv(frames), 2, exact=True)
+    assert [t.tolist() for t in out["a"]] == [[1], [1, 1, 1]] and [t.tolist() for t in out["b"]] == [[1.0]] * 2
+    # received values are views of the one frame (rule 4), split in one go
+    assert out["a"][1].data_ptr() == out["a"][0].data_ptr() + 1
+
+
+def test_empty_and_shaped_values_around_the_runs_round_trip() -> None:
+    """Empty values, scalars and 2-d values inside a run; empty values before a run's first bytes;
+    and a column with nothing but empty values after a run that ends off every alignment: each
+    offset stays within the frame and suits its dtype."""
+    f64 = torch.float64
+    columns = {
+        "odd": [torch.ones(3, dtype=torch.int8), torch.zeros(0, dtype=torch.int8)],  # 3 bytes: off every alignment
+        "none": [torch.zeros(0, dtype=f64), torch.zeros(2, 0, dtype=f64)],  # no bytes at all
+        "lead": [torch.zeros(0, dtype=f64), torch.ones(2, dtype=f64)],  # empty, then the run
+    }
+    cols, frames = encode_columns(columns, 2)
+    by_name = {c.name: c for c in cols if isinstance(c, TensorColumn)}
+    assert by_name["lead"].offsets == [ALIGN, ALIGN]  # the empty value sits where the run starts
+    assert all(off % 8 == 0 and off <= memoryview(frames[0]).nbytes for off in by_name["none"].offsets)
+    out = decode_columns(cols, _send_recv(frames), 2, exact=True)
+    for name, values in columns.items():
+        assert all(o.shape == v.shape and torch.equal(o, v) for o, v in zip(out[name], values, strict=True))
+    shaped = [torch.zeros(0), torch.tensor(5.0), torch.arange(6.0).reshape(2, 3), torch.zeros(0, 3), torch.ones(1)]
+    cols, frames = encode_columns({"m": shaped}, 5)
+    out = decode_columns(cols, _send_recv(frames), 5, exact=True)
+    assert all(o.shape == v.shape and torch.equal(o, v) for o, v in zip(out["m"], shaped, strict=True))
+
+
+def test_values_each_at_their_own_aligned_offset_still_decode() -> None:
+    """A receiver takes any layout that passes the checks (docs/dock-protocol.md §5.2): here the
+    one-value-per-16-bytes layout of earlier streamrl encoders, and values out of order."""
+    pack = torch.zeros(48, dtype=torch.uint8)
+    pack[0:4] = torch.tensor([1.0]).view(torch.uint8)
+    pack[16:28] = torch.tensor([2.0, 3.0, 4.0]).view(torch.uint8)
+    pack[32:40] = torch.tensor([5.0, 6.0]).view(torch.uint8)
+    frame = bytes(pack.numpy())[:40]
+    spaced = TensorColumn("x", "float32", [[1], [3], [2, 1]], [0, 0, 0], [0, 16, 32])
+    out = decode_columns([spaced], [frame], 3, exact=True)
+    assert [t.flatten().tolist() for t in out["x"]] == [[1.0], [2.0, 3.0, 4.0], [5.0, 6.0]]
+    backwards = TensorColumn("x", "float32", [[2, 1], [3], [1]], [0, 0, 0], [32, 16, 0])
+    out = decode_columns([backwards], [frame], 3, exact=True)
+    assert [t.flatten().tolist() for t in out["x"]] == [[5.0, 6.0], [2.0, 3.0, 4.0], [1.0]]
 
 
 def test_large_tensor_is_sent_without_copy_and_pins_its_storage() -> None:
