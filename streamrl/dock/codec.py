@@ -25,6 +25,7 @@ Buffer-lifetime rules (each one has a test in tests/dock/test_codec.py):
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -217,6 +218,29 @@ def _split_run(raw: list[torch.Tensor], aligned: dict[tuple[int, int], torch.Ten
     return [part if len(shape) == 1 else part.reshape(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 
+def _values(name: str, raw: list[torch.Tensor], aligned: dict[tuple[int, int], torch.Tensor],
+            shapes: list[list[int]], fids: list[int], offs: list[int], numels: list[int], dtype: torch.dtype,
+            itemsize: int, budget: list[int] | None, ends: list[int] | None,
+            users: list[set[int]] | None) -> list[torch.Tensor]:
+    """A column in any other layout, value by value: each one's frame and bounds checked."""
+    for k, (fid, off, numel) in enumerate(zip(fids, offs, numels, strict=True)):
+        nbytes = numel * itemsize
+        if not 0 <= fid < len(raw):
+            raise WireFormatError(f"column {name!r}: frame {fid} missing ({len(raw)} frames)")
+        if off < 0 or off % itemsize or off + nbytes > raw[fid].numel():
+            raise WireFormatError(
+                f"column {name!r}: bytes [{off}, {off + nbytes}) fall outside frame {fid} "
+                f"of {raw[fid].numel()} bytes or are misaligned"
+            )
+        if budget is not None and ends is not None:
+            budget[fid] += nbytes + (-nbytes) % ALIGN
+            ends[fid] = max(ends[fid], off + nbytes)
+        if users is not None:
+            users[fid].add(k)
+    return [_view(raw, aligned, fid, off, shape, numel, dtype, itemsize)
+            for shape, fid, off, numel in zip(shapes, fids, offs, numels, strict=True)]
+
+
 def _decode(
     columns: Sequence[Column], frames: Sequence[Frame], n: int, exact: bool, users: list[set[int]] | None
 ) -> dict[str, list[Any]]:
@@ -239,31 +263,26 @@ def _decode(
                 if not (len(shapes) == len(fids) == len(offs) == n):
                     raise WireFormatError(f"column {name!r}: shapes/frames/offsets must have {n} entries")
                 itemsize = _ITEMSIZE[dtype]
-                numels: list[int] = []
-                run = n > 0  # every value in one frame, back to back: one split makes them all
-                for k, (shape, fid, off) in enumerate(zip(shapes, fids, offs, strict=True)):
-                    if not 0 <= fid < len(raw):
-                        raise WireFormatError(f"column {name!r}: frame {fid} missing ({len(raw)} frames)")
-                    if shape and min(shape) < 0:
-                        raise WireFormatError(f"column {name!r}: negative dimension in shape {shape}")
-                    numel = math.prod(shape)
-                    nbytes = numel * itemsize
-                    if off < 0 or off % itemsize or off + nbytes > raw[fid].numel():
-                        raise WireFormatError(
-                            f"column {name!r}: bytes [{off}, {off + nbytes}) fall outside frame {fid} "
-                            f"of {raw[fid].numel()} bytes or are misaligned"
-                        )
+                if min(itertools.chain.from_iterable(shapes), default=0) < 0:
+                    bad = next(s for s in shapes if s and min(s) < 0)
+                    raise WireFormatError(f"column {name!r}: negative dimension in shape {bad}")
+                numels = [math.prod(s) for s in shapes]
+                starts = list(itertools.accumulate(numels, initial=offs[0] // itemsize if n else 0))
+                fid = fids[0] if n else -1
+                if (n and fids.count(fid) == n and 0 <= fid < len(raw) and offs[0] >= 0 and offs[0] % itemsize == 0
+                        and starts[-1] * itemsize <= raw[fid].numel()
+                        and offs == [s * itemsize for s in starts[:-1]]):
+                    # every value in one frame, back to back (how streamrl packs): checked as one
+                    # span, cut into views by one split
                     if budget is not None and ends is not None:
-                        budget[fid] += nbytes + (-nbytes) % ALIGN
-                        ends[fid] = max(ends[fid], off + nbytes)
+                        budget[fid] += sum(m * itemsize + (-m * itemsize) % ALIGN for m in numels)
+                        ends[fid] = max(ends[fid], starts[-1] * itemsize)
                     if users is not None:
-                        users[fid].add(k)
-                    if k and (fid != fids[0] or off != offs[k - 1] + numels[-1] * itemsize):
-                        run = False
-                    numels.append(numel)
-                out[name] = (_split_run(raw, aligned, fids[0], offs[0], shapes, numels, dtype, itemsize) if run
-                             else [_view(raw, aligned, fid, off, shape, numel, dtype, itemsize)
-                                   for shape, fid, off, numel in zip(shapes, fids, offs, numels, strict=True)])
+                        users[fid].update(range(n))
+                    out[name] = _split_run(raw, aligned, fid, offs[0], shapes, numels, dtype, itemsize)
+                else:
+                    out[name] = _values(name, raw, aligned, shapes, fids, offs, numels, dtype, itemsize, budget, ends,
+                                        users)
     if budget is not None and ends is not None:
         for fid, (size, end) in enumerate(zip(budget, ends, strict=True)):
             length = raw[fid].numel()

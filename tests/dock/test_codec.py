@@ -191,6 +191,22 @@ def test_bad_column_headers_raise_wire_format_error(col: TensorColumn) -> None:
         decode_columns([col], [b"\x00" * 16], 1)
 
 
+@pytest.mark.parametrize(
+    "col",
+    [
+        TensorColumn("x", "float32", [[], [-1, 0]], [0, 0], [0, 4]),  # negative dimension after a scalar
+        TensorColumn("x", "float32", [[2], [3]], [0, 0], [0, 8]),  # back to back, but past the frame's end
+        TensorColumn("x", "float32", [[1], [1]], [0, 0], [-4, 0]),  # back to back from a negative offset
+        TensorColumn("x", "float32", [[1], [1]], [0, 0], [2, 6]),  # back to back from a misaligned offset
+        TensorColumn("x", "float32", [[1], [1]], [1, 1], [0, 4]),  # back to back in a frame that is not there
+    ],
+)
+def test_bad_runs_of_values_raise_wire_format_error(col: TensorColumn) -> None:
+    """The one-span check of values packed back to back refuses what the value-by-value one does."""
+    with pytest.raises(WireFormatError):
+        decode_columns([col], [b"\x00" * 16], 2)
+
+
 def test_encode_rejects_mixed_columns() -> None:
     with pytest.raises(ValueError, match="mixes dtypes"):
         encode_columns({"x": [torch.zeros(1), torch.zeros(1, dtype=torch.int64)]}, 2)
