@@ -40,7 +40,7 @@ from streamrl.security import ClientAuth, RunCredentials, secure_client
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
-STEPS = 24
+STEPS = 100  # long enough for the whole attack (about 2 s) on a fast machine: a step can take 40 ms
 # what the attacker must not change: every learning figure of every step
 LEARNING = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "entropy")
 SQUATTERS = 12  # the score role has 1 worker + 4 spare client ids (streamrl.dock.authz)
