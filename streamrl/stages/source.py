@@ -4,12 +4,9 @@ It writes those of these columns the pipeline declares among its writes: ``promp
 the prompt rendered through the chat template when ``task.chat_template`` is set), ``prompt`` and
 ``answer`` (text), ``step``, and ``sample_key`` (``step * batch_size + slot``: a sample's identity
 across resumes, see :mod:`streamrl.runtime.checkpoints`). An agent pipeline leaves ``prompt_ids``
-out: its agent stage renders the conversation itself (:mod:`streamrl.stages.agent`). Generation of step s
-waits for policy version s - max_staleness: with 0 the whole pipeline is synchronous on-policy;
-with k >= 1 generation may run k versions ahead of training. The source makes step s's prompts
-one version sooner (``PROMPTS_AHEAD``), so that they are in the dock, claimed and waiting at the
-generator, when that version comes: the next step's generation starts as soon as its weights are
-installed, not after the prompts' trip through the dock.
+out: its agent stage renders the conversation itself (:mod:`streamrl.stages.agent`). Before the prompts of step s
+it waits for policy version s - max_staleness: with 0 the whole pipeline is synchronous
+on-policy; with k >= 1 generation may run k versions ahead of training.
 
 With ``algo.dynamic_sampling.enabled`` (DAPO: a filter stage drops groups whose rewards are all
 equal, :mod:`streamrl.stages.filter`) it makes *waves* of groups instead of one batch per step,
@@ -64,10 +61,6 @@ from streamrl.stages.common import build_task, build_tokenizer
 from streamrl.tasks.chat import render_prompt
 
 SOURCE_COLUMNS = ("prompt_ids", "prompt", "answer", "step", "sample_key")  # what it can write
-# steps of prompts made before the version that may generate them: the generator, which waits for
-# that version itself, has them at hand when it comes (the dock's default capacity, max_staleness + 2
-# steps, holds them beside the steps in flight)
-PROMPTS_AHEAD = 1
 DEMAND_POLL_S = 0.01  # dynamic sampling: how often the source re-reads the dock's drop counts while it waits
 
 
@@ -92,9 +85,7 @@ class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``options`` of the source stage (streamrl.stages.source:SourceStage)."""
 
     gate_on_policy: Annotated[bool, Meta(description=(
-        "Wait for policy version step - algo.max_staleness - 1 before making each step's prompts (one step "
-        "ahead of the generator, which waits for step - algo.max_staleness); false: as fast as the dock's capacity "
-        "lets it"))] = True
+        "Wait for policy version step - algo.max_staleness before making each step's prompts"))] = True
 
 
 class SourceStage:
@@ -162,14 +153,14 @@ class SourceStage:
                     self.task.make_prompts(self.rng, a.prompts_per_step)
 
     async def wait_ready(self) -> None:
-        """Before the prompts of step s: policy version s - max_staleness - PROMPTS_AHEAD (the runtime
-        awaits this before ``produce``, so the wait does not count as the source's busy time)."""
+        """Before the prompts of step s: policy version s - max_staleness (the runtime awaits this
+        before ``produce``, so the wait does not count as the source's busy time)."""
         a = self.ctx.config.algo
         if self.dynamic:
             if not self.pending and self.wave is None:
                 self.wave = await self._wait_for_demand()
         elif self.gate and self.step < a.steps and not self.pending:
-            await self.ctx.policy.wait_version(self.step - a.max_staleness - PROMPTS_AHEAD)
+            await self.ctx.policy.wait_version(self.step - a.max_staleness)
 
     async def _wait_for_demand(self) -> tuple[int, int]:
         """Dynamic sampling: until the samples alive (made, not dropped) fall short of what the steps
