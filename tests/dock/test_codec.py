@@ -113,6 +113,17 @@ def test_empty_and_shaped_values_around_the_runs_round_trip() -> None:
     assert all(o.shape == v.shape and torch.equal(o, v) for o, v in zip(out["m"], shaped, strict=True))
 
 
+def test_the_protocol_pages_layout_example_is_what_the_encoder_makes() -> None:
+    """docs/dock-protocol.md §5.2's worked example, value for value."""
+    cols, frames = encode_columns({
+        "a": [torch.tensor(1.0), torch.zeros(0), torch.ones(3)],
+        "b": [torch.zeros(20000), torch.ones(3), torch.ones(2, 1)],
+    }, 3)
+    assert cols == [TensorColumn("a", "float32", [[], [0], [3]], [0, 0, 0], [0, 4, 4]),
+                    TensorColumn("b", "float32", [[20000], [3], [2, 1]], [1, 0, 0], [0, 16, 28])]
+    assert [memoryview(f).nbytes for f in frames] == [36, 80000]
+
+
 def test_values_each_at_their_own_aligned_offset_still_decode() -> None:
     """A receiver takes any layout that passes the checks (docs/dock-protocol.md §5.2): here the
     one-value-per-16-bytes layout of earlier streamrl encoders, and values out of order."""
