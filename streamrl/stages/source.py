@@ -160,6 +160,10 @@ class SourceStage:
             if not self.pending and self.wave is None:
                 self.wave = await self._wait_for_demand()
         elif self.gate and self.step < a.steps and not self.pending:
+            # not a step sooner: a generator's claim can take samples of two steps at once (a
+            # micro-batch larger than a step, leases that came back), and the batch then needs the newer
+            # step's version; at s - max_staleness every claimable sample's version is out already, so
+            # no batch can wait on a version that needs its own samples trained
             await self.ctx.policy.wait_version(self.step - a.max_staleness)
 
     async def _wait_for_demand(self) -> tuple[int, int]:
