@@ -55,7 +55,6 @@ _DTYPES: dict[str, torch.dtype] = {
 for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
     if hasattr(torch, _name):
         _DTYPES[_name] = getattr(torch, _name)
-_ITEMSIZE: dict[torch.dtype, int] = {dt: dt.itemsize for dt in _DTYPES.values()}
 
 Frame = Any  # a buffer-protocol object on send (memoryview/bytes), a zmq.Frame or bytes on receive
 
@@ -131,7 +130,7 @@ def encode_columns(columns: Mapping[str, Sequence[Any]], n: int) -> tuple[list[C
                     pack_parts.append(np.zeros(start - pack_size, np.uint8))
                 # values of one dtype need no padding between them: one copy for the whole column,
                 # torch.cat where it is small enough to stay on this thread (see the pack below)
-                if run // _ITEMSIZE[dtype] < SERIAL_CAT_ELEMENTS:
+                if run // dtype.itemsize < SERIAL_CAT_ELEMENTS:
                     pack_parts.append(_as_bytes_view(torch.cat(small) if len(small) > 1 else small[0]).numpy())
                 else:
                     pack_parts.extend(_as_bytes_view(v).numpy() for v in small)
@@ -262,7 +261,7 @@ def _decode(
                     raise WireFormatError(f"column {name!r}: unknown dtype {dt!r}")
                 if not (len(shapes) == len(fids) == len(offs) == n):
                     raise WireFormatError(f"column {name!r}: shapes/frames/offsets must have {n} entries")
-                itemsize = _ITEMSIZE[dtype]
+                itemsize = dtype.itemsize
                 if min(itertools.chain.from_iterable(shapes), default=0) < 0:
                     bad = next(s for s in shapes if s and min(s) < 0)
                     raise WireFormatError(f"column {name!r}: negative dimension in shape {bad}")
