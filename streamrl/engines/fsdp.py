@@ -68,6 +68,7 @@ from streamrl.algos.grpo import (
 from streamrl.engines.core_share import rebalance_at_layers
 from streamrl.engines.packing import (
     DEFAULT_MAX_ROW_TOKENS,
+    DEFAULT_SHARED_PREFIX_MIN_PADDING,
     DEFAULT_SHARED_PREFIX_MIN_WIDTH,
     ForwardPath,
     ResponseForward,
@@ -121,8 +122,10 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # on packed rows, attend each completion to its prompt and itself only instead of through the
     # dense width^2 mask (streamrl/engines/prefix_attention.py); used only where a probe shows it exact
     shared_prefix_attention: bool = True
-    # ... for micro-batches whose packed rows are at least this wide (tokens); narrower: the dense mask
+    # ... in filled rows, for micro-batches whose rows, one prompt group each, would be at least this
+    # wide (tokens) or pad at least this many tokens; others: one group per row and the dense mask
     shared_prefix_min_width: int = DEFAULT_SHARED_PREFIX_MIN_WIDTH
+    shared_prefix_min_padding: int = DEFAULT_SHARED_PREFIX_MIN_PADDING
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -206,7 +209,8 @@ class FSDPTrainEngine:
         self.forward = ResponseForward(model.to(self.device), self.device, pack_prompts=options.pack_prompts,
                                        max_row_tokens=options.max_row_tokens,
                                        shared_prefix=options.shared_prefix_attention,
-                                       shared_prefix_min_width=options.shared_prefix_min_width)
+                                       shared_prefix_min_width=options.shared_prefix_min_width,
+                                       shared_prefix_min_padding=options.shared_prefix_min_padding)
         log.info("train forward: %s (%s)", self.forward.path, self.forward.why)
         self._shard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]

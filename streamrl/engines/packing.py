@@ -20,6 +20,8 @@ tiny batch before sharding); where it does not, the padded rows are used and the
 Where the attention is ``sdpa``, the rows' layout goes to the model's forward too, and the
 shared-prefix attention (:mod:`streamrl.engines.prefix_attention`) computes the same attention
 without the dense mask's ``width^2`` cost (checked the same way: :func:`probe_shared_prefix`).
+With it a row holds several groups, one after the other, ``[prompt1 | c.. | prompt2 | c.. ]``, until
+``max_row_tokens``: rows are filled instead of padded to the widest group.
 
 A row holds at most ``max_row_tokens`` tokens (its mask is rows x width^2): a group whose
 completions do not fit is split over several rows, each repeating the prompt.
@@ -40,10 +42,15 @@ if TYPE_CHECKING:
 
 ForwardPath = Literal["packed", "padded"]
 DEFAULT_MAX_ROW_TOKENS = 4096  # tokens per packed row: its mask costs width^2 bools (16 MiB at 4096)
-# Rows narrower than this (tokens) keep the dense mask: there the attention is a small share of the
-# step and the shared-prefix attention's gathers cost about what it saves (0.91-1.05x at W2's
-# 263-token rows, 1.5x at 1080, docs/benchmarks.md §18)
-DEFAULT_SHARED_PREFIX_MIN_WIDTH = 512
+# A micro-batch takes the shared-prefix attention, in filled rows, when one prompt group per row
+# would make rows at least this wide (tokens): there the dense mask's width^2 and the padding cost
+# more than the layout's gathers (1.08x a train step at W2's ~260-token rows, 2x at 2190; even at
+# ~130-200 tokens, docs/benchmarks.md §18) ...
+DEFAULT_SHARED_PREFIX_MIN_WIDTH = 256
+# ... or would pad at least this many tokens (rows x widest - real tokens): the filled rows' linear
+# layers then skip them, worth the gathers even where the attention alone is not (W3-like 70-token
+# rows of 32 groups: 800 of 2180 tokens, 1.16-1.3x; W1: ~35 tokens of padding, 0.9x)
+DEFAULT_SHARED_PREFIX_MIN_PADDING = 256
 PROBE_TOLERANCE = 1e-4  # packed vs padded logprob difference (float32) that still counts as the same maths
 
 
@@ -86,12 +93,16 @@ def padded_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
 def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], device: torch.device, *,
                   mask_dtype: torch.dtype | None, max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS,
                   keep_from_first: bool = True, shared_prefix: bool = False,
-                  shared_prefix_min_width: int = 0) -> ModelInputs:
+                  shared_prefix_min_width: int = 0, shared_prefix_min_padding: int = 0,
+                  dense_mask: bool = False) -> ModelInputs:
     """Shared-prompt rows (see the module doc). ``mask_dtype`` None: a boolean mask (sdpa), else an
-    additive mask of that dtype (eager attention). ``shared_prefix``: also the rows' layout for
-    :mod:`streamrl.engines.prefix_attention` when the widest row has at least
-    ``shared_prefix_min_width`` tokens (the dense mask is built too: a model whose attention does
-    not take the layout uses it)."""
+    additive mask of that dtype (eager attention).
+
+    ``shared_prefix``: the rows' layout for :mod:`streamrl.engines.prefix_attention` when one group
+    per row would be at least ``shared_prefix_min_width`` tokens wide or pad at least
+    ``shared_prefix_min_padding`` tokens. The rows are then filled (several groups per row, each a
+    prompt occurrence of its own) and the mask is a placeholder the layout's attention never reads
+    (``dense_mask``: build the real one anyway, for tests that compare the two)."""
     # group samples by prompt content, in order of first appearance
     group_of: dict[tuple[int, ...], int] = {}
     members: list[list[int]] = []
@@ -100,62 +111,87 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
         if g == len(members):
             members.append([])
         members[g].append(i)
+    merge = False
+    fill_to = max_row_tokens
+    if shared_prefix:
+        widths = _group_row_widths(members, prompt_ids, response_ids, max_row_tokens)
+        widest = max(widths)
+        merge = widest >= shared_prefix_min_width or len(widths) * widest - sum(widths) >= shared_prefix_min_padding
+        # filled rows of about equal width: a row is closed once it holds its share of the tokens,
+        # so that the last one is not a short row padded to the others' width
+        total = sum(widths)
+        rows_needed = max(-(-total // max_row_tokens), 1)
+        fill_to = -(-total // rows_needed)
     ids_rows: list[list[Tensor]] = []
     pos_rows: list[list[Tensor]] = []
-    seg_rows: list[list[Tensor]] = []
+    occ_rows: list[list[Tensor]] = []  # per token: its prompt occurrence (one row may hold several)
+    seg_rows: list[list[Tensor]] = []  # per token: 0 in the prompt, k in the occurrence's k-th completion
     lengths: list[int] = []
+    occurrences: list[tuple[int, int, int]] = []  # (row, first position, tokens) of each prompt occurrence
     # for sample i: (row, position predicting its token 0, position of its first input token)
     where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(prompt_ids)
+    occurrence_of = [0] * len(prompt_ids)
     for group in members:
         prompt = prompt_ids[group[0]]
         P = prompt.numel()
-        row = -1
+        row, occ, seg = -1, -1, 0
         for i in group:
             cont = response_ids[i][:-1]
-            # a new row once this one would overflow (a row always takes its first completion, and one
-            # with no input token adds nothing: it never opens a row of its own)
-            if row < 0 or (cont.numel() and lengths[row] + cont.numel() > max_row_tokens
-                           and len(seg_rows[row]) > 1):
-                ids_rows.append([prompt])
-                pos_rows.append([torch.arange(P)])
-                seg_rows.append([torch.zeros(P, dtype=torch.int64)])
-                lengths.append(P)
-                row = len(lengths) - 1
-            seg = len(seg_rows[row])  # 0 is the prompt; completions are 1, 2, ...
-            where[i] = (row, P - 1, lengths[row])
+            n = cont.numel()
+            # a new occurrence of the prompt once this row would overflow, or (filled rows) holds its
+            # share (an occurrence always takes its first completion, and one with no input token adds
+            # nothing: it never opens one of its own)
+            if occ < 0 or (n and seg > 0 and (lengths[row] + n > max_row_tokens
+                                              or (merge and lengths[row] >= fill_to))):
+                # filled rows (shared-prefix attention): in the last row while it is short of its share and
+                # the prompt and this completion fit; else (and always for the dense mask) a row of its own
+                if not (merge and lengths and lengths[-1] < fill_to and lengths[-1] + P + n <= max_row_tokens):
+                    for rows_ in (ids_rows, pos_rows, occ_rows, seg_rows):
+                        rows_.append([])
+                    lengths.append(0)
+                row, occ, seg = len(lengths) - 1, len(occurrences), 0
+                occurrences.append((row, lengths[row], P))
+                ids_rows[row].append(prompt)
+                pos_rows[row].append(torch.arange(P))
+                occ_rows[row].append(torch.full((P,), occ, dtype=torch.int64))
+                seg_rows[row].append(torch.zeros(P, dtype=torch.int64))
+                lengths[row] += P
+            seg += 1
+            where[i] = (row, occurrences[occ][1] + P - 1, lengths[row])
+            occurrence_of[i] = occ
             ids_rows[row].append(cont)
-            pos_rows[row].append(torch.arange(P, P + cont.numel()))
-            seg_rows[row].append(torch.full((cont.numel(),), seg, dtype=torch.int64))
-            lengths[row] += cont.numel()
+            pos_rows[row].append(torch.arange(P, P + n))
+            occ_rows[row].append(torch.full((n,), occ, dtype=torch.int64))
+            seg_rows[row].append(torch.full((n,), seg, dtype=torch.int64))
+            lengths[row] += n
     width = max(lengths)
     B = len(lengths)
     layout = None
-    if shared_prefix and width >= shared_prefix_min_width:
+    if merge:
         # imported here: it registers with transformers' model code, which the launcher's pipeline
         # checks (importing this module through the stages) must not load
         from streamrl.engines.prefix_attention import SharedPrefixLayout
 
-        prompt_lengths = [pos[0].numel() for pos in pos_rows]
-        completions = [(where[i][0], where[i][2], response_ids[i].numel() - 1)
+        completions = [(occurrence_of[i], where[i][2], response_ids[i].numel() - 1)
                        for i in range(len(prompt_ids)) if response_ids[i].numel() > 1]
-        layout = SharedPrefixLayout.build(prompt_lengths, completions, width, device)
+        layout = SharedPrefixLayout.build(occurrences, completions, width, device)
     input_ids = torch.zeros(B, width, dtype=torch.int64)
     position_ids = torch.zeros(B, width, dtype=torch.int64)
-    segment = torch.full((B, width), -1, dtype=torch.int64)  # -1: padding
+    occurrence = torch.full((B, width), -1, dtype=torch.int64)  # -1: padding
+    segment = torch.zeros((B, width), dtype=torch.int64)
     for r in range(B):
         n = lengths[r]
         input_ids[r, :n] = torch.cat(ids_rows[r])
         position_ids[r, :n] = torch.cat(pos_rows[r])
+        occurrence[r, :n] = torch.cat(occ_rows[r])
         segment[r, :n] = torch.cat(seg_rows[r])
-    segment = segment.to(device)
-    q, k = segment.unsqueeze(2), segment.unsqueeze(1)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    allowed = causal & ((k == 0) | (k == q)) & (k >= 0) & (q >= 0)
-    # a padding query sees itself: a row with nothing to attend to would give NaN in softmax
-    allowed |= torch.eye(width, dtype=torch.bool, device=device)
-    mask = allowed.unsqueeze(1)
-    if mask_dtype is not None:
-        mask = torch.zeros(mask.shape, dtype=mask_dtype, device=device).masked_fill(~mask, torch.finfo(mask_dtype).min)
+    if layout is not None and not dense_mask:
+        # The layout's attention never reads the mask (it refuses a call it cannot serve with the
+        # layout alone): a view of one element stands in for rows x width^2, 16 MiB a 4096-token row.
+        fill = torch.ones if mask_dtype is None else torch.zeros
+        mask = fill(1, 1, 1, 1, dtype=mask_dtype or torch.bool, device=device).expand(B, 1, width, width)
+    else:
+        mask = _dense_mask(occurrence.to(device), segment.to(device), mask_dtype)
     firsts = [where[i][1] for i in range(len(where))]
     start = min(firsts) if keep_from_first else 0
     seq_index, offset = flat_response_index(response_ids, device)
@@ -169,6 +205,42 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
     return ModelInputs(kwargs, rows, start, width, layout)
 
 
+def _group_row_widths(members: Sequence[Sequence[int]], prompt_ids: Sequence[Tensor],
+                      response_ids: Sequence[Tensor], max_row_tokens: int) -> list[int]:
+    """Tokens of each row were each prompt's group a row of its own (split as :func:`packed_inputs`
+    splits at ``max_row_tokens``): the rows the dense mask would take."""
+    widths: list[int] = []
+    for group in members:
+        P = prompt_ids[group[0]].numel()
+        widths.append(P)
+        taken = 0
+        for i in group:
+            n = max(response_ids[i].numel() - 1, 0)
+            if n and widths[-1] + n > max_row_tokens and taken:
+                widths.append(P)
+                taken = 0
+            widths[-1] += n
+            taken += 1
+    return widths
+
+
+def _dense_mask(occurrence: Tensor, segment: Tensor, mask_dtype: torch.dtype | None) -> Tensor:
+    """[rows, 1, width, width]: a token sees its own prompt occurrence's tokens and, in a completion,
+    its own completion's, causally; -1 occurrences are padding. Boolean, or additive of ``mask_dtype``."""
+    width = occurrence.shape[1]
+    oq, ok = occurrence.unsqueeze(2), occurrence.unsqueeze(1)
+    sq, sk = segment.unsqueeze(2), segment.unsqueeze(1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=occurrence.device).tril()
+    allowed = causal & (ok == oq) & ((sk == 0) | (sk == sq)) & (ok >= 0)
+    # a padding query sees itself: a row with nothing to attend to would give NaN in softmax
+    allowed |= torch.eye(width, dtype=torch.bool, device=occurrence.device)
+    mask = allowed.unsqueeze(1)
+    if mask_dtype is not None:
+        mask = torch.zeros(mask.shape, dtype=mask_dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(mask_dtype).min)
+    return mask
+
+
 def attention_mask_dtype(model: nn.Module) -> torch.dtype | None:
     """The 4-D mask form the model's attention takes: None (boolean) for sdpa and the like, float
     (additive) for eager attention."""
@@ -179,11 +251,12 @@ def attention_mask_dtype(model: nn.Module) -> torch.dtype | None:
 def model_inputs(path: ForwardPath, prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor],
                  device: torch.device, *, mask_dtype: torch.dtype | None, max_row_tokens: int,
                  keep_from_first: bool = True, shared_prefix: bool = False,
-                 shared_prefix_min_width: int = 0) -> ModelInputs:
+                 shared_prefix_min_width: int = 0, shared_prefix_min_padding: int = 0) -> ModelInputs:
     if path == "packed":
         return packed_inputs(prompt_ids, response_ids, device, mask_dtype=mask_dtype,
                              max_row_tokens=max_row_tokens, keep_from_first=keep_from_first,
-                             shared_prefix=shared_prefix, shared_prefix_min_width=shared_prefix_min_width)
+                             shared_prefix=shared_prefix, shared_prefix_min_width=shared_prefix_min_width,
+                             shared_prefix_min_padding=shared_prefix_min_padding)
     return padded_inputs(prompt_ids, response_ids, device, keep_from_first=keep_from_first)
 
 
@@ -193,6 +266,13 @@ def response_logits(model: nn.Module, inputs: ModelInputs) -> Tensor:
     model whose forward takes ``logits_to_keep`` (:func:`uses_logits_to_keep`)."""
     kwargs: dict[str, object] = {**inputs.kwargs, "use_cache": False}
     if inputs.shared_prefix is not None:
+        from streamrl.engines.prefix_attention import IMPLEMENTATION  # loaded already: it built the layout
+
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if impl != IMPLEMENTATION:  # its attention would read the placeholder mask, not the layout
+            raise ValueError(f"these inputs carry a shared-prefix layout but the model's attention is {impl!r}: "
+                             "switch it first (prefix_attention.enable, as probe_shared_prefix does) or build "
+                             "the inputs without shared_prefix")
         kwargs["shared_prefix"] = inputs.shared_prefix
     if inputs.start:
         kwargs["logits_to_keep"] = inputs.width - inputs.start
@@ -293,11 +373,14 @@ class ResponseForward:
 
     def __init__(self, model: nn.Module, device: torch.device, *, pack_prompts: bool = True,
                  max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS, shared_prefix: bool = True,
-                 shared_prefix_min_width: int = DEFAULT_SHARED_PREFIX_MIN_WIDTH) -> None:
-        """``shared_prefix_min_width``: a micro-batch's rows take the shared-prefix attention from this
-        width (tokens) on; narrower ones the dense mask (sdpa exactly)."""
+                 shared_prefix_min_width: int = DEFAULT_SHARED_PREFIX_MIN_WIDTH,
+                 shared_prefix_min_padding: int = DEFAULT_SHARED_PREFIX_MIN_PADDING) -> None:
+        """A micro-batch takes the shared-prefix attention in filled rows where one prompt group per row
+        would be ``shared_prefix_min_width`` tokens wide or pad ``shared_prefix_min_padding`` tokens;
+        otherwise one group per row with the dense mask (sdpa exactly)."""
         self.model, self.device, self.max_row_tokens = model, device, max_row_tokens
         self.shared_prefix_min_width = shared_prefix_min_width
+        self.shared_prefix_min_padding = shared_prefix_min_padding
         self.path: ForwardPath = "padded"
         self.why = "pack_prompts is off"
         self.shared_prefix = False
@@ -317,7 +400,8 @@ class ResponseForward:
         """:func:`token_logprobs` of every response token (flat, sample order)."""
         inputs = model_inputs(self.path, prompt_ids, response_ids, self.device, mask_dtype=self.mask_dtype,
                               max_row_tokens=self.max_row_tokens, keep_from_first=self.keep_from_first,
-                              shared_prefix=self.shared_prefix, shared_prefix_min_width=self.shared_prefix_min_width)
+                              shared_prefix=self.shared_prefix, shared_prefix_min_width=self.shared_prefix_min_width,
+                              shared_prefix_min_padding=self.shared_prefix_min_padding)
         return token_logprobs(response_logits(self.model, inputs), response_ids, temperature)
 
 

@@ -6,14 +6,19 @@ itself, nothing else. Through the model's SDPA with a 4-D mask, each row's atten
 masked ones cost as much as the rest (SDPA has no block skipping on a dense mask). This module
 computes the same attention in two dense pieces:
 
-- each row's prompt, causally: ``[rows, heads, P, P]``;
-- each completion against ``[its row's prompt keys | its own keys]``: ``[completions, heads,
+- each prompt occurrence, causally: ``[prompts, heads, P, P]``;
+- each completion against ``[its prompt's keys | its own keys]``: ``[completions, heads,
   C, P + C]``, the prompt keys and values gathered once per completion.
 
 That is (P + C) * C scores per completion instead of (P + G*C)^2 / G, about G-fold less work
 for long completions (a GRPO group of 8 × 500 tokens: 8×), at the price of a few gathers per
-layer: the train step is 1.2-2× faster from 512-token rows on and slower below
-(docs/benchmarks.md §18), so the engines use it from a row width on (``shared_prefix_min_width``).
+layer. Since nothing here depends on which row a token is in, the packing fills its rows with
+several groups each (every group a prompt occurrence of its own) where it uses a layout, so the
+linear layers skip the padding that one group per row would need. The train step is 1.08-2×
+faster from 256-token rows on, and 1.1-1.3× at narrower rows that one group per row would pad by
+a fifth or more; it is slower on narrow rows with little padding (docs/benchmarks.md §18), so
+the engines use it from a width or an amount of padding on (``shared_prefix_min_width``,
+``shared_prefix_min_padding``).
 
 It plugs in through transformers' attention interface: :func:`enable` switches a model whose
 attention is ``sdpa`` to the implementation registered here, which computes exactly what
@@ -47,56 +52,66 @@ layout_calls = 0  # attention calls that used a layout: lets a probe see the mod
 
 @dataclass(frozen=True)
 class SharedPrefixLayout:
-    """Where the prompt and each completion of packed rows sit, as flat indices into the
-    ``rows * width`` token positions of the forward, and the masks of the two attention pieces."""
+    """Where each prompt occurrence and each completion of packed rows sit, as flat indices into the
+    ``rows * width`` token positions of the forward, and the masks of the two attention pieces.
 
-    prompt_index: Tensor  # [rows, Pmax] flat position of each row's prompt token (padding: the row's first)
-    prompt_valid: Tensor  # [rows, Pmax] bool: a real prompt token
-    prompt_mask: Tensor  # [rows, 1, Pmax, Pmax] bool: causal over the row's prompt
+    A row may hold several prompt occurrences, each followed by its completions (the packing fills
+    rows instead of padding each group's row to the widest): a completion attends to its own
+    occurrence only, so what shares a row does not matter to the attention."""
+
+    prompt_index: Tensor  # [prompts, Pmax] flat position of each occurrence's token (padding: its first)
+    prompt_valid: Tensor  # [prompts, Pmax] bool: a real prompt token
+    prompt_mask: Tensor  # [prompts, 1, Pmax, Pmax] bool: causal over the occurrence's tokens
     completion_index: Tensor  # [n, Cmax] flat position of each completion's input tokens (padding: its first)
     completion_valid: Tensor  # [n, Cmax] bool: a real input token
-    completion_row: Tensor  # [n] row of each completion
-    completion_mask: Tensor  # [n, 1, Cmax, Pmax + Cmax] bool: the row's prompt, then itself causally
-    # every real token once: its position in [rows*Pmax prompt outputs | n*Cmax completion outputs],
+    completion_prompt: Tensor  # [n] prompt occurrence of each completion
+    completion_mask: Tensor  # [n, 1, Cmax, Pmax + Cmax] bool: its prompt occurrence, then itself causally
+    # every real token once: its position in [prompts*Pmax prompt outputs | n*Cmax completion outputs],
     # and its flat position in the forward
     source: Tensor
     destination: Tensor
+    # [rows * width]: each token position's output in [prompt outputs | completion outputs | a zero row]
+    output_index: Tensor
     tokens: int  # rows * width: the forward's token positions
 
     @staticmethod
-    def build(prompt_lengths: Sequence[int], completions: Sequence[tuple[int, int, int]], width: int,
+    def build(prompts: Sequence[tuple[int, int, int]], completions: Sequence[tuple[int, int, int]], width: int,
               device: torch.device) -> SharedPrefixLayout:
-        """``prompt_lengths[r]``: row r's prompt tokens (at positions 0..P-1); ``completions``:
-        (row, first position, input tokens >= 1) of every completion."""
-        rows = len(prompt_lengths)
-        p_max = max(prompt_lengths)
+        """``prompts``: (row, first position, tokens >= 1) of every prompt occurrence; ``completions``:
+        (prompt occurrence, first position in its row, input tokens >= 1) of every completion."""
+        rows = max(r for r, _, _ in prompts) + 1
+        p_max = max(n for _, _, n in prompts)
         c_max = max((n for _, _, n in completions), default=1)
-        plen = torch.tensor(prompt_lengths, dtype=torch.int64)
+        plen = torch.tensor([n for _, _, n in prompts], dtype=torch.int64)
         cols = torch.arange(p_max)
         prompt_valid = cols.unsqueeze(0) < plen.unsqueeze(1)
-        row_start = torch.arange(rows).unsqueeze(1) * width
-        prompt_index = torch.where(prompt_valid, row_start + cols, row_start)
+        prompt_start = torch.tensor([r * width + first for r, first, _ in prompts], dtype=torch.int64).unsqueeze(1)
+        prompt_index = torch.where(prompt_valid, prompt_start + cols, prompt_start)
         causal_p = torch.ones(p_max, p_max, dtype=torch.bool).tril()
-        # key j < P of the row; a padding query (i >= P) still sees key 0, so its softmax is finite
+        # key j < P of the occurrence; a padding query (i >= P) still sees key 0, so its softmax is finite
         prompt_mask = (causal_p & prompt_valid.unsqueeze(1)).unsqueeze(1)
 
-        crow = torch.tensor([r for r, _, _ in completions], dtype=torch.int64)
+        cprompt = torch.tensor([o for o, _, _ in completions], dtype=torch.int64)
+        crow = torch.tensor([prompts[o][0] for o, _, _ in completions], dtype=torch.int64)
         cstart = torch.tensor([s for _, s, _ in completions], dtype=torch.int64)
         clen = torch.tensor([n for _, _, n in completions], dtype=torch.int64)
         ccols = torch.arange(c_max)
         completion_valid = ccols.unsqueeze(0) < clen.unsqueeze(1)
         first = crow * width + cstart
         completion_index = torch.where(completion_valid, first.unsqueeze(1) + ccols, first.unsqueeze(1))
-        sees_prompt = prompt_valid.index_select(0, crow).unsqueeze(1).expand(-1, c_max, -1)  # [n, Cmax, Pmax]
+        sees_prompt = prompt_valid.index_select(0, cprompt).unsqueeze(1).expand(-1, c_max, -1)  # [n, Cmax, Pmax]
         sees_self = torch.ones(c_max, c_max, dtype=torch.bool).tril() & completion_valid.unsqueeze(1)
         completion_mask = torch.cat([sees_prompt, sees_self], dim=2).unsqueeze(1)
         source = torch.cat([prompt_valid.reshape(-1).nonzero().squeeze(1),
-                            rows * p_max + completion_valid.reshape(-1).nonzero().squeeze(1)])
+                            len(prompts) * p_max + completion_valid.reshape(-1).nonzero().squeeze(1)])
         destination = torch.cat([prompt_index[prompt_valid], completion_index[completion_valid]])
+        outputs = len(prompts) * p_max + len(completions) * c_max
+        output_index = torch.full((rows * width,), outputs, dtype=torch.int64)  # padding: the zero row
+        output_index[destination] = source
         return SharedPrefixLayout(
             prompt_index.to(device), prompt_valid.to(device), prompt_mask.to(device),
-            completion_index.to(device), completion_valid.to(device), crow.to(device), completion_mask.to(device),
-            source.to(device), destination.to(device), rows * width,
+            completion_index.to(device), completion_valid.to(device), cprompt.to(device), completion_mask.to(device),
+            source.to(device), destination.to(device), output_index.to(device), rows * width,
         )
 
 
@@ -113,11 +128,14 @@ def shared_prefix_attention(
 ) -> tuple[Tensor, None]:
     """transformers' attention signature: q [B, H, L, d], k/v [B, Hkv, L, d] -> out [B, L, H, d].
 
-    Without a layout (or with a sliding window, whose band the layout does not encode) this is
-    ``sdpa`` exactly."""
-    if shared_prefix is None or kwargs.get("sliding_window") is not None:
+    Without a layout this is ``sdpa`` exactly. With one, the mask is not read (the packing passes a
+    placeholder); a sliding window, whose band the layout does not encode, is refused."""
+    if shared_prefix is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("the shared-prefix layout does not encode a sliding window: this model needs the dense "
+                         "mask (FSDPOptions.shared_prefix_attention false)")
     global layout_calls
     layout_calls += 1
     layout = shared_prefix
@@ -142,17 +160,16 @@ def shared_prefix_attention(
     out_prompt = F.scaled_dot_product_attention(gather(q, layout.prompt_index), kp, vp,
                                                 attn_mask=layout.prompt_mask, dropout_p=p, scale=scaling,
                                                 enable_gqa=gqa)
-    ck = torch.cat([kp.index_select(0, layout.completion_row), gather(k, layout.completion_index)], dim=2)
-    cv = torch.cat([vp.index_select(0, layout.completion_row), gather(v, layout.completion_index)], dim=2)
+    ck = torch.cat([kp.index_select(0, layout.completion_prompt), gather(k, layout.completion_index)], dim=2)
+    cv = torch.cat([vp.index_select(0, layout.completion_prompt), gather(v, layout.completion_index)], dim=2)
     out_completion = F.scaled_dot_product_attention(gather(q, layout.completion_index), ck, cv,
                                                     attn_mask=layout.completion_mask, dropout_p=p, scale=scaling,
                                                     enable_gqa=gqa)
-    # Every real token is written once; padding positions stay 0 (their logits are never read).
+    # Every real token reads its one output; padding positions read the zero row (their logits are
+    # never read). One index_select: its backward is one index_add.
     pieces = torch.cat([out_prompt.transpose(1, 2).reshape(-1, heads, d),
-                        out_completion.transpose(1, 2).reshape(-1, heads, d)])
-    out = q.new_zeros(batch * length, heads, d).index_copy(0, layout.destination,
-                                                           pieces.index_select(0, layout.source))
-    return out.view(batch, length, heads, d), None
+                        out_completion.transpose(1, 2).reshape(-1, heads, d), q.new_zeros(1, heads, d)])
+    return pieces.index_select(0, layout.output_index).view(batch, length, heads, d), None
 
 
 if UNAVAILABLE is None:

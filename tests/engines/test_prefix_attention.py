@@ -17,10 +17,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen2ForCausa
 from streamrl.engines import prefix_attention
 from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.packing import (
+    DEFAULT_SHARED_PREFIX_MIN_PADDING,
     DEFAULT_SHARED_PREFIX_MIN_WIDTH,
     ResponseForward,
     packed_inputs,
     probe_shared_prefix,
+    response_logits,
 )
 from streamrl.models.build import TinyModelSpec, build_model
 from tests.engines.test_packing import (
@@ -78,7 +80,7 @@ def test_the_layout_allows_exactly_what_the_dense_mask_allows(tok: PreTrainedTok
     prompts, responses = _batch(tok)
     for max_row_tokens in (4096, 9, 2):
         inputs = packed_inputs(prompts, responses, CPU, mask_dtype=None, max_row_tokens=max_row_tokens,
-                               shared_prefix=True)
+                               shared_prefix=True, dense_mask=True)
         layout = inputs.shared_prefix
         assert layout is not None
         rows, width = inputs.kwargs["input_ids"].shape
@@ -91,7 +93,7 @@ def test_the_layout_allows_exactly_what_the_dense_mask_allows(tok: PreTrainedTok
         for index, valid, mask, keys in (
             (layout.prompt_index, layout.prompt_valid, layout.prompt_mask[:, 0], layout.prompt_index),
             (layout.completion_index, layout.completion_valid, layout.completion_mask[:, 0],
-             torch.cat([layout.prompt_index.index_select(0, layout.completion_row), layout.completion_index], 1)),
+             torch.cat([layout.prompt_index.index_select(0, layout.completion_prompt), layout.completion_index], 1)),
         ):
             for n in range(index.shape[0]):
                 for i in valid[n].nonzero().squeeze(1).tolist():
@@ -175,7 +177,7 @@ def test_a_micro_batch_of_one_token_responses(model: PreTrainedModel, tok: PreTr
     responses = [torch.tensor([4 + i % 3]) if i % 4 else torch.zeros(0, dtype=torch.int64)
                  for i in range(len(prompts))]
     layout = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True).shared_prefix
-    assert layout is not None and layout.completion_row.numel() == 0
+    assert layout is not None and layout.completion_prompt.numel() == 0
     switched = copy.deepcopy(model).train()
     assert prefix_attention.enable(switched)
     got = _logprobs(switched, "packed", prompts, responses, shared_prefix=True)
@@ -187,16 +189,75 @@ def test_a_micro_batch_of_one_token_responses(model: PreTrainedModel, tok: PreTr
 
 
 def test_narrow_rows_keep_the_dense_mask(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
-    """Below ``shared_prefix_min_width`` (tokens of the widest row) a micro-batch builds no layout and
-    runs sdpa exactly; from it on, the layout reaches the attention."""
+    """Below ``shared_prefix_min_width`` (tokens of the widest one-group row) and
+    ``shared_prefix_min_padding`` (tokens such rows would pad) a micro-batch builds no layout and runs
+    sdpa exactly; from either on, the layout reaches the attention."""
     prompts, responses = _batch(tok)
-    width = packed_inputs(prompts, responses, CPU, mask_dtype=None).width
-    assert width < DEFAULT_SHARED_PREFIX_MIN_WIDTH
-    for min_width, used in ((DEFAULT_SHARED_PREFIX_MIN_WIDTH, False), (width + 1, False), (width, True)):
-        forward = ResponseForward(copy.deepcopy(model).eval(), CPU, shared_prefix_min_width=min_width)
+    dense = packed_inputs(prompts, responses, CPU, mask_dtype=None)
+    rows, width = dense.kwargs["input_ids"].shape
+    distinct = {tuple(p.tolist()) for p in prompts}
+    padding = rows * width - sum(len(p) for p in distinct) - sum(max(r.numel() - 1, 0) for r in responses)
+    assert width < DEFAULT_SHARED_PREFIX_MIN_WIDTH and 0 < padding < DEFAULT_SHARED_PREFIX_MIN_PADDING
+    cases = [(DEFAULT_SHARED_PREFIX_MIN_WIDTH, DEFAULT_SHARED_PREFIX_MIN_PADDING, False),
+             (width + 1, padding + 1, False), (width, padding + 1, True), (width + 1, padding, True)]
+    for min_width, min_padding, used in cases:
+        forward = ResponseForward(copy.deepcopy(model).eval(), CPU, shared_prefix_min_width=min_width,
+                                  shared_prefix_min_padding=min_padding)
         assert forward.shared_prefix
         calls = prefix_attention.layout_calls
         with torch.no_grad():
             got, _ = forward.logprobs(prompts, responses, 1.0)
-        assert (prefix_attention.layout_calls > calls) == used, min_width
+        assert (prefix_attention.layout_calls > calls) == used, (min_width, min_padding)
         torch.testing.assert_close(got, _alone(model.eval(), prompts, responses), atol=ATOL, rtol=0)
+
+
+def test_the_layout_fills_rows_and_the_mask_is_a_placeholder(tok: PreTrainedTokenizerFast) -> None:
+    """With the layout, the groups share rows (no row padded to the widest group) and the forward gets
+    a zero-stride stand-in for the dense mask, which the layout's attention never reads."""
+    prompts, responses = _batch(tok)
+    real = sum(len(p) for p in {tuple(p.tolist()) for p in prompts}) + sum(max(r.numel() - 1, 0) for r in responses)
+    inputs = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True)
+    assert inputs.kwargs["input_ids"].shape == (1, real)  # three prompt occurrences in one row, nothing padded
+    assert inputs.shared_prefix is not None and inputs.shared_prefix.prompt_index.shape[0] == 3
+    mask = inputs.kwargs["attention_mask"]
+    assert mask.shape == (1, 1, real, real) and mask.stride()[2:] == (0, 0)
+    dense = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True, dense_mask=True)
+    assert torch.equal(dense.kwargs["input_ids"], inputs.kwargs["input_ids"])
+    assert not bool(dense.kwargs["attention_mask"].all())  # the real mask: groups do not see each other
+
+
+def test_filled_rows_share_the_tokens_evenly(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    """A micro-batch over ``max_row_tokens`` fills rows of about equal width (each closed once it
+    holds its share), not full rows and a short last one padded to their width; logprobs unchanged."""
+    prompts, responses = _batch(tok)
+    one_row = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True).width
+    max_row_tokens = one_row - 2
+    inputs = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True, max_row_tokens=max_row_tokens)
+    rows, width = inputs.kwargs["input_ids"].shape
+    assert rows == 2 and width <= one_row // 2 + 8  # 8: the widest completion and prompt that may cross the half
+    model.eval()
+    assert prefix_attention.enable(model)
+    with torch.no_grad():
+        got = _logprobs(model, "packed", prompts, responses, shared_prefix=True, max_row_tokens=max_row_tokens)
+        torch.testing.assert_close(got, _alone(model, prompts, responses), atol=ATOL, rtol=0)
+
+
+def test_a_layout_for_a_model_without_the_shared_prefix_attention_is_refused(
+        model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    """Its mask is a placeholder: a model whose attention would read it instead of the layout gets an
+    error naming the fix, not wrong logprobs."""
+    prompts, responses = _batch(tok)
+    inputs = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True)
+    plain = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"prefix_attention\.enable"):
+        response_logits(plain, inputs)
+
+
+def test_a_sliding_window_with_a_layout_is_refused(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    """The layout does not encode a window's band, and the mask beside it is a placeholder: refused,
+    never computed wrong (the probe then keeps the dense mask)."""
+    prompts, responses = _batch(tok)
+    layout = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True).shared_prefix
+    q = torch.zeros(1, 4, layout.tokens, 8)
+    with pytest.raises(ValueError, match="sliding window"):
+        prefix_attention.shared_prefix_attention(model, q, q, q, None, shared_prefix=layout, sliding_window=4)
