@@ -66,11 +66,8 @@ class SharedPrefixLayout:
     completion_valid: Tensor  # [n, Cmax] bool: a real input token
     completion_prompt: Tensor  # [n] prompt occurrence of each completion
     completion_mask: Tensor  # [n, 1, Cmax, Pmax + Cmax] bool: its prompt occurrence, then itself causally
-    # every real token once: its position in [prompts*Pmax prompt outputs | n*Cmax completion outputs],
-    # and its flat position in the forward
-    source: Tensor
-    destination: Tensor
-    # [rows * width]: each token position's output in [prompt outputs | completion outputs | a zero row]
+    # [rows * width]: each token position's output in [prompts*Pmax prompt outputs | n*Cmax completion
+    # outputs | a zero row]; every real token reads its own, padding positions the zero row
     output_index: Tensor
     tokens: int  # rows * width: the forward's token positions
 
@@ -111,7 +108,7 @@ class SharedPrefixLayout:
         return SharedPrefixLayout(
             prompt_index.to(device), prompt_valid.to(device), prompt_mask.to(device),
             completion_index.to(device), completion_valid.to(device), cprompt.to(device), completion_mask.to(device),
-            source.to(device), destination.to(device), output_index.to(device), rows * width,
+            output_index.to(device), rows * width,
         )
 
 

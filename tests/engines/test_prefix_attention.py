@@ -85,10 +85,11 @@ def test_the_layout_allows_exactly_what_the_dense_mask_allows(tok: PreTrainedTok
         assert layout is not None
         rows, width = inputs.kwargs["input_ids"].shape
         assert layout.tokens == rows * width
-        # every real token is written exactly once, from a real query of one of the two pieces
-        real = layout.destination.sort().values
-        assert torch.equal(real, real.unique())
-        assert real.numel() == int(layout.prompt_valid.sum() + layout.completion_valid.sum())
+        # every real token reads the output of exactly one real query of the two pieces, its own
+        valid = torch.cat([layout.prompt_valid.reshape(-1), layout.completion_valid.reshape(-1)])
+        real = (layout.output_index != valid.numel()).nonzero().squeeze(1)  # the rest read the zero row
+        read = layout.output_index[real]
+        assert torch.equal(read.sort().values, valid.nonzero().squeeze(1))
         allowed = torch.zeros(rows * width, rows * width, dtype=torch.bool)
         for index, valid, mask, keys in (
             (layout.prompt_index, layout.prompt_valid, layout.prompt_mask[:, 0], layout.prompt_index),
