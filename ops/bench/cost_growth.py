@@ -15,8 +15,9 @@ sizes (4, 8, 16 prompts x 8 completions), STEPS steps each, seed 0. Figures per 
   the run goes (the processes come from the run's logs/pids.json), and TRL's one process;
 - the trainer's estimate: the resident size of a worker without a model (the advantage stage:
   Python, torch, the dock client) + parameters, gradients and AdamW's two moments (16 bytes a
-  parameter, fp32) + the published policy version (4 bytes a parameter: the snapshot generation
-  fetches while the trainer goes on, streamrl.runtime.policy) + one micro-batch's activations
+  parameter, fp32) + the published policy versions (8 bytes a parameter: the newest version's file
+  in the run's shared memory, which generation maps while the trainer goes on, and the next one's,
+  allocated ahead; streamrl.runtime.policy) + one micro-batch's activations
   (ACT_BYTES_PER_TOKEN_LAYER_HIDDEN bytes per token, layer and channel, a budget for a block's
   saved tensors in fp32 without activation checkpointing); the trainer's peak over it.
 
@@ -61,7 +62,10 @@ STEPS = 4
 MAX_NEW_TOKENS = 16
 POLL_S = 0.25
 ACT_BYTES_PER_TOKEN_LAYER_HIDDEN = 64  # fp32: about 16 saved tensors of `hidden` floats per token and layer
-PUBLISHED_BYTES_PER_PARAM = 4  # the policy publisher's fp32 snapshot of the newest version
+# the policy publisher's fp32 versions in the run's shared memory: the newest one's file and the next
+# one's, allocated and populated ahead while training goes on (streamrl/runtime/policy.py), both
+# resident in the trainer (its pages)
+PUBLISHED_BYTES_PER_PARAM = 8
 
 
 def shape(size: str) -> dict[str, int]:
