@@ -111,80 +111,47 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
         if g == len(members):
             members.append([])
         members[g].append(i)
-    merge = False
-    fill_to = max_row_tokens
-    if shared_prefix:
-        widths = _group_row_widths(members, prompt_ids, response_ids, max_row_tokens)
-        widest = max(widths)
-        merge = widest >= shared_prefix_min_width or len(widths) * widest - sum(widths) >= shared_prefix_min_padding
-        # filled rows of about equal width: a row is closed once it holds its share of the tokens,
-        # so that the last one is not a short row padded to the others' width
-        total = sum(widths)
-        rows_needed = max(-(-total // max_row_tokens), 1)
-        fill_to = -(-total // rows_needed)
-    ids_rows: list[list[Tensor]] = []
-    pos_rows: list[list[Tensor]] = []
-    occ_rows: list[list[Tensor]] = []  # per token: its prompt occurrence (one row may hold several)
-    seg_rows: list[list[Tensor]] = []  # per token: 0 in the prompt, k in the occurrence's k-th completion
-    lengths: list[int] = []
-    occurrences: list[tuple[int, int, int]] = []  # (row, first position, tokens) of each prompt occurrence
-    # for sample i: (row, position predicting its token 0, position of its first input token)
-    where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(prompt_ids)
-    occurrence_of = [0] * len(prompt_ids)
-    for group in members:
-        prompt = prompt_ids[group[0]]
-        P = prompt.numel()
-        row, occ, seg = -1, -1, 0
-        for i in group:
-            cont = response_ids[i][:-1]
-            n = cont.numel()
-            # a new occurrence of the prompt once this row would overflow, or (filled rows) holds its
-            # share (an occurrence always takes its first completion, and one with no input token adds
-            # nothing: it never opens one of its own)
-            if occ < 0 or (n and seg > 0 and (lengths[row] + n > max_row_tokens
-                                              or (merge and lengths[row] >= fill_to))):
-                # filled rows (shared-prefix attention): in the last row while it is short of its share and
-                # the prompt and this completion fit; else (and always for the dense mask) a row of its own
-                if not (merge and lengths and lengths[-1] < fill_to and lengths[-1] + P + n <= max_row_tokens):
-                    for rows_ in (ids_rows, pos_rows, occ_rows, seg_rows):
-                        rows_.append([])
-                    lengths.append(0)
-                row, occ, seg = len(lengths) - 1, len(occurrences), 0
-                occurrences.append((row, lengths[row], P))
-                ids_rows[row].append(prompt)
-                pos_rows[row].append(torch.arange(P))
-                occ_rows[row].append(torch.full((P,), occ, dtype=torch.int64))
-                seg_rows[row].append(torch.zeros(P, dtype=torch.int64))
-                lengths[row] += P
-            seg += 1
-            where[i] = (row, occurrences[occ][1] + P - 1, lengths[row])
-            occurrence_of[i] = occ
-            ids_rows[row].append(cont)
-            pos_rows[row].append(torch.arange(P, P + n))
-            occ_rows[row].append(torch.full((n,), occ, dtype=torch.int64))
-            seg_rows[row].append(torch.full((n,), seg, dtype=torch.int64))
-            lengths[row] += n
-    width = max(lengths)
-    B = len(lengths)
+    inputs = [max(r.numel() - 1, 0) for r in response_ids]  # the last response token is never an input
+    plan = _plan_rows(members, prompt_ids, inputs, max_row_tokens, fill_to=None)
+    widest = max(plan.lengths)
+    filled = shared_prefix and (widest >= shared_prefix_min_width
+                                or len(plan.lengths) * widest - sum(plan.lengths) >= shared_prefix_min_padding)
+    if filled:
+        # rows of about equal width: a row is closed once it holds its share of the tokens, so that the
+        # last one is not a short row padded to the others' width
+        total = sum(plan.lengths)
+        plan = _plan_rows(members, prompt_ids, inputs, max_row_tokens,
+                          fill_to=-(-total // max(-(-total // max_row_tokens), 1)))
+    width = max(plan.lengths)
+    B = len(plan.lengths)
     layout = None
-    if merge:
+    if filled:
         # imported here: it registers with transformers' model code, which the launcher's pipeline
         # checks (importing this module through the stages) must not load
         from streamrl.engines.prefix_attention import SharedPrefixLayout
 
-        completions = [(occurrence_of[i], where[i][2], response_ids[i].numel() - 1)
-                       for i in range(len(prompt_ids)) if response_ids[i].numel() > 1]
-        layout = SharedPrefixLayout.build(occurrences, completions, width, device)
+        completions = [(occ, input_start, inputs[i]) for i, (occ, _, input_start) in enumerate(plan.placed)
+                       if inputs[i]]
+        layout = SharedPrefixLayout.build([(row, first, P) for row, first, P, _ in plan.occurrences],
+                                          completions, width, device)
     input_ids = torch.zeros(B, width, dtype=torch.int64)
     position_ids = torch.zeros(B, width, dtype=torch.int64)
-    occurrence = torch.full((B, width), -1, dtype=torch.int64)  # -1: padding
-    segment = torch.zeros((B, width), dtype=torch.int64)
-    for r in range(B):
-        n = lengths[r]
-        input_ids[r, :n] = torch.cat(ids_rows[r])
-        position_ids[r, :n] = torch.cat(pos_rows[r])
-        occurrence[r, :n] = torch.cat(occ_rows[r])
-        segment[r, :n] = torch.cat(seg_rows[r])
+    occurrence = torch.full((B, width), -1, dtype=torch.int64)  # per token: its prompt occurrence; -1: padding
+    segment = torch.zeros((B, width), dtype=torch.int64)  # per token: 0 in the prompt, k in its k-th completion
+    for occ, (row, first, P, sample) in enumerate(plan.occurrences):
+        input_ids[row, first:first + P] = prompt_ids[sample]
+        position_ids[row, first:first + P] = torch.arange(P)
+        occurrence[row, first:first + P] = occ
+    # for sample i: (row, position predicting its token 0, position of its first input token)
+    where: list[tuple[int, int, int]] = []
+    for i, (occ, seg, input_start) in enumerate(plan.placed):
+        row, first, P, _ = plan.occurrences[occ]
+        n = inputs[i]
+        input_ids[row, input_start:input_start + n] = response_ids[i][:-1]
+        position_ids[row, input_start:input_start + n] = torch.arange(P, P + n)
+        occurrence[row, input_start:input_start + n] = occ
+        segment[row, input_start:input_start + n] = seg
+        where.append((row, first + P - 1, input_start))
     if layout is not None and not dense_mask:
         # The layout's attention never reads the mask (it refuses a call it cannot serve with the
         # layout alone): a view of one element stands in for rows x width^2, 16 MiB a 4096-token row.
@@ -205,23 +172,45 @@ def packed_inputs(prompt_ids: Sequence[Tensor], response_ids: Sequence[Tensor], 
     return ModelInputs(kwargs, rows, start, width, layout)
 
 
-def _group_row_widths(members: Sequence[Sequence[int]], prompt_ids: Sequence[Tensor],
-                      response_ids: Sequence[Tensor], max_row_tokens: int) -> list[int]:
-    """Tokens of each row were each prompt's group a row of its own (split as :func:`packed_inputs`
-    splits at ``max_row_tokens``): the rows the dense mask would take."""
-    widths: list[int] = []
+@dataclass(frozen=True)
+class _RowPlan:
+    """Where :func:`packed_inputs` puts each prompt occurrence and each sample, in tokens."""
+
+    lengths: list[int]  # tokens of each row
+    occurrences: list[tuple[int, int, int, int]]  # (row, first position, tokens, a sample of that prompt)
+    placed: list[tuple[int, int, int]]  # per sample: (its prompt occurrence, its segment >= 1, first input position)
+
+
+def _plan_rows(members: Sequence[Sequence[int]], prompt_ids: Sequence[Tensor], inputs: Sequence[int],
+               max_row_tokens: int, *, fill_to: int | None) -> _RowPlan:
+    """Rows for the prompt groups ``members`` (sample indices; ``inputs[i]``: sample i's input tokens).
+
+    ``fill_to`` None: each group opens a row of its own (the dense mask's rows). Else rows are
+    filled: a group's prompt joins the last row while that row is short of ``fill_to`` tokens and the
+    prompt and its first completion fit. Either way a group moves on to a new occurrence of its prompt
+    (in a new row, or the last one where filling allows) once its row would overflow
+    ``max_row_tokens`` (or, filling, holds ``fill_to``): an occurrence always takes its first
+    completion, and one with no input token adds nothing, so it never opens one of its own."""
+    lengths: list[int] = []
+    occurrences: list[tuple[int, int, int, int]] = []
+    placed = [(0, 0, 0)] * len(inputs)
     for group in members:
         P = prompt_ids[group[0]].numel()
-        widths.append(P)
-        taken = 0
+        row, occ, seg = -1, -1, 0
         for i in group:
-            n = max(response_ids[i].numel() - 1, 0)
-            if n and widths[-1] + n > max_row_tokens and taken:
-                widths.append(P)
-                taken = 0
-            widths[-1] += n
-            taken += 1
-    return widths
+            n = inputs[i]
+            if occ < 0 or (n and seg > 0 and (lengths[row] + n > max_row_tokens
+                                              or (fill_to is not None and lengths[row] >= fill_to))):
+                if not (fill_to is not None and lengths and lengths[-1] < fill_to
+                        and lengths[-1] + P + n <= max_row_tokens):
+                    lengths.append(0)
+                row, occ, seg = len(lengths) - 1, len(occurrences), 0
+                occurrences.append((row, lengths[row], P, group[0]))
+                lengths[row] += P
+            seg += 1
+            placed[i] = (occ, seg, lengths[row])
+            lengths[row] += n
+    return _RowPlan(lengths, occurrences, placed)
 
 
 def _dense_mask(occurrence: Tensor, segment: Tensor, mask_dtype: torch.dtype | None) -> Tensor:
