@@ -189,6 +189,12 @@ def test_a_micro_batch_of_one_token_responses(model: PreTrainedModel, tok: PreTr
         torch.testing.assert_close(got.detach(), _alone(model, prompts, responses), atol=ATOL, rtol=0)
 
 
+def _real_tokens(prompts: list[Tensor], responses: list[Tensor]) -> int:
+    """Tokens of a packed micro-batch without padding: each distinct prompt once, each response's inputs."""
+    return (sum(len(p) for p in {tuple(p.tolist()) for p in prompts})
+            + sum(max(r.numel() - 1, 0) for r in responses))
+
+
 def test_narrow_rows_keep_the_dense_mask(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
     """Below ``shared_prefix_min_width`` (tokens of the widest one-group row) and
     ``shared_prefix_min_padding`` (tokens such rows would pad) a micro-batch builds no layout and runs
@@ -196,8 +202,7 @@ def test_narrow_rows_keep_the_dense_mask(model: PreTrainedModel, tok: PreTrained
     prompts, responses = _batch(tok)
     dense = packed_inputs(prompts, responses, CPU, mask_dtype=None)
     rows, width = dense.kwargs["input_ids"].shape
-    distinct = {tuple(p.tolist()) for p in prompts}
-    padding = rows * width - sum(len(p) for p in distinct) - sum(max(r.numel() - 1, 0) for r in responses)
+    padding = rows * width - _real_tokens(prompts, responses)
     assert width < DEFAULT_SHARED_PREFIX_MIN_WIDTH and 0 < padding < DEFAULT_SHARED_PREFIX_MIN_PADDING
     cases = [(DEFAULT_SHARED_PREFIX_MIN_WIDTH, DEFAULT_SHARED_PREFIX_MIN_PADDING, False),
              (width + 1, padding + 1, False), (width, padding + 1, True), (width + 1, padding, True)]
@@ -216,7 +221,7 @@ def test_the_layout_fills_rows_and_the_mask_is_a_placeholder(tok: PreTrainedToke
     """With the layout, the groups share rows (no row padded to the widest group) and the forward gets
     a zero-stride stand-in for the dense mask, which the layout's attention never reads."""
     prompts, responses = _batch(tok)
-    real = sum(len(p) for p in {tuple(p.tolist()) for p in prompts}) + sum(max(r.numel() - 1, 0) for r in responses)
+    real = _real_tokens(prompts, responses)
     inputs = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True)
     assert inputs.kwargs["input_ids"].shape == (1, real)  # three prompt occurrences in one row, nothing padded
     assert inputs.shared_prefix is not None and inputs.shared_prefix.prompt_index.shape[0] == 3
