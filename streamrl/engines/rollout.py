@@ -373,6 +373,7 @@ class TorchRolloutEngine(BatchedRolloutEngine):
         # any position and are checked against what they advertise by the pipeline instead.
         wpe = getattr(getattr(model, "base_model", None), "wpe", None)
         self.position_table: int | None = wpe.num_embeddings if isinstance(wpe, nn.Embedding) else None
+        self._functional: FunctionalCausalLM | None = None
 
     def _check(self, prompts: list[Tensor], max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
         super()._check(prompts, max_new_tokens, temperature, top_p, top_k)
@@ -400,6 +401,7 @@ class TorchRolloutEngine(BatchedRolloutEngine):
 
     def close(self) -> None:
         self.release_cache()
+        self._functional = None
 
     @property
     def generator_device(self) -> torch.device:
@@ -409,7 +411,9 @@ class TorchRolloutEngine(BatchedRolloutEngine):
         if not self.use_functional:
             return _HFDecoder(self.model)
         weight = self.model.get_input_embeddings().weight
-        return self._functional_decoder(FunctionalCausalLM(self.model), weight.dtype, weight.device)
+        if self._functional is None:  # kept across calls: it holds the fused weights of the current version
+            self._functional = FunctionalCausalLM(self.model)
+        return self._functional_decoder(self._functional, weight.dtype, weight.device)
 
     @contextmanager
     def _generation_scope(self) -> Iterator[None]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -39,8 +38,8 @@ from torch import Tensor
 from streamrl.engines.rollout import BatchedRolloutEngine, GenerateArgumentError, Generation, _Decoder
 from streamrl.models.functional import (
     FunctionalForward,
+    LayerWeights,
     UnsupportedModelError,
-    apply_rope,
     unsupported_config_reason,
 )
 from streamrl.reshard.spec import ModelShardingSpec
@@ -89,18 +88,6 @@ def check_inference_weights(
     return dtype
 
 
-@dataclass(frozen=True, slots=True)
-class _LayerWeights:
-    input_norm: Tensor
-    qkv: Tensor  # [(local q heads + 2 local kv heads) * d, hidden]
-    qkv_bias: Tensor | None
-    o_proj: Tensor  # [hidden, local q heads * d], row-parallel
-    o_bias: Tensor | None  # replicated (Llama attention_bias)
-    post_norm: Tensor
-    gate_up: Tensor  # [2 * I/T, hidden]
-    down: Tensor  # [hidden, I/T], row-parallel
-
-
 class TensorParallelFunctionalLM(FunctionalForward):
     """One inference rank's forward over its fused weights; every rank of ``group`` runs the same calls.
 
@@ -135,14 +122,12 @@ class TensorParallelFunctionalLM(FunctionalForward):
         self._inv_freq = default_rope_inv_freq(rope_base, spec.head_dim, device)
         self._vocab_rows = spec.padded_vocab(T) // T
         self._vocab_start = t * self._vocab_rows
-        kv_width = self.n_kv_heads * self.head_dim
-        self._qkv_split = [self.n_heads * self.head_dim, kv_width, kv_width]
         self._embed_weight = weights["model.embed_tokens.weight"]
         self._final_norm = weights["model.norm.weight"]
         self._lm_head = weights["lm_head.weight"]
         # Resolved once per call: the decode loop then indexes a list instead of formatting names.
         self._layers = [
-            _LayerWeights(
+            LayerWeights(
                 input_norm=weights[f"model.layers.{i}.input_layernorm.weight"],
                 qkv=weights[f"model.layers.{i}.self_attn.qkv_proj.weight"],
                 qkv_bias=weights.get(f"model.layers.{i}.self_attn.qkv_proj.bias"),
@@ -150,7 +135,9 @@ class TensorParallelFunctionalLM(FunctionalForward):
                 o_bias=weights.get(f"model.layers.{i}.self_attn.o_proj.bias"),
                 post_norm=weights[f"model.layers.{i}.post_attention_layernorm.weight"],
                 gate_up=weights[f"model.layers.{i}.mlp.gate_up_proj.weight"],
+                gate_up_bias=None,  # the inference layout has no MLP biases (docs/reshard.md §2)
                 down=weights[f"model.layers.{i}.mlp.down_proj.weight"],
+                down_bias=None,
             )
             for i in range(spec.num_layers)
         ]
@@ -171,24 +158,8 @@ class TensorParallelFunctionalLM(FunctionalForward):
         rows = F.embedding(local.clamp(0, self._vocab_rows - 1), self._embed_weight)
         return self._all_reduce(rows.masked_fill_(~owned.unsqueeze(-1), 0.0))
 
-    def _qkv(self, i: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        w = self._layers[i]
-        h = self._norm(x, w.input_norm)
-        n, d = h.shape[0], self.head_dim
-        q, k, v = F.linear(h, w.qkv, w.qkv_bias).split(self._qkv_split, dim=-1)
-        q = q.reshape(n, self.n_heads, d)
-        k = k.reshape(n, self.n_kv_heads, d)
-        v = v.reshape(n, self.n_kv_heads, d)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def _mlp_and_out(self, i: int, x: Tensor, attn_out: Tensor) -> Tensor:
-        w = self._layers[i]
-        out = self._all_reduce(F.linear(attn_out, w.o_proj))
-        # The bias is replicated: added after the sum, or it would count T times.
-        x = x + (out if w.o_bias is None else out + w.o_bias)
-        h = self._norm(x, w.post_norm)
-        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-        return x + self._all_reduce(F.linear(F.silu(gate) * up, w.down))
+    def _layer_weights(self) -> list[LayerWeights]:
+        return self._layers
 
     def logits(self, hidden: Tensor) -> Tensor:
         local = F.linear(self._norm(hidden, self._final_norm), self._lm_head)

@@ -127,12 +127,17 @@ class KVCache:
         self.prompt_keys: list[Tensor] = []  # per layer [U, kv_heads, Lp, d]
         self.prompt_values: list[Tensor] = []
         self.prompt_mask = torch.zeros(0)  # [U, Lp] additive: 0 = real key, -inf = padding
+        self.row_mask = torch.zeros(0)  # [rows, Lp + columns] additive, per row: its prompt's, then 0s
         self.gen_keys: list[Tensor] = []  # per layer [capacity rows, kv_heads, capacity columns, d]
         self.gen_values: list[Tensor] = []
         self.rows = 0
+        self.columns = 0  # generated columns this call may write
         self.row_prompt = torch.zeros(0, dtype=torch.int64)  # [rows] prompt of each row
         self.group_slot = torch.zeros(0, dtype=torch.int64)  # [rows] rank of the row among its prompt's rows
         self.group_width = 0  # most rows sharing one prompt
+        # True when row r continues prompt r // group_width for every r (each prompt's rows side by
+        # side, all groups full): a decode step then groups rows by prompt with views, not scatters.
+        self.regular = False
         self._row_prompt_host: list[int] = []
 
     def start(
@@ -146,6 +151,7 @@ class KVCache:
         self.prompt_mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(
             hidden, float("-inf")
         )
+        self.columns = max(columns, 1)
         rows = len(row_prompt)
         have_rows = self.gen_keys[0].shape[0] if self.gen_keys else 0
         have_cols = self.gen_keys[0].shape[2] if self.gen_keys else 0
@@ -164,8 +170,17 @@ class KVCache:
         self._row_prompt_host = row_prompt
         self.rows = len(row_prompt)
         self.group_width = max(seen.values(), default=0)
+        n_prompts = self.prompt_mask.shape[0]
+        self.regular = self.rows == n_prompts * self.group_width and all(
+            u == r // self.group_width for r, u in enumerate(row_prompt)
+        )
         self.row_prompt = torch.tensor(row_prompt, dtype=torch.int64, device=self.device)
         self.group_slot = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        # Built once per call (and per compaction) rather than per decode step; a step reads a prefix.
+        self.row_mask = torch.cat(
+            [self.prompt_mask.index_select(0, self.row_prompt), self.prompt_mask.new_zeros(self.rows, self.columns)],
+            dim=1,
+        )
 
     def select_rows(self, keep: list[int], columns: int) -> None:
         """Keep only rows ``keep`` (ascending), moved to the front; copies ``columns`` generated columns."""
@@ -181,24 +196,52 @@ class KVCache:
         self.rows = 0
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def swap_halves(x: Tensor) -> Tensor:
+    """[..., d] -> [..., d] with the two halves of the last dim swapped (one copy; ``roll`` is the
+    cheapest kernel for it on CPU, ahead of ``cat`` of the halves and ``flip``)."""
+    return x.roll(x.shape[-1] // 2, -1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on [N, heads, head_dim] with tables [N, 1, head_dim] (the HF formula)."""
-    return x * cos + rotate_half(x) * sin
+    """RoPE on [N, heads, head_dim] with tables [N, 1, head_dim] from ``rope_tables``.
+
+    HF's formula is ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``;
+    ``rope_tables`` returns ``sin`` with its first half negated, so the same value is
+    ``x * cos + [x2, x1] * sin``: three kernels instead of five (no ``neg``), exactly equal.
+    """
+    return torch.addcmul(x * cos, swap_halves(x), sin)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer's weights in the fused inference layout.
+
+    ``qkv`` stacks the q, k and v projections by rows and ``gate_up`` the gate and up
+    projections (vLLM's layout, ``docs/reshard.md`` §2): one matmul each instead of three and two,
+    and q and k side by side in one output, so RoPE runs once on both. A tensor-parallel rank
+    holds its slice of each.
+    """
+
+    input_norm: Tensor
+    qkv: Tensor  # [(q heads + 2 kv heads) * d, hidden]
+    qkv_bias: Tensor | None
+    o_proj: Tensor  # [hidden, q heads * d]
+    o_bias: Tensor | None  # added after the tensor-parallel sum (a replicated bias counts once)
+    post_norm: Tensor
+    gate_up: Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: Tensor | None
+    down: Tensor  # [hidden, intermediate]
+    down_bias: Tensor | None
 
 
 class FunctionalForward(ABC):
     """The forward passes (packed prefill, cached decoding) over a few building blocks.
 
     Why a base: the passes are the same whoever holds the weights; a subclass says where the
-    weights are and how a block uses them. ``FunctionalCausalLM`` reads a Hugging Face module;
-    ``streamrl.engines.tp_rollout.TensorParallelFunctionalLM`` reads one tensor-parallel rank's
-    fused inference weights and adds the collectives. The passes only see the head counts below,
-    which for a TP rank are its local ones.
+    weights are (``_layer_weights``, ``_embed``, ``logits``). ``FunctionalCausalLM`` reads a
+    Hugging Face module; ``streamrl.engines.tp_rollout.TensorParallelFunctionalLM`` reads one
+    tensor-parallel rank's fused inference weights and adds the collectives (``_all_reduce``).
+    The passes only see the head counts below, which for a TP rank are its local ones.
     """
 
     n_heads: int  # query heads this forward computes
@@ -214,35 +257,55 @@ class FunctionalForward(ABC):
         """RoPE inverse frequencies [head_dim / 2] and the attention scaling of cos/sin."""
 
     @abstractmethod
+    def _layer_weights(self) -> list[LayerWeights]:
+        """Every layer's weights in the fused layout, current as of this call (asked once per pass)."""
+
+    @abstractmethod
     def _embed(self, ids: Tensor) -> Tensor:
         """Token ids [N] -> embeddings [N, hidden]."""
-
-    @abstractmethod
-    def _qkv(self, i: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Layer ``i``: input RMSNorm of the residual stream [N, hidden], then q [N, heads, d],
-        k, v [N, kv_heads, d], RoPE applied to q and k."""
-
-    @abstractmethod
-    def _mlp_and_out(self, i: int, x: Tensor, attn_out: Tensor) -> Tensor:
-        """Layer ``i``: residual add of the projected attention output [N, heads*d], then the MLP block."""
 
     @abstractmethod
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm + lm_head on pre-norm hidden states [N, hidden] -> [N, vocab]."""
 
+    def _all_reduce(self, x: Tensor) -> Tensor:
+        """Sum a row-parallel partial product over the tensor-parallel group (none here)."""
+        return x
+
     def rope_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin [N, 1, head_dim] for integer ``positions`` [N] (same formula as HF)."""
+        """cos, sin [N, 1, head_dim] for integer ``positions`` [N] (HF's formula), the first half
+        of ``sin`` negated: the form ``apply_rope`` takes."""
         inv_freq, scale = self._rope_frequencies()
         inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
         freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
+        sin[:, : inv_freq.numel()].neg_()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
     def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def _qkv(self, w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Input RMSNorm of the residual stream [N, hidden], then q [N, heads, d], k, v [N, kv_heads, d]
+        (views of one matmul's output), RoPE applied to q and k together."""
+        h = self._norm(x, w.input_norm)
+        n, d = h.shape[0], self.head_dim
+        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        roped = self.n_heads + self.n_kv_heads
+        qk = apply_rope(qkv[:, : roped * d].view(n, roped, d), cos, sin)
+        return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, roped * d :].view(n, self.n_kv_heads, d)
+
+    def _mlp_and_out(self, w: LayerWeights, x: Tensor, attn_out: Tensor) -> Tensor:
+        """Residual add of the projected attention output [N, heads*d], then the MLP block."""
+        out = self._all_reduce(F.linear(attn_out, w.o_proj))
+        x = x + (out if w.o_bias is None else out + w.o_bias)
+        h = self._norm(x, w.post_norm)
+        gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        down = self._all_reduce(F.linear(F.silu(gate) * up, w.down))
+        return x + (down if w.down_bias is None else down + w.down_bias)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Tensor:
         if self.n_kv_heads != self.n_heads:
@@ -270,15 +333,15 @@ class FunctionalForward(ABC):
         ids = input_ids.reshape(-1) if pack.flat_index is None else input_ids.reshape(-1)[pack.flat_index]
         x = self._embed(ids)
         cos, sin = self.rope_tables(pack.positions, x.dtype)
-        for i in range(self.n_layers):
-            q, k, v = self._qkv(i, x, cos, sin)
+        for w in self._layer_weights():
+            q, k, v = self._qkv(w, x, cos, sin)
             kp, vp = pack.pad(k), pack.pad(v)  # [B, L, kv_heads, d]
             if kv_out is not None:
                 kv_out.append((kp.transpose(1, 2).contiguous(), vp.transpose(1, 2).contiguous()))
             # Right padding + causal mask: a real query only ever sees real keys before it.
             out = self._sdpa(pack.pad(q).transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2), is_causal=True)
             attn_out = pack.unpad(out.transpose(1, 2)).reshape(-1, self.n_heads * self.head_dim)
-            x = self._mlp_and_out(i, x, attn_out)
+            x = self._mlp_and_out(w, x, attn_out)
         return x, pack
 
     # --- one new token per row (decoding) ------------------------------------------------------
@@ -287,6 +350,13 @@ class FunctionalForward(ABC):
 
         ``token_ids`` [B], ``positions`` [B] their RoPE positions (prompt length + step). The
         cache holds generated columns 0..step-1; this call writes column ``step``.
+
+        Each row's query meets its prompt's keys (kept once per prompt) and its own generated
+        keys. The prompt part is one matmul per prompt over the queries of all its rows, so rows
+        are grouped by prompt around it: with views when the cache's rows are ``regular`` (each
+        prompt's rows side by side, the usual GRPO batch until finished rows are dropped), else by
+        a scatter and a gather. Rows then stay shaped ``row_shape`` ([U, n] or [B]) until the
+        attention output.
         """
         batch = token_ids.shape[0]
         n_prompts = cache.prompt_mask.shape[0]
@@ -296,43 +366,52 @@ class FunctionalForward(ABC):
         x = self._embed(token_ids)
         cos, sin = self.rope_tables(positions, x.dtype)
         p_len = cache.prompt_mask.shape[1]
-        # Additive mask [B, 1, 1, Lp + step + 1]: the row's prompt padding is -inf, its tokens 0.
-        mask = torch.cat(
-            [cache.prompt_mask.index_select(0, cache.row_prompt), cache.prompt_mask.new_zeros(batch, step + 1)], dim=1
-        ).view(batch, 1, 1, -1)
+        row_shape = (n_prompts, width) if cache.regular else (batch,)
+        mask = cache.row_mask[:, : p_len + step + 1].view(*row_shape, 1, 1, -1)  # [rows, 1, 1, Lp + step + 1]
         where = (cache.row_prompt, cache.group_slot)
         scale = d**-0.5
 
         def by_prompt(t: Tensor) -> Tensor:
-            """[B, kvh, rep, n] -> [U, kvh, width*rep, n]: each prompt's rows side by side."""
+            """[*row_shape, kvh, rep, n] -> [U, kvh, width*rep, n]: each prompt's rows side by side."""
+            if cache.regular:
+                return t.transpose(1, 2).reshape(n_prompts, kvh, width * rep, t.shape[-1])
             grouped = t.new_zeros(n_prompts, width, kvh, rep, t.shape[-1])
             grouped[where] = t
             return grouped.permute(0, 2, 1, 3, 4).reshape(n_prompts, kvh, width * rep, t.shape[-1])
 
         def by_row(t: Tensor) -> Tensor:
-            """Inverse of by_prompt."""
-            return t.view(n_prompts, kvh, width, rep, t.shape[-1]).permute(0, 2, 1, 3, 4)[where]
+            """Inverse of by_prompt (a view when regular)."""
+            grouped = t.view(n_prompts, kvh, width, rep, t.shape[-1]).permute(0, 2, 1, 3, 4)
+            return grouped if cache.regular else grouped[where]
 
-        for i in range(self.n_layers):
-            q, k, v = self._qkv(i, x, cos, sin)
+        for i, w in enumerate(self._layer_weights()):
+            q, k, v = self._qkv(w, x, cos, sin)
             gen_k, gen_v = cache.gen_keys[i][:batch], cache.gen_values[i][:batch]
             gen_k[:, :, step] = k
             gen_v[:, :, step] = v
-            gen_k, gen_v = gen_k[:, :, : step + 1], gen_v[:, :, : step + 1]
+            gen_k = gen_k[:, :, : step + 1].view(*row_shape, kvh, step + 1, d)
+            gen_v = gen_v[:, :, : step + 1].view(*row_shape, kvh, step + 1, d)
             # Query heads grouped per kv head (GQA without repeating keys); plain matmuls, not
             # the SDPA kernel, which is slower for one query per row.
-            q = q.view(batch, kvh, rep, d)
+            q = q.view(*row_shape, kvh, rep, d)
             s_prompt = by_row(torch.matmul(by_prompt(q), cache.prompt_keys[i].transpose(-1, -2)))
             s_gen = torch.matmul(q, gen_k.transpose(-1, -2))
-            p = torch.softmax(torch.cat([s_prompt, s_gen], dim=-1) * scale + mask, dim=-1)
+            p = torch.softmax(torch.add(mask, torch.cat([s_prompt, s_gen], dim=-1), alpha=scale), dim=-1)
             p_prompt, p_gen = p.split([p_len, step + 1], dim=-1)
             out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + torch.matmul(p_gen, gen_v)
-            x = self._mlp_and_out(i, x, out.reshape(batch, self.n_heads * d))
+            x = self._mlp_and_out(w, x, out.reshape(batch, self.n_heads * d))
         return self.logits(x)
 
 
 class FunctionalCausalLM(FunctionalForward):
-    """Forward passes for a Hugging Face Llama-family ``*ForCausalLM`` module, read in place."""
+    """Forward passes for a Hugging Face Llama-family ``*ForCausalLM`` module, read in place.
+
+    The fused ``qkv`` and ``gate_up`` weights are copies (built on first use, ~70 % of the
+    layers' parameters); every other weight is the module's own tensor. Each pass compares the
+    sources' storage and version counters with those of the copies and rebuilds them when a
+    parameter changed (an optimizer step, ``load_state_dict``), so the module's current weights
+    are always the ones used.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         reason = unsupported_reason(model)
@@ -345,11 +424,53 @@ class FunctionalCausalLM(FunctionalForward):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.hidden = config.hidden_size
         self.eps = config.rms_norm_eps
-        # The layer modules, not their parameters: a parameter updated in place (optimizer step,
-        # load_state_dict) is read by the next call.
-        self._layers: list[nn.Module] = list(model.model.layers)
-        self.n_layers = len(self._layers)
+        self._modules: list[nn.Module] = list(model.model.layers)
+        self.n_layers = len(self._modules)
         self._rotary = model.model.rotary_emb
+        self._fused: list[LayerWeights] = []
+        self._fused_from: list[tuple[int, int]] = []  # (data_ptr, version) of each copied source
+
+    def _fused_sources(self) -> list[Tensor]:
+        sources = []
+        for layer in self._modules:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                sources.append(linear.weight)
+                if linear.bias is not None:
+                    sources.append(linear.bias)
+        return sources
+
+    def _layer_weights(self) -> list[LayerWeights]:
+        stamp = [(t.data_ptr(), t._version) for t in self._fused_sources()]
+        if stamp != self._fused_from:
+            self._fused = [self._fuse(layer) for layer in self._modules]
+            self._fused_from = stamp
+        return self._fused
+
+    @staticmethod
+    def _fuse(layer: nn.Module) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def stack(*linears: nn.Linear, bias: bool) -> Tensor | None:
+            parts = [lin.bias if bias else lin.weight for lin in linears]
+            if bias and any(p is None for p in parts):
+                return None
+            return torch.cat([p.detach() for p in parts])
+
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        gate_up = (mlp.gate_proj, mlp.up_proj)
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            qkv=stack(*qkv, bias=False),  # type: ignore[arg-type]
+            qkv_bias=stack(*qkv, bias=True),
+            o_proj=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=stack(*gate_up, bias=False),  # type: ignore[arg-type]
+            gate_up_bias=stack(*gate_up, bias=True),
+            down=mlp.down_proj.weight,
+            down_bias=mlp.down_proj.bias,
+        )
 
     def _rope_frequencies(self) -> tuple[Tensor, float]:
         return self._rotary.inv_freq, float(getattr(self._rotary, "attention_scaling", 1.0))
@@ -358,26 +479,6 @@ class FunctionalCausalLM(FunctionalForward):
         embed = self.module.model.embed_tokens
         # padding_idx as nn.Embedding: the pad row gets no gradient, as in the HF forward.
         return F.embedding(ids, embed.weight, padding_idx=embed.padding_idx)
-
-    def _qkv(self, i: int, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        layer = self._layers[i]
-        attn = layer.self_attn
-        h = self._norm(x, layer.input_layernorm.weight)
-        n = h.shape[0]
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, self.n_heads, self.head_dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def _mlp_and_out(self, i: int, x: Tensor, attn_out: Tensor) -> Tensor:
-        layer = self._layers[i]
-        attn = layer.self_attn
-        x = x + F.linear(attn_out, attn.o_proj.weight, attn.o_proj.bias)
-        mlp = layer.mlp
-        h = self._norm(x, layer.post_attention_layernorm.weight)
-        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        return x + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
 
     def logits(self, hidden: Tensor) -> Tensor:
         model = self.module

@@ -58,29 +58,35 @@ def test_packed_forward_equals_hf_logits(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def test_cached_decoding_equals_hf_logits(model: torch.nn.Module) -> None:
+@pytest.mark.parametrize("row_prompt", [[1, 0, 2, 1, 1, 0], [0, 0, 1, 1, 2, 2]], ids=["any-order", "regular"])
+def test_cached_decoding_equals_hf_logits(model: torch.nn.Module, row_prompt: list[int]) -> None:
+    """Rows in any order (grouped by scatter) or side by side per prompt (grouped by views), before
+    and after finished rows leave; twice on one cache, with more columns than steps, so the
+    second call decodes over the value columns the first one left (read with probability 0)."""
     fn = FunctionalCausalLM(model)
     prompts = _rows(4, [2, 5, 3])
     ids, lens = _pad(prompts)
-    row_prompt = [1, 0, 2, 1, 1, 0]  # rows continue shared prompts, in any order
     steps = 5
     cache = KVCache(fn.n_layers, fn.n_kv_heads, fn.head_dim, dtype=torch.float32, device=torch.device("cpu"))
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-    fn.forward_packed(ids, lens, kv_out=kv)
-    cache.start(kv, lens, row_prompt, columns=steps)
-    seqs = [prompts[u].clone() for u in row_prompt]
-    nxt = torch.tensor([7, 8, 9, 10, 11, 12])
-    positions = lens[torch.tensor(row_prompt)]
-    for t in range(steps):
-        if t == 3:  # drop rows 1 and 4 (finished sequences leave the batch)
-            keep = [0, 2, 3, 5]
-            cache.select_rows(keep, columns=t)
-            seqs, nxt, positions = [seqs[k] for k in keep], nxt[keep], positions[keep]
-        logits = fn.decode_step(nxt, positions + t, cache, step=t)
-        seqs = [torch.cat([s, nxt[i : i + 1]]) for i, s in enumerate(seqs)]
-        expected = torch.stack([_hf_logits(model, s)[-1] for s in seqs])
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-5)
-        nxt = logits.argmax(-1)
+    for call in range(2):
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        fn.forward_packed(ids, lens, kv_out=kv)
+        cache.start(kv, lens, row_prompt, columns=20)
+        assert cache.regular == (row_prompt == sorted(row_prompt))
+        seqs = [prompts[u].clone() for u in row_prompt]
+        nxt = torch.tensor([7, 8, 9, 10, 11, 12]) + call
+        positions = lens[torch.tensor(row_prompt)]
+        for t in range(steps):
+            if t == 3:  # drop rows 1 and 4 (finished sequences leave the batch)
+                keep = [0, 2, 3, 5]
+                cache.select_rows(keep, columns=t)
+                assert not cache.regular  # prompts now have 1 or 2 rows
+                seqs, nxt, positions = [seqs[k] for k in keep], nxt[keep], positions[keep]
+            logits = fn.decode_step(nxt, positions + t, cache, step=t)
+            seqs = [torch.cat([s, nxt[i : i + 1]]) for i, s in enumerate(seqs)]
+            expected = torch.stack([_hf_logits(model, s)[-1] for s in seqs])
+            torch.testing.assert_close(logits, expected, atol=ATOL, rtol=1e-5)
+            nxt = logits.argmax(-1)
 
 
 @torch.no_grad()
@@ -88,10 +94,18 @@ def test_reads_parameters_in_place(model: torch.nn.Module) -> None:
     fn = FunctionalCausalLM(model)
     ids, lens = _pad(_rows(5, [4]))
     before = fn.logits(fn.forward_packed(ids, lens)[0])
-    model.model.layers[0].mlp.down_proj.weight.mul_(2.0)  # what an optimizer step does
-    after = fn.logits(fn.forward_packed(ids, lens)[0])
-    assert not torch.allclose(before, after)
-    torch.testing.assert_close(after, _hf_logits(model, ids[0]), atol=ATOL, rtol=1e-5)
+    # What an optimizer step does, to a weight read as it is and to two that the forward fuses
+    # (q|k|v and gate|up are copies, rebuilt when a source changed).
+    for weight in (model.model.layers[0].mlp.down_proj.weight, model.model.layers[1].self_attn.k_proj.weight,
+                   model.model.layers[0].mlp.up_proj.weight):
+        weight.mul_(2.0)
+        after = fn.logits(fn.forward_packed(ids, lens)[0])
+        assert not torch.allclose(before, after)
+        torch.testing.assert_close(after, _hf_logits(model, ids[0]), atol=ATOL, rtol=1e-5)
+        before = after
+    model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
+    torch.testing.assert_close(fn.logits(fn.forward_packed(ids, lens)[0]), _hf_logits(model, ids[0]), atol=ATOL,
+                               rtol=1e-5)
 
 
 def test_unsupported_architecture_is_named() -> None:
