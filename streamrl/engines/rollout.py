@@ -373,7 +373,6 @@ class TorchRolloutEngine(BatchedRolloutEngine):
         # any position and are checked against what they advertise by the pipeline instead.
         wpe = getattr(getattr(model, "base_model", None), "wpe", None)
         self.position_table: int | None = wpe.num_embeddings if isinstance(wpe, nn.Embedding) else None
-        self._functional: FunctionalCausalLM | None = None
 
     def _check(self, prompts: list[Tensor], max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
         super()._check(prompts, max_new_tokens, temperature, top_p, top_k)
@@ -401,7 +400,6 @@ class TorchRolloutEngine(BatchedRolloutEngine):
 
     def close(self) -> None:
         self.release_cache()
-        self._functional = None
 
     @property
     def generator_device(self) -> torch.device:
@@ -411,9 +409,8 @@ class TorchRolloutEngine(BatchedRolloutEngine):
         if not self.use_functional:
             return _HFDecoder(self.model)
         weight = self.model.get_input_embeddings().weight
-        if self._functional is None:  # kept across calls: it holds the fused weights of the current version
-            self._functional = FunctionalCausalLM(self.model)
-        return self._functional_decoder(self._functional, weight.dtype, weight.device)
+        # Built per call: it copies the fused projections from the module's weights of the moment.
+        return self._functional_decoder(FunctionalCausalLM(self.model), weight.dtype, weight.device)
 
     @contextmanager
     def _generation_scope(self) -> Iterator[None]:

@@ -7,8 +7,8 @@ one-token decoding steps over a :class:`KVCache` that keeps each distinct prompt
 CPU the Hugging Face forward spends most of its time in Python (mask construction, cache
 objects, output dataclasses); this one does the same maths with a few dozen torch ops per layer.
 
-:class:`FunctionalCausalLM` reads the Hugging Face module's own parameters on every call (no
-copies), so an optimizer step or ``load_state_dict`` on the module is seen by the next call.
+:class:`FunctionalCausalLM` reads the Hugging Face module's parameters when it is built (its fused
+projections are copies), so the rollout engine builds one per call.
 ``unsupported_reason`` says when a model needs the Hugging Face forward instead (a model type
 outside ``SUPPORTED_MODEL_TYPES``, or options such as a sliding window); the engines fall back to
 it. Equivalence with the HF logits is checked in ``tests/models/test_functional.py``.
@@ -404,13 +404,16 @@ class FunctionalForward(ABC):
 
 
 class FunctionalCausalLM(FunctionalForward):
-    """Forward passes for a Hugging Face Llama-family ``*ForCausalLM`` module, read in place.
+    """Forward passes for a Hugging Face Llama-family ``*ForCausalLM`` module.
 
-    The fused ``qkv`` and ``gate_up`` weights are copies (built on first use, ~70 % of the
-    layers' parameters); every other weight is the module's own tensor. Each pass compares the
-    sources' storage and version counters with those of the copies and rebuilds them when a
-    parameter changed (an optimizer step, ``load_state_dict``), so the module's current weights
-    are always the ones used.
+    A snapshot of the module's weights at construction: the fused ``qkv`` and ``gate_up`` are
+    copies (~70 % of the layers' parameters); the other weights are the module's tensors. Build one
+    per use (the rollout engine builds one per ``generate`` call, ~2 ms for W2's model): a weight
+    changed afterwards (an optimizer step, ``load_state_dict``, parameters rebound to other
+    storage) would reach only the tensors that are not copies. Why not track changes instead:
+    version counters do not see every change (a parameter rebound with ``.data`` to a view of a
+    buffer that is rewritten later keeps its counter), and a stale copy would sample from a mix of
+    two policies.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -424,28 +427,13 @@ class FunctionalCausalLM(FunctionalForward):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.hidden = config.hidden_size
         self.eps = config.rms_norm_eps
-        self._modules: list[nn.Module] = list(model.model.layers)
-        self.n_layers = len(self._modules)
+        self.n_layers = len(model.model.layers)
         self._rotary = model.model.rotary_emb
-        self._fused: list[LayerWeights] = []
-        self._fused_from: list[tuple[int, int]] = []  # (data_ptr, version) of each copied source
-
-    def _fused_sources(self) -> list[Tensor]:
-        sources = []
-        for layer in self._modules:
-            attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                sources.append(linear.weight)
-                if linear.bias is not None:
-                    sources.append(linear.bias)
-        return sources
+        with torch.no_grad():
+            self._layers = [self._fuse(layer) for layer in model.model.layers]
 
     def _layer_weights(self) -> list[LayerWeights]:
-        stamp = [(t.data_ptr(), t._version) for t in self._fused_sources()]
-        if stamp != self._fused_from:
-            self._fused = [self._fuse(layer) for layer in self._modules]
-            self._fused_from = stamp
-        return self._fused
+        return self._layers
 
     @staticmethod
     def _fuse(layer: nn.Module) -> LayerWeights:
@@ -455,7 +443,7 @@ class FunctionalCausalLM(FunctionalForward):
             parts = [lin.bias if bias else lin.weight for lin in linears]
             if bias and any(p is None for p in parts):
                 return None
-            return torch.cat([p.detach() for p in parts])
+            return torch.cat(parts)
 
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         gate_up = (mlp.gate_proj, mlp.up_proj)

@@ -90,22 +90,33 @@ def test_cached_decoding_equals_hf_logits(model: torch.nn.Module, row_prompt: li
 
 
 @torch.no_grad()
-def test_reads_parameters_in_place(model: torch.nn.Module) -> None:
-    fn = FunctionalCausalLM(model)
+def test_each_one_reads_the_weights_of_its_construction(model: torch.nn.Module) -> None:
+    """Updated in place (an optimizer step), through load_state_dict, or rebound with ``.data`` to
+    another tensor at the same address (what the colocated view engine does each call, where a
+    version counter sees nothing): a FunctionalCausalLM built afterwards computes with them."""
     ids, lens = _pad(_rows(5, [4]))
-    before = fn.logits(fn.forward_packed(ids, lens)[0])
-    # What an optimizer step does, to a weight read as it is and to two that the forward fuses
-    # (q|k|v and gate|up are copies, rebuilt when a source changed).
+
+    def logits() -> torch.Tensor:
+        fn = FunctionalCausalLM(model)
+        return fn.logits(fn.forward_packed(ids, lens)[0])
+
+    before = logits()
     for weight in (model.model.layers[0].mlp.down_proj.weight, model.model.layers[1].self_attn.k_proj.weight,
                    model.model.layers[0].mlp.up_proj.weight):
         weight.mul_(2.0)
-        after = fn.logits(fn.forward_packed(ids, lens)[0])
+        after = logits()
         assert not torch.allclose(before, after)
         torch.testing.assert_close(after, _hf_logits(model, ids[0]), atol=ATOL, rtol=1e-5)
         before = after
     model.load_state_dict({k: v * 0.5 for k, v in model.state_dict().items()})
-    torch.testing.assert_close(fn.logits(fn.forward_packed(ids, lens)[0]), _hf_logits(model, ids[0]), atol=ATOL,
-                               rtol=1e-5)
+    torch.testing.assert_close(logits(), _hf_logits(model, ids[0]), atol=ATOL, rtol=1e-5)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    buffer = q.detach().clone()
+    q.data = buffer
+    version = q._version
+    buffer.mul_(3.0)  # rewritten behind the parameter's back
+    assert q._version == version
+    torch.testing.assert_close(logits(), _hf_logits(model, ids[0]), atol=ATOL, rtol=1e-5)
 
 
 def test_unsupported_architecture_is_named() -> None:
