@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor, nn
 
+from streamrl.models.fused_norm import fuse_rms_norms
+
 if TYPE_CHECKING:
     from streamrl.engines.prefix_attention import SharedPrefixLayout
 
@@ -368,6 +370,7 @@ class ResponseForward:
         would be ``shared_prefix_min_width`` tokens wide or pad ``shared_prefix_min_padding`` tokens;
         otherwise one group per row with the dense mask (sdpa exactly)."""
         self.model, self.device, self.max_row_tokens = model, device, max_row_tokens
+        self.fused_norms = fuse_rms_norms(model)  # before the probes, so they check the forward that runs
         self.shared_prefix_min_width = shared_prefix_min_width
         self.shared_prefix_min_padding = shared_prefix_min_padding
         self.path: ForwardPath = "padded"
@@ -381,6 +384,8 @@ class ResponseForward:
             else:
                 why = "dense-mask attention (shared_prefix is off)"
             self.why = f"{self.why}; {why}"
+        if self.fused_norms:
+            self.why = f"{self.why}; {self.fused_norms} RMSNorm modules on torch's fused rms_norm"
         self.mask_dtype = attention_mask_dtype(model)
         self.keep_from_first = uses_logits_to_keep(model)
 
