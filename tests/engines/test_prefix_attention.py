@@ -25,6 +25,7 @@ from streamrl.engines.packing import (
     response_logits,
 )
 from streamrl.models.build import TinyModelSpec, build_model
+from tests.engines.conftest import encode
 from tests.engines.test_packing import (
     ATOL,
     CPU,
@@ -73,6 +74,34 @@ def test_gradients_equal_the_dense_mask(
 
     assert_same_gradients(any_model, responses, shared,
                           lambda m: _logprobs(m, "packed", prompts, responses, max_row_tokens=max_row_tokens))
+
+
+def _equal_groups(tok: PreTrainedTokenizerFast) -> tuple[list[Tensor], list[Tensor]]:
+    """Three prompts with three completions each, in group order (how GRPO's micro-batches arrive)."""
+    g = torch.Generator().manual_seed(11)
+    prompts = encode(tok, [text for text in ("12+34=", "7=", "123*456=") for _ in range(3)])
+    return prompts, [torch.randint(3, len(tok), (n,), generator=g) for n in (5, 2, 4, 3, 6, 3, 4, 4, 2)]
+
+
+def test_equal_groups_broadcast_their_prompt_keys(any_model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:
+    """Every prompt with as many completions, in order: each completion's prompt keys are a broadcast
+    (``completions_per_prompt``), not a gather; same logprobs and gradients as the dense mask."""
+    prompts, responses = _equal_groups(tok)
+    layout = packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True).shared_prefix
+    assert layout is not None and layout.completions_per_prompt == 3
+    for split in (packed_inputs(prompts, responses, CPU, mask_dtype=None, shared_prefix=True, max_row_tokens=9),
+                  packed_inputs(*_batch(tok), CPU, mask_dtype=None, shared_prefix=True)):
+        # groups split over rows, or of 4, 3 and 1 samples interleaved: gathered
+        assert split.shared_prefix is not None and split.shared_prefix.completions_per_prompt is None
+
+    def shared(m: torch.nn.Module) -> Tensor:
+        assert prefix_attention.enable(m)
+        return _logprobs(m, "packed", prompts, responses, shared_prefix=True)
+
+    with torch.no_grad():
+        torch.testing.assert_close(shared(copy.deepcopy(any_model).eval()), _alone(any_model.eval(), prompts, responses),
+                                   atol=ATOL, rtol=0)
+    assert_same_gradients(any_model, responses, shared, lambda m: _logprobs(m, "packed", prompts, responses))
 
 
 def test_the_layout_allows_exactly_what_the_dense_mask_allows(tok: PreTrainedTokenizerFast) -> None:
