@@ -207,7 +207,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     HF's formula is ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``;
     ``rope_tables`` returns ``sin`` with its first half negated, so the same value is
-    ``x * cos + [x2, x1] * sin``: three kernels instead of five (no ``neg``), exactly equal.
+    ``x * cos + [x2, x1] * sin``: three kernels instead of five (no ``neg``), equal up to float
+    rounding (``addcmul`` may fuse its multiply-add).
     """
     return torch.addcmul(x * cos, swap_halves(x), sin)
 
@@ -258,7 +259,7 @@ class FunctionalForward(ABC):
 
     @abstractmethod
     def _layer_weights(self) -> list[LayerWeights]:
-        """Every layer's weights in the fused layout, current as of this call (asked once per pass)."""
+        """Every layer's weights in the fused layout (asked once per pass)."""
 
     @abstractmethod
     def _embed(self, ids: Tensor) -> Tensor:
@@ -440,10 +441,13 @@ class FunctionalCausalLM(FunctionalForward):
         attn, mlp = layer.self_attn, layer.mlp
 
         def stack(*linears: nn.Linear, bias: bool) -> Tensor | None:
-            parts = [lin.bias if bias else lin.weight for lin in linears]
-            if bias and any(p is None for p in parts):
+            if not bias:
+                return torch.cat([lin.weight for lin in linears])
+            if all(lin.bias is None for lin in linears):
                 return None
-            return torch.cat(parts)
+            # a projection without a bias beside others with one adds zeros
+            return torch.cat([lin.weight.new_zeros(lin.out_features) if lin.bias is None else lin.bias
+                              for lin in linears])
 
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         gate_up = (mlp.gate_proj, mlp.up_proj)

@@ -124,3 +124,14 @@ def test_unsupported_architecture_is_named() -> None:
     assert "gpt2" in (unsupported_reason(gpt2) or "")
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         FunctionalCausalLM(gpt2)
+
+
+@torch.no_grad()
+def test_a_projection_without_a_bias_beside_biased_ones() -> None:
+    """q and v with a bias, k without (the fused q|k|v bias gets zeros for k): HF's logits."""
+    model = build_model(SPECS["qwen2"], build_char_tokenizer()).eval()
+    model.model.layers[0].self_attn.k_proj.bias = None
+    ids, lens = _pad(_rows(6, [7]))
+    fn = FunctionalCausalLM(model)
+    torch.testing.assert_close(fn.logits(fn.forward_packed(ids, lens)[0]), _hf_logits(model, ids[0]), atol=ATOL,
+                               rtol=1e-5)
