@@ -11,6 +11,7 @@ import math
 import statistics
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -74,6 +75,14 @@ def print_json_line(
     """The benchmark's last output line: one JSON object, flushed."""
     obj = {"name": name, "figures": figures, "baseline": baseline, "ratio": ratio, "target": target, **extra}
     print(json.dumps(_finite(obj), separators=(",", ":"), sort_keys=False), flush=True)
+
+
+def checkout_env(checkout: Path) -> dict[str, str]:
+    """The environment that makes a benchmark's child process import another checkout's streamrl
+    (``--against``): its root first on ``PYTHONPATH``; exits naming the path when it holds none."""
+    if not (checkout / "streamrl" / "__init__.py").is_file():
+        raise SystemExit(f"--against {checkout}: no streamrl package there; pass a checkout's root")
+    return {"PYTHONPATH": str(checkout.resolve())}
 
 
 def proc_status_mib(pid: int, field: str) -> float | None:

@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_spread, print_json_line, print_table, ratio, spread
+from _common import checkout_env, fmt_spread, print_json_line, print_table, ratio, spread
 from grpo_vs_trl import ROOT, streamrl_config
 
 # name -> (`streamrl run` overrides, environment the run starts with)
@@ -268,9 +268,7 @@ def main() -> None:
         return
     settings, base_name = SETTINGS, "fixed"
     if args.against is not None:
-        if not (args.against / "streamrl" / "__init__.py").is_file():
-            raise SystemExit(f"--against {args.against}: no streamrl package there; pass a checkout's root")
-        settings, base_name = {"against": ([], {"PYTHONPATH": str(args.against.resolve())}), "shared": ([], {})}, "against"
+        settings, base_name = {"against": ([], checkout_env(args.against)), "shared": ([], {})}, "against"
     workloads = ["W1", "W2"] if args.workload == "both" else [args.workload]
     cases = [(w, k) for w in workloads for k in (0, 1)]
     results: dict[str, list[dict[str, float]]] = {}

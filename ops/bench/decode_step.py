@@ -101,7 +101,7 @@ def main() -> None:
         return
     # Only in the parent: a child takes streamrl from its PYTHONPATH (--against's checkout).
     sys.path.insert(0, str(ROOT))
-    from ops.bench._common import fmt_spread, print_json_line, print_table, ratio, spread
+    from ops.bench._common import checkout_env, fmt_spread, print_json_line, print_table, ratio, spread
 
     shapes = args.shapes.split(",")
     unknown = set(shapes) - set(SHAPES)
@@ -109,9 +109,7 @@ def main() -> None:
         raise SystemExit(f"--shapes: unknown {sorted(unknown)}; choose from {sorted(SHAPES)}")
     here = {"PYTHONPATH": str(ROOT)}
     if args.against is not None:
-        if not (args.against / "streamrl" / "__init__.py").is_file():
-            raise SystemExit(f"--against {args.against}: no streamrl package there; pass a checkout's root")
-        base_env, base_hf, base_name = {"PYTHONPATH": str(args.against.resolve())}, False, "against"
+        base_env, base_hf, base_name = checkout_env(args.against), False, "against"
     else:
         base_env, base_hf, base_name = here, True, "hf_forward"
     ms: dict[tuple[str, str], list[float]] = {}
