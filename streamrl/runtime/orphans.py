@@ -81,12 +81,42 @@ def owner(d: Path) -> int | None:
         return None
 
 
+def remove_private_dir(d: Path) -> None:
+    """Remove the private directory ``d`` even while the run's other processes still use it.
+
+    The run's other workers stop at about the same moment, and one may still write into ``d`` by
+    its path (a trainer publishing its last version). A file landing in it during a plain
+    ``rmtree`` would leave the directory behind, its owner file possibly gone, so that no one
+    would ever remove it. So ``d`` is first renamed (atomically) to a fresh private name beside
+    it: a write by the old path then fails instead of landing. The owner file goes last, so a
+    removal cut short leaves a directory that the next run's :func:`remove_dead_owners` still
+    recognises."""
+    target = d
+    with contextlib.suppress(OSError):
+        fresh = Path(tempfile.mkdtemp(prefix="srl-", dir=d.parent))
+        try:
+            os.rename(d, fresh)  # onto the empty fresh directory: rename(2) replaces it
+            target = fresh
+        except OSError:  # d is already gone (another worker's removal), or not renameable
+            fresh.rmdir()
+    with contextlib.suppress(OSError):
+        for entry in target.iterdir():
+            if entry.name == OWNER_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        (target / OWNER_FILE).unlink(missing_ok=True)
+        target.rmdir()
+
+
 def remove_if_owner_is(dirs: list[str], pid: int) -> list[str]:
     """Remove those of ``dirs`` that launcher ``pid`` (gone) owned; returns what was removed."""
     removed = []
     for d in dict.fromkeys(dirs):  # scratch and shm are one directory where there is no /dev/shm
         if d and owner(Path(d)) == pid:
-            shutil.rmtree(d, ignore_errors=True)
+            remove_private_dir(Path(d))
             removed.append(d)
     return removed
 
@@ -100,7 +130,7 @@ def remove_dead_owners() -> list[Path]:
             for d in base.iterdir():
                 pid = owner(d)
                 if pid is not None and pid != os.getpid() and not process_alive(pid):
-                    shutil.rmtree(d, ignore_errors=True)
+                    remove_private_dir(d)
                     removed.append(d)
     if removed:
         log.info("removed the private directories of launchers that were killed: %s", removed)

@@ -140,6 +140,11 @@ class PolicyPublisher:
         self._tensors: list[torch.Tensor] = []
         self._pending: dict[bytes, _Pending] = {}  # by peer, oldest first: one waiting request each
         self.files_dir = shm_dir / policy_file.DIRECTORY if shm_dir is not None else None
+        if self.files_dir is not None:
+            # made once, here, while the run's directory exists; later writes never make it again
+            # (policy_file.allocate), so one landing after the run's directories were removed fails
+            # instead of leaving a directory that no one owns
+            self.files_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.writes_files = self.files_dir is not None  # false once the directory could not hold a version
         self._token = policy_file.new_token()
         self._file: tuple[str, int, list[WeightSlot]] | None = None  # the current version's (name, bytes, slots)

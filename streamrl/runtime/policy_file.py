@@ -88,8 +88,9 @@ def allocate(directory: Path, name: str, size: int, *, populate: bool = False) -
 
     Raises ``OSError`` where the directory cannot hold it (a container's small /dev/shm): the
     allocation fails here, where a write into a file that tmpfs cannot back would kill the
-    process with SIGBUS."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    process with SIGBUS; and ``FileNotFoundError`` where ``directory`` is gone. It is never made
+    here: a run's directories are removed while its last workers stop (runtime/orphans.py), and a
+    file written after that would make them again, with no owner to remove them."""
     fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, max(size, 1))  # mmap refuses an empty file

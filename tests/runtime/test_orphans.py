@@ -87,3 +87,27 @@ def test_start_up_removes_the_private_dirs_of_dead_launchers_only() -> None:
     finally:
         for d in (dead, live, plain):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_removed_private_dir_is_not_made_again_by_a_late_write() -> None:
+    """A worker removes its dead launcher's directory while another process still writes into it by
+    its path: the directory is renamed before it is emptied, so the late write fails instead of
+    landing in it (a file landing during a plain rmtree left /dev/shm/srl-* behind, owner file
+    gone). Nothing of it is left under its base, under any name."""
+    from streamrl.runtime import policy_file
+    from streamrl.runtime.orphans import make_private_dir, owner, remove_if_owner_is
+
+    d = Path(make_private_dir("/tmp"))
+    try:
+        (d / "policy").mkdir()
+        (d / "policy" / "v1.bin").write_bytes(b"x")
+        before = {p.name for p in Path("/tmp").iterdir()}
+        assert remove_if_owner_is([str(d)], os.getpid()) == [str(d)]
+        assert not d.exists()
+        with pytest.raises(FileNotFoundError):
+            policy_file.allocate(d / "policy", "v2.bin", 16)
+        assert not d.exists()
+        # the fresh name it was renamed to is gone too: no new directory of this process's in /tmp
+        assert not [p for p in Path("/tmp").iterdir() if p.name not in before and owner(p) == os.getpid()]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

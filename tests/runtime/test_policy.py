@@ -276,18 +276,23 @@ async def test_the_next_versions_file_is_allocated_ahead_and_close_removes_every
     v2 = _version_files(pub)
     assert len(v2) == 1 and v2[0].endswith("-v2.bin")
     assert (pub.files_dir / v2[0]).stat().st_ino == spare_inode  # the spare, renamed and filled
+    await _assert_served(pub, 2)
+    pub.close()
+    assert list(pub.files_dir.iterdir()) == []
+
+
+async def _assert_served(pub: PolicyPublisher, version: int) -> None:
+    """A fresh subscriber, served by ``pub`` for the call, fetches ``version`` bit for bit."""
     sub = _subscriber(pub)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(pub.serve)
-            _, got = await sub.fetch(have=0, need=2, timeout_s=10)
+            _, got = await sub.fetch(have=0, need=version, timeout_s=10)
             tg.cancel_scope.cancel()
         assert got is not None
-        _assert_bitwise_equal(got, _state(2))
+        _assert_bitwise_equal(got, _state(version))
     finally:
         sub.close()
-    pub.close()
-    assert list(pub.files_dir.iterdir()) == []
 
 
 async def test_a_write_into_received_weights_stays_in_that_process(file_publisher: PolicyPublisher) -> None:
@@ -380,3 +385,29 @@ anyio.run(main)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "0", "True", "[]"], out.stdout + out.stderr
     assert "its weights go over the socket" in out.stderr
+
+
+async def test_a_version_published_after_the_runs_shared_memory_was_removed_makes_no_directory_again(
+        tmp_path: Path) -> None:
+    """A killed launcher's workers remove its directories as they stop, while a trainer may still
+    publish (runtime/orphans.py). Its next version then goes over the socket: neither the version's
+    file nor the next one's spare makes the run's directory again, which no one would remove (no
+    owner file)."""
+    import shutil
+
+    shm = tmp_path / "shm"
+    pub = PolicyPublisher(f"ipc://{tmp_path}/weights", shm_dir=shm)
+    try:
+        await pub.publish(1, _state(1))
+        assert pub._spare_maker is not None
+        pub._spare_maker.join(timeout=10)
+        shutil.rmtree(shm)
+        pub._make_spare(1024)  # a spare allocated by its thread after the removal (the race it lost)
+        pub._spare_maker.join(timeout=10)
+        assert not shm.exists()
+        await pub.publish(2, _state(2))
+        assert not shm.exists() and not pub.writes_files
+        await _assert_served(pub, 2)  # over the socket
+    finally:
+        pub.close()
+    assert not shm.exists()
