@@ -10,7 +10,8 @@ import json
 import math
 import statistics
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,19 @@ def print_json_line(
     """The benchmark's last output line: one JSON object, flushed."""
     obj = {"name": name, "figures": figures, "baseline": baseline, "ratio": ratio, "target": target, **extra}
     print(json.dumps(_finite(obj), separators=(",", ":"), sort_keys=False), flush=True)
+
+
+def median_seconds(fn: Callable[[], object], calls: int, *, warmup: int) -> float:
+    """Wall seconds of the middle one (the upper of the two middle ones for an even count) of
+    ``calls`` timed calls of ``fn``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[calls // 2]
 
 
 def checkout_env(checkout: Path) -> dict[str, str]:

@@ -37,14 +37,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import checkout_env, fmt_spread, print_json_line, print_table, ratio, spread
+from _common import checkout_env, fmt_spread, median_seconds, print_json_line, print_table, ratio, spread
 from grpo_vs_trl import ROOT, streamrl_config
 
 # name -> (`streamrl run` overrides, environment the run starts with)
@@ -82,7 +81,6 @@ GRAIN_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 def layer_times(width: int, rows: int) -> dict[str, float]:
     """Median milliseconds of one decoder layer's train pass and decode pass, on 1 and 2 threads."""
-    import time
 
     import torch
     from transformers import Qwen2Config
@@ -112,14 +110,7 @@ def layer_times(width: int, rows: int) -> dict[str, float]:
     for name, fn in (("train", train), ("decode", decode)):
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for _ in range(2):
-                fn()
-            samples = []
-            for _ in range(15 if rows < 1024 else 7):
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-            times[f"{name}_{threads}"] = 1e3 * sorted(samples)[len(samples) // 2]
+            times[f"{name}_{threads}"] = 1e3 * median_seconds(fn, 15 if rows < 1024 else 7, warmup=2)
     return times
 
 
@@ -194,14 +185,7 @@ def event_loop_child(pinned: bool) -> None:
         x = torch.randn(1 << 20)
         for name, fn, n in (("adamw_ms", opt.step, 50), ("matmul_ms", lambda: a @ b, 50),
                             ("elementwise_ms", lambda: x.mul_(1.0001), 200)):
-            for _ in range(5):
-                fn()
-            samples = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-            times[name] = 1e3 * sorted(samples)[n // 2]
+            times[name] = 1e3 * median_seconds(fn, n, warmup=5)
 
     t = threading.Thread(target=compute)
     t.start()

@@ -38,17 +38,15 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ops.bench._common import print_json_line, print_table  # noqa: E402
+from ops.bench._common import median_seconds, print_json_line, print_table  # noqa: E402
 
 # The workloads' models and steps (ops/bench/grpo_vs_trl.py's W2, profile_steps.py's W3).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -66,18 +64,6 @@ VIEWS = {"aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten:
          "aten::chunk", "aten::unbind", "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh",
          "aten::resolve_conj", "aten::resolve_neg", "aten::result_type", "aten::_unsafe_view", "aten::to"}
 TRAIN_GROUPS = 8  # one train micro-batch: 8 groups (64 completions with 8 samples a prompt)
-
-
-def median_seconds(fn: Any, calls: int, *, warmup: int) -> float:
-    """Median wall seconds of ``calls`` calls of ``fn`` after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def machine_rates(calls: int = 30) -> dict[str, float]:
