@@ -99,6 +99,13 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Compute dtype of every stage. The trainer keeps float32 master weights and AdamW state and computes in "
         "this dtype (FSDP2 mixed precision, gradients reduced in float32, the loss's log-softmax in float32); "
         "generation and the reference run in it. float16 has no loss scaling: prefer bfloat16"))] = "float32"
+    matmul_precision: Annotated[Literal["highest", "high", "medium"], Meta(description=(
+        "Precision inside the float32 matmuls of every stage (torch.set_float32_matmul_precision), model.dtype "
+        "float32 only. highest: float32. high: TF32 where the hardware has it (NVIDIA Ampere and later). medium: "
+        "inputs rounded to bfloat16, accumulated in float32 (GPUs, and CPUs with AMX or AVX512-BF16 through "
+        "oneDNN: the linear layers 2-4x faster). Tensors, master weights and AdamW state stay float32, and "
+        "attention keeps highest. Below highest, logprobs differ across layouts (packed vs padded rows, R=2 vs "
+        "R=1) by the rounding, so runs are not bit-exact across them"))] = "highest"
     extra_chars: Annotated[str, Meta(description=(
         "Characters the built-in character tokenizer knows beyond digits, '+' and '=' (model.path unset)"))] = ""
 
@@ -586,6 +593,9 @@ def _check(cfg: RunConfig) -> list[str]:
         (bool(cfg.pipeline.strip()), "pipeline is empty; name a pipeline file, e.g. pipelines/grpo.yaml"),
         (cfg.model.path is None or bool(cfg.model.path.strip()),
          "model.path is empty; leave it out (null) to build model.tiny, or give a save_pretrained directory"),
+        (cfg.model.matmul_precision == "highest" or cfg.model.dtype == "float32",
+         f"model.matmul_precision {cfg.model.matmul_precision} lowers float32 matmuls, but model.dtype is "
+         f"{cfg.model.dtype}: its matmuls already compute in it; leave model.matmul_precision highest"),
     ]
     failed = [message for ok, message in rules if not ok]
     return failed + _check_output(cfg.output) + _check_extra_chars(cfg.model.extra_chars)

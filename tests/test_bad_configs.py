@@ -145,6 +145,11 @@ CASES: dict[str, Case] = {
                                         config={"model": {"path": "{model}", "extra_chars": "ab"}}),
     "extra-chars-repeated": Case(("model.extra_chars[1]", "appears twice", "list each character once"),
                                  config={"model": {"extra_chars": "aa"}}),
+    "matmul-precision-with-bfloat16": Case(("model.matmul_precision medium", "model.dtype is bfloat16",
+                                            "leave model.matmul_precision highest"),
+                                           config={"model": {"dtype": "bfloat16", "matmul_precision": "medium"}}),
+    "matmul-precision-unknown": Case(("model.matmul_precision", "'bf16'"),
+                                     overrides=("model.matmul_precision=bf16",)),
     # ---------------------------------------------------------------- algorithm values
     "temperature-zero": Case(("algo.temperature must be > 0",), overrides=("algo.temperature=0",)),
     "top-p-above-one": Case(("algo.top_p must be in (0, 1]", "got 1.5"), overrides=("algo.top_p=1.5",)),

@@ -22,6 +22,7 @@ minutes). Last line: one JSON object.
     python ops/bench/grpo_vs_trl.py                 # W1 and W2, 3 repetitions
     python ops/bench/grpo_vs_trl.py --workload W1 --reps 5
     python ops/bench/grpo_vs_trl.py --workload W2 --engines builtin,vllm   # W2 with each rollout engine
+    python ops/bench/grpo_vs_trl.py --workload W2 --streamrl-set model.matmul_precision=medium
 
 With --engines builtin,vllm, W2's streamrl side also runs with stages.generate.options.engine=vllm,
 in the python of the vLLM environment (--vllm-python, default .venv-vllm/bin/python, made by
@@ -97,10 +98,11 @@ def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str,
 
 
 def run_streamrl(workload: str, seed: int, staleness: int, tmp: Path, engine: str = "builtin",
-                 python: str = sys.executable) -> dict[str, Any]:
+                 python: str = sys.executable, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One streamrl run; ``overrides``: its command line's field overrides (``--streamrl-set``)."""
     cfg_path = tmp / f"{workload}-{engine}-k{staleness}-s{seed}.yaml"
     cfg_path.write_text(yaml.safe_dump(streamrl_config(workload, seed, staleness, str(tmp / "runs"), engine)))
-    proc = subprocess.run([python, "-m", "streamrl.cli", "run", str(cfg_path), "--print-result"],
+    proc = subprocess.run([python, "-m", "streamrl.cli", "run", str(cfg_path), *overrides, "--print-result"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"streamrl {workload} ({engine}) failed:\n{proc.stderr[-3000:]}")
@@ -174,7 +176,8 @@ def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace, tm
         for engine in engines:
             python_of_engine = sys.executable if engine == "builtin" else str(args.vllm_python)
             for k in (0, 1):
-                ours[(engine, k)].append(run_streamrl(workload, seed, k, tmp, engine, python_of_engine))
+                ours[(engine, k)].append(run_streamrl(workload, seed, k, tmp, engine, python_of_engine,
+                                                      tuple(args.streamrl_set)))
         print(f"{workload} repetition {seed + 1}/{args.reps} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     return ours, trl
 
@@ -218,6 +221,9 @@ def main() -> None:
                     help="W2's rollout engines, comma-separated: builtin, vllm (default: builtin)")
     ap.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python",
                     help="python of the vLLM environment (ops/vllm_env.sh makes it)")
+    ap.add_argument("--streamrl-set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a field override of every streamrl run (repeatable), e.g. model.matmul_precision=medium; "
+                         "the TRL side runs as it is")
     args = ap.parse_args()
     engines = tuple(e.strip() for e in args.engines.split(","))
     if set(engines) - {"builtin", "vllm"} or "builtin" not in engines:
@@ -302,7 +308,8 @@ def main() -> None:
         print_table(["measure", "median [min, max]"], rows)
         for k, v in ratios.items():
             print(f"ratio {k}: {v:.3f}" if isinstance(v, float) else f"ratio {k}: {v}")
-    print_json_line("grpo_vs_trl", figures, baseline, ratios, targets, reps=args.reps, trl=trl_side or None)
+    print_json_line("grpo_vs_trl", figures, baseline, ratios, targets, reps=args.reps, trl=trl_side or None,
+                    streamrl_set=args.streamrl_set or None)
 
 
 if __name__ == "__main__":

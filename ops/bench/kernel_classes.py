@@ -2,6 +2,7 @@
 
     python ops/bench/kernel_classes.py                   # W2's shapes, 2 threads
     python ops/bench/kernel_classes.py --shape w3 --threads 1
+    python ops/bench/kernel_classes.py --matmul-precision medium   # model.matmul_precision medium
 
 Measures, in one process:
 
@@ -195,11 +196,17 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="w2")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=7, help="timed calls of each phase (median), after 3 warm-up calls")
+    ap.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
+                    help="the phases' float32 matmul precision (model.matmul_precision); the machine's rates stay "
+                         "float32's")
     args = ap.parse_args()
     import torch
 
+    from streamrl.models.matmul_precision import apply
+
     torch.set_num_threads(args.threads)
     machine = machine_rates()
+    apply(args.matmul_precision)
     phases = measure(args.shape, args.calls)
     figures: dict[str, Any] = {}
     ratios: dict[str, float] = {}
@@ -229,12 +236,13 @@ def main() -> None:
                         f"{c['ms'] * 1e3 / max(c['calls'], 1):.1f} us each")
             rows.append([phase, name, f"{c['ms']:.1f}", f"{share:.2f}", rate])
         rows.append([phase, "(unprofiled call)", f"{result['ms']:.1f}", "", ""])
-    print(f"shape {args.shape}, {args.threads} threads; machine: fp32 matmul {machine['matmul_gflops']:.0f} "
+    print(f"shape {args.shape}, {args.threads} threads, matmul precision {args.matmul_precision}; machine: fp32 matmul {machine['matmul_gflops']:.0f} "
           f"GFLOP/s, copy_ {machine['cached_copy_gbps']:.0f} GB/s in L3 and {machine['copy_gbps']:.0f} GB/s from "
           f"memory; load average {os.getloadavg()[0]:.2f}")
     print_table(["phase", "class", "own ms (profiled)", "share", "rate"], rows)
     print_json_line("kernel_classes", figures, machine, ratios, {"note": "no target: a breakdown"},
-                    shape=args.shape, threads=args.threads, load_average=list(os.getloadavg()))
+                    shape=args.shape, threads=args.threads,
+                    matmul_precision=args.matmul_precision, load_average=list(os.getloadavg()))
 
 
 if __name__ == "__main__":

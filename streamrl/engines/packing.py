@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from streamrl.models.fused_norm import fuse_rms_norms
+from streamrl.models.matmul_precision import ieee_matmuls
 
 if TYPE_CHECKING:
     from streamrl.engines.prefix_attention import SharedPrefixLayout
@@ -300,7 +301,7 @@ def _packed_vs_padded(model: nn.Module, device: torch.device, *, shared_prefix: 
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), ieee_matmuls():  # the model's masks and positions, not the run's rounding
             out = {}
             for path in ("padded", "packed"):
                 inputs = model_inputs(path, prompt_ids, responses, device, mask_dtype=attention_mask_dtype(model),

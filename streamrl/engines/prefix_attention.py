@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from streamrl.models.matmul_precision import ieee_attention
+
 try:  # transformers' pluggable attention (4.53+); older versions keep the dense mask
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -134,7 +136,16 @@ def shared_prefix_attention(
     """transformers' attention signature: q [B, H, L, d], k/v [B, Hkv, L, d] -> out [B, L, H, d].
 
     Without a layout this is ``sdpa`` exactly. With one, the mask is not read (the packing passes a
-    placeholder); a sliding window, whose band the layout does not encode, is refused."""
+    placeholder); a sliding window, whose band the layout does not encode, is refused. Its matmuls
+    run at full float32 precision whatever the run's ``model.matmul_precision``
+    (:func:`streamrl.models.matmul_precision.ieee_attention`)."""
+    return ieee_attention(lambda q, k, v: _attention(module, q, k, v, attention_mask, dropout, scaling, shared_prefix,
+                                                     **kwargs), query, key, value)
+
+
+def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+               dropout: float, scaling: float | None, shared_prefix: SharedPrefixLayout | None,
+               **kwargs: object) -> tuple[Tensor, None]:
     if shared_prefix is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

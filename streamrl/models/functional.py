@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from streamrl.models.matmul_precision import ieee_attention, ieee_matmuls
 from streamrl.reshard.spec import SUPPORTED_MODEL_TYPES
 
 # RoPE variants whose inverse frequencies do not depend on the sequence length (static tables).
@@ -313,7 +314,7 @@ class FunctionalForward(ABC):
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+        return ieee_attention(F.scaled_dot_product_attention, q, k, v, **kwargs)
 
     # --- whole sequences (prefill) -------------------------------------------------
     def forward_packed(
@@ -395,11 +396,12 @@ class FunctionalForward(ABC):
             # Query heads grouped per kv head (GQA without repeating keys); plain matmuls, not
             # the SDPA kernel, which is slower for one query per row.
             q = q.view(*row_shape, kvh, rep, d)
-            s_prompt = by_row(torch.matmul(by_prompt(q), cache.prompt_keys[i].transpose(-1, -2)))
-            s_gen = torch.matmul(q, gen_k.transpose(-1, -2))
-            p = torch.softmax(torch.add(mask, torch.cat([s_prompt, s_gen], dim=-1), alpha=scale), dim=-1)
-            p_prompt, p_gen = p.split([p_len, step + 1], dim=-1)
-            out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + torch.matmul(p_gen, gen_v)
+            with ieee_matmuls():  # one query per row: too small for a lowered matmul precision's path
+                s_prompt = by_row(torch.matmul(by_prompt(q), cache.prompt_keys[i].transpose(-1, -2)))
+                s_gen = torch.matmul(q, gen_k.transpose(-1, -2))
+                p = torch.softmax(torch.add(mask, torch.cat([s_prompt, s_gen], dim=-1), alpha=scale), dim=-1)
+                p_prompt, p_gen = p.split([p_len, step + 1], dim=-1)
+                out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + torch.matmul(p_gen, gen_v)
             x = self._mlp_and_out(w, x, out.reshape(batch, self.n_heads * d))
         return self.logits(x)
 

@@ -56,10 +56,13 @@ def build_policy(cfg: RunConfig, device: str, *, for_training: bool = False
 
     In ``model.dtype``, except for training (``for_training``): the trainer keeps float32 master
     weights and computes in ``model.dtype`` through FSDP2's mixed precision. A lower dtype is a
-    cast of the same float32 weights, so every stage still starts from the same version 0.
+    cast of the same float32 weights, so every stage still starts from the same version 0. Sets
+    the process's float32 matmul precision (``model.matmul_precision``) first.
     """
+    from streamrl.models import matmul_precision
     from streamrl.models.build import build_model, load_model
 
+    matmul_precision.apply(cfg.model.matmul_precision)  # this process's, for every stage it runs
     tokenizer = build_tokenizer(cfg)
     if cfg.model.path is not None:
         model = load_model(str(resolve_model_dir(cfg)), dtype=torch.float32, device=device)

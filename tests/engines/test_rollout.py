@@ -11,6 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.rollout import GenerateArgumentError, TorchRolloutEngine, sample_tokens
 from streamrl.models.build import TinyModelSpec, build_model
+from streamrl.models.matmul_precision import apply as apply_precision
 from tests.engines.conftest import TINY, constant_model, encode
 
 PROMPTS = ["1+2+3=", "45=", "9=", "1+2+3=", "7777777=", "45="]
@@ -79,6 +80,23 @@ def test_logprobs_equal_the_logprob_engine_recomputation(
             logits = model(torch.cat([p, g.response_ids]).unsqueeze(0)).logits[0, len(p) - 1 : -1]
             expected = torch.log_softmax(logits / temperature, -1).gather(1, g.response_ids.unsqueeze(1)).squeeze(1)
             torch.testing.assert_close(g.logprobs, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lowered_matmul_precision_samples_the_same_policy(model: torch.nn.Module,
+                                                            tok: PreTrainedTokenizerFast) -> None:
+    """model.matmul_precision medium: the decode step's linear layers round their inputs to bfloat16,
+    its attention over the cache does not; logprobs stay those of the float32 policy within that
+    rounding, and the run's precision is left as it was."""
+    prompts = encode(tok, PROMPTS * 2)
+    apply_precision("medium")
+    try:
+        gens = _engine(model, tok, use_functional=True).generate(prompts, max_new_tokens=10, seed=2)
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        apply_precision("highest")
+    recomputed = LogprobEngine(model, device="cpu").logprobs(prompts, [g.response_ids for g in gens])
+    for g, r in zip(gens, recomputed, strict=True):
+        torch.testing.assert_close(g.logprobs, r, atol=0.05, rtol=0)  # bfloat16 inputs: ~3 significant digits
 
 
 def test_seed_makes_generation_reproducible(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:

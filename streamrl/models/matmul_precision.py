@@ -1,0 +1,98 @@
+"""float32 matmul precision: a run may lower it for the linear layers, never for attention.
+
+``model.matmul_precision`` is torch's ``set_float32_matmul_precision``, applied in every stage
+process. ``highest`` (the default) computes float32 matmuls in float32. ``high`` lets them use
+TF32 where the hardware has it (NVIDIA Ampere and later); ``medium`` lets them round their
+inputs to bfloat16 (AMX or AVX512-BF16 CPUs through oneDNN, and the GPUs), accumulating in
+float32 either way. Tensors stay float32: only each product's inputs are rounded, as a TF32
+GPU run does.
+
+Attention keeps full precision. On CPUs the lowered precision reaches SDPA's flash kernel
+and the decode step's one-query matmuls, whose blocks are too small for the bfloat16 path:
+there it is several times slower (SDPA forward and backward 7.5x at W2's shapes), where the
+linear layers are 2-4x faster. :func:`ieee_attention` runs an attention call, forward and
+backward, at ``highest`` and leaves the rest of the model at the run's precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+MatmulPrecision = Literal["highest", "high", "medium"]
+
+
+def apply(precision: MatmulPrecision) -> None:
+    """Set this process's float32 matmul precision (a stage process calls it once, at start)."""
+    torch.set_float32_matmul_precision(precision)
+
+
+@contextlib.contextmanager
+def ieee_matmuls() -> Iterator[None]:
+    """float32 matmuls at full precision inside the block, the process's precision after it."""
+    before = torch.get_float32_matmul_precision()
+    if before == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class _RestoreInBackward(torch.autograd.Function):
+    """Identity on an attention's inputs: its backward runs right after the attention's, and
+    sets back the precision the forward ran the rest of the model at."""
+
+    @staticmethod
+    def forward(ctx: Any, precision: str, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.precision = precision
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        torch.set_float32_matmul_precision(ctx.precision)
+        return (None, *grads)
+
+
+class _IeeeInBackward(torch.autograd.Function):
+    """Identity on an attention's output: its backward runs right before the attention's, and
+    sets full precision for it."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        torch.set_float32_matmul_precision("highest")
+        return grad
+
+
+def ieee_attention(attention: Callable[..., Any], query: Tensor, key: Tensor, value: Tensor,
+                   *args: Any, **kwargs: Any) -> Any:
+    """``attention(query, key, value, *args, **kwargs)`` with its matmuls at full precision, in
+    the forward and, where autograd records it, in the backward; the first output (or the output)
+    is the attention's result, as transformers' attention functions and SDPA return it.
+
+    Why markers and not a context in the backward: autograd runs the backward later, outside any
+    block of the forward. The autograd engine runs a CPU graph's nodes in one thread, latest-made
+    first, so the attention's nodes run between the two markers' backwards."""
+    precision = torch.get_float32_matmul_precision()
+    if precision == "highest":
+        return attention(query, key, value, *args, **kwargs)
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    with ieee_matmuls():
+        if recorded:
+            query, key, value = _RestoreInBackward.apply(precision, query, key, value)
+        out = attention(query, key, value, *args, **kwargs)
+    if not recorded:
+        return out
+    if isinstance(out, tuple):
+        return (_IeeeInBackward.apply(out[0]), *out[1:])
+    return _IeeeInBackward.apply(out)

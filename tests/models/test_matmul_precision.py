@@ -1,0 +1,103 @@
+"""A lowered float32 matmul precision reaches the linear layers, never attention, forward and backward."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from streamrl.models.matmul_precision import apply, ieee_attention, ieee_matmuls
+
+
+@pytest.fixture
+def medium() -> Iterator[None]:
+    apply("medium")
+    try:
+        yield
+    finally:
+        apply("highest")
+
+
+class _Spy(torch.autograd.Function):
+    """Identity that records the float32 matmul precision its forward and its backward ran at."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seen: list[str], tag: str) -> Tensor:
+        ctx.seen, ctx.tag = seen, tag
+        seen.append(f"{tag} forward {torch.get_float32_matmul_precision()}")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        ctx.seen.append(f"{ctx.tag} backward {torch.get_float32_matmul_precision()}")
+        return grad, None, None
+
+
+def _qkv(seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, 4, 6, 8, generator=g, requires_grad=True) for _ in range(3))  # type: ignore[return-value]
+
+
+def _grads(attention_call: Any) -> tuple[Tensor, list[Tensor]]:
+    q, k, v = _qkv()
+    out = attention_call(q, k, v)
+    out = out[0] if isinstance(out, tuple) else out
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), [t.grad for t in (q, k, v)]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("as_tuple", [False, True], ids=["tensor", "transformers-tuple"])
+def test_attention_runs_at_full_precision_forward_and_backward(medium: None, as_tuple: bool) -> None:
+    seen: list[str] = []
+
+    def attention(q: Tensor, k: Tensor, v: Tensor) -> Any:
+        out = F.scaled_dot_product_attention(_Spy.apply(q, seen, "attention"), k, v, is_causal=True)
+        return (out, None) if as_tuple else out
+
+    out, grads = _grads(lambda q, k, v: ieee_attention(attention, q, k, v))
+    assert seen == ["attention forward highest", "attention backward highest"]
+    assert torch.get_float32_matmul_precision() == "medium"  # the run's, once the backward is through
+    apply("highest")
+    want_out, want_grads = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert torch.equal(out, want_out)  # the same kernels at the same precision: bit for bit
+    for got, want in zip(grads, want_grads, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_layers_around_attention_keep_the_runs_precision(medium: None) -> None:
+    seen: list[str] = []
+    x = torch.randn(6, 8, requires_grad=True)
+    w_in, w_out = torch.randn(24, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    qkv = F.linear(_Spy.apply(x, seen, "in"), w_in).view(1, 6, 3, 8).permute(2, 0, 1, 3)
+    out = ieee_attention(lambda q, k, v: F.scaled_dot_product_attention(_Spy.apply(q, seen, "attention"), k, v),
+                         qkv[0], qkv[1], qkv[2])
+    F.linear(_Spy.apply(out.reshape(6, 8), seen, "out"), w_out).sum().backward()
+    assert seen == ["in forward medium", "attention forward highest", "out forward medium",
+                    "out backward medium", "attention backward highest", "in backward medium"]
+    assert torch.get_float32_matmul_precision() == "medium"
+
+
+def test_at_highest_the_attention_is_called_as_it_is() -> None:
+    q, k, v = _qkv()
+    out = ieee_attention(F.scaled_dot_product_attention, q, k, v)
+    assert "ScaledDotProduct" in type(out.grad_fn).__name__  # no marker around it
+
+
+def test_without_autograd_only_the_forward_is_switched(medium: None) -> None:
+    seen: list[str] = []
+    with torch.no_grad():
+        ieee_attention(lambda q, k, v: F.scaled_dot_product_attention(_Spy.apply(q, seen, "attention"), k, v),
+                       *_qkv())
+    assert seen == ["attention forward highest"]
+    assert torch.get_float32_matmul_precision() == "medium"
+
+
+def test_ieee_matmuls_sets_back_the_precision_after_an_error(medium: None) -> None:
+    with pytest.raises(RuntimeError, match="inside"), ieee_matmuls():
+        assert torch.get_float32_matmul_precision() == "highest"
+        raise RuntimeError("inside")
+    assert torch.get_float32_matmul_precision() == "medium"
