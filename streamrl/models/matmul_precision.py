@@ -17,6 +17,7 @@ backward, at ``highest`` and leaves the rest of the model at the run's precision
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -25,39 +26,52 @@ from torch import Tensor
 
 MatmulPrecision = Literal["highest", "high", "medium"]
 
+# The process's precision, as apply() set it: what every block below returns to. Not the
+# precision found on entry: torch's setting is one per process, and two threads computing at once
+# (colocated stages) would otherwise each restore what the other had set, and could leave the
+# process at highest for the rest of the run.
+_process_precision: str = "highest"
+
 
 def apply(precision: MatmulPrecision) -> None:
     """Set this process's float32 matmul precision (a stage process calls it once, at start)."""
+    global _process_precision
+    _process_precision = precision
     torch.set_float32_matmul_precision(precision)
+
+
+_inside = threading.local()  # .depth: this thread's open ieee_matmuls blocks (a block nests in another)
 
 
 @contextlib.contextmanager
 def ieee_matmuls() -> Iterator[None]:
-    """float32 matmuls at full precision inside the block, the process's precision after it."""
-    before = torch.get_float32_matmul_precision()
-    if before == "highest":
+    """float32 matmuls at full precision inside the block, the process's precision after it (after
+    the outermost block, where blocks nest)."""
+    depth = getattr(_inside, "depth", 0)
+    if _process_precision == "highest" or depth:
         yield
         return
+    _inside.depth = 1
     torch.set_float32_matmul_precision("highest")
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        _inside.depth = 0
+        torch.set_float32_matmul_precision(_process_precision)
 
 
 class _RestoreInBackward(torch.autograd.Function):
     """Identity on an attention's inputs: its backward runs right after the attention's, and
-    sets back the precision the forward ran the rest of the model at."""
+    sets back the process's precision."""
 
     @staticmethod
-    def forward(ctx: Any, precision: str, *tensors: Tensor) -> tuple[Tensor, ...]:
-        ctx.precision = precision
+    def forward(ctx: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        torch.set_float32_matmul_precision(ctx.precision)
-        return (None, *grads)
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:
+        torch.set_float32_matmul_precision(_process_precision)
+        return grads
 
 
 class _IeeeInBackward(torch.autograd.Function):
@@ -83,13 +97,12 @@ def ieee_attention(attention: Callable[..., Any], query: Tensor, key: Tensor, va
     Why markers and not a context in the backward: autograd runs the backward later, outside any
     block of the forward. The autograd engine runs a CPU graph's nodes in one thread, latest-made
     first, so the attention's nodes run between the two markers' backwards."""
-    precision = torch.get_float32_matmul_precision()
-    if precision == "highest":
+    if _process_precision == "highest":
         return attention(query, key, value, *args, **kwargs)
     recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     with ieee_matmuls():
         if recorded:
-            query, key, value = _RestoreInBackward.apply(precision, query, key, value)
+            query, key, value = _RestoreInBackward.apply(query, key, value)
         out = attention(query, key, value, *args, **kwargs)
     if not recorded:
         return out

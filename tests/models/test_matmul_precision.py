@@ -101,3 +101,19 @@ def test_ieee_matmuls_sets_back_the_precision_after_an_error(medium: None) -> No
         assert torch.get_float32_matmul_precision() == "highest"
         raise RuntimeError("inside")
     assert torch.get_float32_matmul_precision() == "medium"
+
+
+def test_a_nested_block_leaves_the_outer_one_at_full_precision(medium: None) -> None:
+    with ieee_matmuls():
+        with ieee_matmuls():
+            pass
+        assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.get_float32_matmul_precision() == "medium"
+
+
+def test_a_block_sets_back_the_processs_precision_not_the_one_it_found(medium: None) -> None:
+    """torch's setting is one per process: a block that found another thread's highest must not keep it."""
+    torch.set_float32_matmul_precision("highest")  # as another thread's open block would have it
+    with ieee_matmuls():
+        pass
+    assert torch.get_float32_matmul_precision() == "medium"
