@@ -24,6 +24,7 @@ sizes (4, 8, 16 prompts x 8 completions), STEPS steps each, seed 0. Figures per 
     python ops/bench/cost_growth.py                   # the whole grid, both sides
     python ops/bench/cost_growth.py --sizes 3M,25M --batches 64 --skip-trl
     python ops/bench/cost_growth.py --skip-trl --mmap-threshold 1048576   # the trainer's option of that name
+    python ops/bench/cost_growth.py --sizes 3M,25M --batches 64 --streamrl-set model.matmul_precision=medium
 
 Last line: one JSON object (every cell's figures; ratio = streamrl / TRL completions/s).
 """
@@ -121,7 +122,9 @@ class PeakWatch:
                         self.peak[role] = max(self.peak.get(role, 0.0), mib)
 
 
-def run_streamrl(size: str, batch: int, tmp: Path, mmap_threshold: int | None = None) -> dict[str, Any]:
+def run_streamrl(size: str, batch: int, tmp: Path, mmap_threshold: int | None = None,
+                 overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One cell's streamrl run; ``overrides``: its command line's field overrides (``--streamrl-set``)."""
     cfg = streamrl_config("W2", 0, 0, str(tmp / "runs"))
     if mmap_threshold is not None:
         cfg["stages"] = {"train": {"options": {"mmap_threshold_bytes": mmap_threshold}}}
@@ -133,7 +136,7 @@ def run_streamrl(size: str, batch: int, tmp: Path, mmap_threshold: int | None = 
     path = tmp / f"cost-{size}-{batch}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with PeakWatch(tmp / "runs") as watch:
-        proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "run", str(path), "--print-result"],
+        proc = subprocess.run([sys.executable, "-m", "streamrl.cli", "run", str(path), *overrides, "--print-result"],
                               capture_output=True, text=True, timeout=1800, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"streamrl {size} x {batch} failed:\n{proc.stderr[-3000:]}")
@@ -169,6 +172,9 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(SIZES))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--streamrl-set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a field override of every streamrl run (repeatable), e.g. model.matmul_precision=medium; "
+                         "the TRL side runs as it is")
     ap.add_argument("--mmap-threshold", type=int, default=None,
                     help="bytes: the train stage's options.mmap_threshold_bytes (default: unset, glibc's own)")
     ap.add_argument("--trl-venv", type=Path, default=DEFAULT_TRL_VENV)
@@ -186,7 +192,7 @@ def main() -> None:
             params = params_of(size)
             hidden, layers = SIZES[size]
             for batch in batches:
-                ours = run_streamrl(size, batch, tmp, args.mmap_threshold)
+                ours = run_streamrl(size, batch, tmp, args.mmap_threshold, tuple(args.streamrl_set))
                 theirs = run_trl(python, size, batch) if python is not None else None
                 useful = 8 * params * ours["sequence_tokens"] / ours["train_s"] / 1e9
                 peaks = ours["peak_rss_mib"]
@@ -214,7 +220,8 @@ def main() -> None:
     print_table(["model", "batch", "streamrl c/s", "TRL c/s", "ratio", "ceiling frac", "streamrl peak RSS MiB",
                  "TRL RSS MiB", "trainer estimate MiB (peak/est)"], table)
     print_json_line("cost_growth", {"cells": cells, "ceiling_gflops": ceiling,
-                                    "train_mmap_threshold_bytes": args.mmap_threshold}, baseline={"side": "TRL GRPOTrainer"},
+                                    "train_mmap_threshold_bytes": args.mmap_threshold,
+                                    "streamrl_set": args.streamrl_set or None}, baseline={"side": "TRL GRPOTrainer"},
                     ratio={k: v.get("ratio") for k, v in cells.items()},
                     target={"trainer_over_estimate": "<= 1.3", "ratio": ">= 1.8 at k=0"})
 
