@@ -183,6 +183,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="model init, prompts, sampling and data order")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
+                   help="torch.set_float32_matmul_precision (streamrl's model.matmul_precision, here for the whole "
+                        "model, attention included)")
     p.add_argument("--hidden", type=_positive_int, default=128)
     p.add_argument("--layers", type=_positive_int, default=2)
     p.add_argument("--heads", type=_positive_int, default=4)
@@ -342,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision(args.matmul_precision)
     hf_logging.disable_progress_bar()  # the save/load bars of the init weights would clutter the log
     tag = args.tag or f"{args.task}_seed{args.seed}_{time.strftime('%Y%m%d-%H%M%S')}"
     out = args.out or Path(tempfile.gettempdir()) / "streamrl-trl-runs" / tag
