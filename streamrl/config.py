@@ -87,6 +87,10 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {text}"
 
 
+# torch.set_float32_matmul_precision's settings (streamrl.models.matmul_precision applies them)
+MatmulPrecision = Literal["highest", "high", "medium"]
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The policy model: a pretrained directory, or a tiny model built from ``tiny``."""
 
@@ -99,7 +103,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Compute dtype of every stage. The trainer keeps float32 master weights and AdamW state and computes in "
         "this dtype (FSDP2 mixed precision, gradients reduced in float32, the loss's log-softmax in float32); "
         "generation and the reference run in it. float16 has no loss scaling: prefer bfloat16"))] = "float32"
-    matmul_precision: Annotated[Literal["highest", "high", "medium"], Meta(description=(
+    matmul_precision: Annotated[MatmulPrecision, Meta(description=(
         "Precision inside the float32 matmuls of every stage (torch.set_float32_matmul_precision), model.dtype "
         "float32 only. highest: float32. high: TF32 where the hardware has it (NVIDIA Ampere and later). medium: "
         "inputs rounded to bfloat16, accumulated in float32 (GPUs, and CPUs with AMX or AVX512-BF16 through "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,3 +39,23 @@ def single_trainer_digits(tmp_path_factory: pytest.TempPathFactory) -> RunResult
     return streamrl.run(REPO / "configs" / "grpo_digits.yaml", [
         f"output.run_dir={run_dir}", "output.progress=none", "output.tensorboard=false", "output.plot=false",
         f"algo.steps={SINGLE_BUDGET}"])
+
+
+@pytest.fixture
+def matmul_precision_restored() -> Iterator[None]:
+    """The process's float32 matmul precision (model.matmul_precision) set back to highest after the
+    test, whatever the test set it to."""
+    from streamrl.models.matmul_precision import apply
+
+    try:
+        yield
+    finally:
+        apply("highest")
+
+
+@pytest.fixture
+def medium_matmuls(matmul_precision_restored: None) -> None:
+    """The test runs under model.matmul_precision medium (highest again after it)."""
+    from streamrl.models.matmul_precision import apply
+
+    apply("medium")

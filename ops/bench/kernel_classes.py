@@ -42,12 +42,13 @@ import random
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ops.bench._common import median_seconds, print_json_line, print_table  # noqa: E402
+from streamrl.config import MatmulPrecision  # noqa: E402
 
 # The workloads' models and steps (ops/bench/grpo_vs_trl.py's W2, profile_steps.py's W3).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -196,7 +197,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="w2")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=7, help="timed calls of each phase (median), after 3 warm-up calls")
-    ap.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
+    ap.add_argument("--matmul-precision", choices=get_args(MatmulPrecision), default="highest",
                     help="the phases' float32 matmul precision (model.matmul_precision); the machine's rates stay "
                          "float32's")
     args = ap.parse_args()

@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
-MatmulPrecision = Literal["highest", "high", "medium"]
+from streamrl.config import MatmulPrecision
 
 # The process's precision, as apply() set it: what every block below returns to. Not the
 # precision found on entry: torch's setting is one per process, and two threads computing at once
@@ -40,23 +40,22 @@ def apply(precision: MatmulPrecision) -> None:
     torch.set_float32_matmul_precision(precision)
 
 
-_inside = threading.local()  # .depth: this thread's open ieee_matmuls blocks (a block nests in another)
+_inside = threading.local()  # .active: this thread is in an ieee_matmuls block (blocks nest)
 
 
 @contextlib.contextmanager
 def ieee_matmuls() -> Iterator[None]:
     """float32 matmuls at full precision inside the block, the process's precision after it (after
     the outermost block, where blocks nest)."""
-    depth = getattr(_inside, "depth", 0)
-    if _process_precision == "highest" or depth:
+    if _process_precision == "highest" or getattr(_inside, "active", False):
         yield
         return
-    _inside.depth = 1
+    _inside.active = True
     torch.set_float32_matmul_precision("highest")
     try:
         yield
     finally:
-        _inside.depth = 0
+        _inside.active = False
         torch.set_float32_matmul_precision(_process_precision)
 
 

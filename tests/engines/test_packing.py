@@ -29,7 +29,6 @@ from streamrl.engines.packing import (
 )
 from streamrl.engines.samples import TrainBatchError
 from streamrl.models.build import TinyModelSpec, build_model
-from streamrl.models.matmul_precision import apply as apply_precision
 from tests.engines.conftest import TINY, encode
 
 ATOL = 1e-5
@@ -214,19 +213,15 @@ def test_probe_packing_falls_back_to_padded(model: PreTrainedModel, tok: PreTrai
         assert LogprobEngine(other, device="cpu").forward_path == "padded"
 
 
-def test_a_lowered_matmul_precision_keeps_the_packed_forward(model: PreTrainedModel) -> None:
+def test_a_lowered_matmul_precision_keeps_the_packed_forward(model: PreTrainedModel, medium_matmuls: None) -> None:
     """The probes compare packed and padded rows at full precision: under model.matmul_precision
     medium the two differ by bfloat16 rounding (the rows' layout changes the products), which is
     not a model that ignores the mask."""
-    apply_precision("medium")
-    try:
-        path, why = probe_packing(model, CPU)
-        assert path == "packed", why
-        on, why = probe_shared_prefix(copy.deepcopy(model), CPU)
-        assert on, why
-        assert torch.get_float32_matmul_precision() == "medium"
-    finally:
-        apply_precision("highest")
+    path, why = probe_packing(model, CPU)
+    assert path == "packed", why
+    on, why = probe_shared_prefix(copy.deepcopy(model), CPU)
+    assert on, why
+    assert torch.get_float32_matmul_precision() == "medium"
 
 
 def test_logprob_engine_equals_the_padded_forward(model: PreTrainedModel, tok: PreTrainedTokenizerFast) -> None:

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.rollout import GenerateArgumentError, TorchRolloutEngine, sample_tokens
 from streamrl.models.build import TinyModelSpec, build_model
-from streamrl.models.matmul_precision import apply as apply_precision
+from streamrl.models.matmul_precision import ieee_matmuls
 from tests.engines.conftest import TINY, constant_model, encode
 
 PROMPTS = ["1+2+3=", "45=", "9=", "1+2+3=", "7777777=", "45="]
@@ -82,19 +82,16 @@ def test_logprobs_equal_the_logprob_engine_recomputation(
             torch.testing.assert_close(g.logprobs, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_lowered_matmul_precision_samples_the_same_policy(model: torch.nn.Module,
-                                                            tok: PreTrainedTokenizerFast) -> None:
+def test_a_lowered_matmul_precision_samples_the_same_policy(model: torch.nn.Module, tok: PreTrainedTokenizerFast,
+                                                            medium_matmuls: None) -> None:
     """model.matmul_precision medium: the decode step's linear layers round their inputs to bfloat16,
     its attention over the cache does not; logprobs stay those of the float32 policy within that
     rounding, and the run's precision is left as it was."""
     prompts = encode(tok, PROMPTS * 2)
-    apply_precision("medium")
-    try:
-        gens = _engine(model, tok, use_functional=True).generate(prompts, max_new_tokens=10, seed=2)
-        assert torch.get_float32_matmul_precision() == "medium"
-    finally:
-        apply_precision("highest")
-    recomputed = LogprobEngine(model, device="cpu").logprobs(prompts, [g.response_ids for g in gens])
+    gens = _engine(model, tok, use_functional=True).generate(prompts, max_new_tokens=10, seed=2)
+    assert torch.get_float32_matmul_precision() == "medium"
+    with ieee_matmuls():  # the float32 policy's own logprobs
+        recomputed = LogprobEngine(model, device="cpu").logprobs(prompts, [g.response_ids for g in gens])
     for g, r in zip(gens, recomputed, strict=True):
         torch.testing.assert_close(g.logprobs, r, atol=0.05, rtol=0)  # bfloat16 inputs: ~3 significant digits
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,15 +10,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from streamrl.models.matmul_precision import apply, ieee_attention, ieee_matmuls
-
-
-@pytest.fixture
-def medium() -> Iterator[None]:
-    apply("medium")
-    try:
-        yield
-    finally:
-        apply("highest")
 
 
 class _Spy(torch.autograd.Function):
@@ -51,7 +41,7 @@ def _grads(attention_call: Any) -> tuple[Tensor, list[Tensor]]:
 
 
 @pytest.mark.parametrize("as_tuple", [False, True], ids=["tensor", "transformers-tuple"])
-def test_attention_runs_at_full_precision_forward_and_backward(medium: None, as_tuple: bool) -> None:
+def test_attention_runs_at_full_precision_forward_and_backward(medium_matmuls: None, as_tuple: bool) -> None:
     seen: list[str] = []
 
     def attention(q: Tensor, k: Tensor, v: Tensor) -> Any:
@@ -68,7 +58,7 @@ def test_attention_runs_at_full_precision_forward_and_backward(medium: None, as_
         assert torch.equal(got, want)
 
 
-def test_the_layers_around_attention_keep_the_runs_precision(medium: None) -> None:
+def test_the_layers_around_attention_keep_the_runs_precision(medium_matmuls: None) -> None:
     seen: list[str] = []
     x = torch.randn(6, 8, requires_grad=True)
     w_in, w_out = torch.randn(24, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
@@ -87,7 +77,7 @@ def test_at_highest_the_attention_is_called_as_it_is() -> None:
     assert "ScaledDotProduct" in type(out.grad_fn).__name__  # no marker around it
 
 
-def test_without_autograd_only_the_forward_is_switched(medium: None) -> None:
+def test_without_autograd_only_the_forward_is_switched(medium_matmuls: None) -> None:
     seen: list[str] = []
     with torch.no_grad():
         ieee_attention(lambda q, k, v: F.scaled_dot_product_attention(_Spy.apply(q, seen, "attention"), k, v),
@@ -96,14 +86,14 @@ def test_without_autograd_only_the_forward_is_switched(medium: None) -> None:
     assert torch.get_float32_matmul_precision() == "medium"
 
 
-def test_ieee_matmuls_sets_back_the_precision_after_an_error(medium: None) -> None:
+def test_ieee_matmuls_sets_back_the_precision_after_an_error(medium_matmuls: None) -> None:
     with pytest.raises(RuntimeError, match="inside"), ieee_matmuls():
         assert torch.get_float32_matmul_precision() == "highest"
         raise RuntimeError("inside")
     assert torch.get_float32_matmul_precision() == "medium"
 
 
-def test_a_nested_block_leaves_the_outer_one_at_full_precision(medium: None) -> None:
+def test_a_nested_block_leaves_the_outer_one_at_full_precision(medium_matmuls: None) -> None:
     with ieee_matmuls():
         with ieee_matmuls():
             pass
@@ -111,7 +101,7 @@ def test_a_nested_block_leaves_the_outer_one_at_full_precision(medium: None) -> 
     assert torch.get_float32_matmul_precision() == "medium"
 
 
-def test_a_block_sets_back_the_processs_precision_not_the_one_it_found(medium: None) -> None:
+def test_a_block_sets_back_the_processs_precision_not_the_one_it_found(medium_matmuls: None) -> None:
     """torch's setting is one per process: a block that found another thread's highest must not keep it."""
     torch.set_float32_matmul_precision("highest")  # as another thread's open block would have it
     with ieee_matmuls():
