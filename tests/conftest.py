@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +26,27 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 SINGLE_BUDGET = 200  # steps; the run reaches stop_reward 0.9 at step 47-68 on this machine
+# After the session, seconds the interpreter gets to exit. Exit waits for every non-daemon thread and
+# joins every multiprocessing child still running, with no timeout: a test that left one would keep
+# CI waiting until its time limit, with nothing in the log to say why.
+EXIT_WATCHDOG_S = 120.0
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The last hook before the interpreter exits: name what the tests left running, stop the
+    children, and make sure a thread that never ends fails the session instead of hanging it."""
+    threads = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    children = multiprocessing.active_children()
+    for what in [*(f"thread {t.name!r}" for t in threads), *(f"process {c.name!r} (pid {c.pid})" for c in children)]:
+        print(f"tests left running at exit: {what}", file=sys.__stderr__)
+    for child in children:
+        child.terminate()
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+    # if exit is still waiting then: every thread's stack to stderr, and exit status 1
+    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True, file=sys.__stderr__)
 
 
 @pytest.fixture(scope="session")

@@ -83,8 +83,15 @@ def _main_module_hidden() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
-def _worker_process(spec_path: str, log_path: str) -> None:
-    """Entry of a worker process (forked from the forkserver)."""
+def _worker_process(spec_path: str, log_path: str, environ: dict[str, str]) -> None:
+    """Entry of a worker process (forked from the forkserver), with the launcher's environment
+    as it was when the worker was started."""
+    # The forkserver outlives a run (a notebook's or a test session's later runs fork from the same
+    # one), and a fork copies the server's environment: the launcher's when the server started. A
+    # variable set since (a key a reward function reads) must reach the worker as it would reach a
+    # subprocess. Laid over, not swapped in: what the server's imports set (torch's inductor cache
+    # directory) stays.
+    os.environ.update(environ)
     os.setsid()  # own session: a Ctrl-C at the terminal reaches only the launcher
     # appended: a restarted worker, or a resumed run, keeps what the one before it wrote
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -223,7 +230,7 @@ class LocalProcesses(LaunchBackend):
 
     def _spawn(self, name: str, members: list[_Worker], spec: WorkerSpec, spec_path: Path, log_path: Path) -> None:
         write_spec(spec, spec_path)
-        proc = context.Process(target=_worker_process, args=(str(spec_path), str(log_path)),
+        proc = context.Process(target=_worker_process, args=(str(spec_path), str(log_path), dict(os.environ)),
                               name=f"streamrl-{name}", daemon=False)
         for w in members:
             w.log_path, w.proc = log_path, proc

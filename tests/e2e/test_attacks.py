@@ -14,13 +14,17 @@ trains:
   documented code, and the run never notices.
 
 The run is deterministic (max_staleness 0, same seeds), so "never notices" is checked exactly: the
-learning metrics of every step equal those of the same run without the attacker.
+learning metrics of every step equal those of the same run without the attacker. Both runs score with
+tests/e2e/held_rewards.py: digits-max, which holds the attacked run's last step until the attacker is
+done, so the attack always meets a live run, however fast the machine trains.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -37,10 +41,12 @@ from streamrl.dock.client import DockClient
 from streamrl.dock.errors import DockError, DockTimeout, RemoteError
 from streamrl.runtime.worker import WorkerSpec
 from streamrl.security import ClientAuth, RunCredentials, secure_client
+from tests.e2e import held_rewards
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
-STEPS = 100  # long enough for the whole attack (about 2 s) on a fast machine: a step can take 40 ms
+STEPS = 16  # the last one waits for the attacker (held_rewards): the attack can take any time
+SAMPLES_PER_STEP = 64  # configs/grpo_digits.yaml: 8 prompts x 8 completions
 # what the attacker must not change: every learning figure of every step
 LEARNING = ("step", "reward_mean", "reward_std", "loss", "clip_fraction", "entropy")
 SQUATTERS = 12  # the score role has 1 worker + 4 spare client ids (streamrl.dock.authz)
@@ -48,7 +54,8 @@ NO_ANSWER_S = 0.7  # a stranger's request is never answered; this long is the wa
 
 
 def _run(tmp: Path) -> list[dict[str, Any]]:
-    overrides = [f"algo.steps={STEPS}", "algo.stop_reward=null", f"output.run_dir={tmp}", "output.progress=none"]
+    overrides = [f"algo.steps={STEPS}", "algo.stop_reward=null", f"output.run_dir={tmp}", "output.progress=none",
+                 "stages.score.options={reward: 'tests.e2e.held_rewards:digits_max_held'}"]
     result = streamrl.run(str(DIGITS), overrides)
     assert result.steps == STEPS, result.stop_reason
     return [{k: row[k] for k in LEARNING} for row in result.metrics]
@@ -61,7 +68,10 @@ def _silent(ctx: zmq.Context, endpoint: str, auth: ClientAuth | None, frames: li
     try:
         secure_client(sock, auth)
         sock.connect(endpoint)
-        sock.send_multipart(frames)
+        try:  # never blocks: a DEALER without a peer to queue for would wait for one forever
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return True
         return not sock.poll(int(NO_ANSWER_S * 1000))
     finally:
         sock.close(0)
@@ -70,6 +80,10 @@ def _silent(ctx: zmq.Context, endpoint: str, auth: ClientAuth | None, frames: li
 class Attacker:
     def __init__(self, parent: Path) -> None:
         self.parent = parent  # the run's output.run_dir: the run writes to parent/<name>-<timestamp>/
+        # the run's last step waits while this exists (held_rewards): removed when the attack is over
+        self.hold = parent / "hold"
+        parent.mkdir(parents=True)
+        self.hold.touch()
         self.findings: dict[str, Any] = {}
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, daemon=True)
@@ -80,6 +94,13 @@ class Attacker:
             anyio.run(self._attack, spec)
         except BaseException as exc:  # reported by the test, which joins this thread
             self.error = exc
+        finally:
+            self.hold.unlink()
+
+    def stack(self) -> str:
+        """Where the attacker's thread is now (for a test that finds it still running)."""
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
 
     def _wait_for_training(self) -> WorkerSpec:
         deadline = time.monotonic() + 120
@@ -120,16 +141,16 @@ class Attacker:
                    **{f"warehouse {i}": (ep, [get]) for i, ep in enumerate(warehouses)},
                    "control": (spec.control_endpoint, [b"\x81\xa4type\xa8starting"]),
                    "policy": (spec.weights_endpoint, [b"\x81\xa4type\xa5fetch"])}
-        ctx = zmq.Context()
+        ctx = zmq.Context()  # its own: destroyed below, whatever state its sockets are in
         cases = {f"{kind} -> {target}": (ep, auth, frames)
                  for kind, auth in kinds.items() for target, (ep, frames) in targets.items()}
         try:  # all at once: each waits NO_ANSWER_S for the answer that must not come
             with ThreadPoolExecutor(len(cases)) as pool:
                 silent = {name: pool.submit(lambda c: all(_silent(ctx, c[0], c[1], [f]) for f in c[2]), case)
                           for name, case in cases.items()}
-                return {name: future.result() for name, future in silent.items()}
+                return {name: future.result(timeout=60) for name, future in silent.items()}
         finally:
-            ctx.term()
+            ctx.destroy(linger=0)
 
     async def _insider(self, dock: DockClient) -> dict[str, str]:
         """Each move the outside tester made without credentials, made with the score stage's."""
@@ -170,15 +191,18 @@ class Attacker:
 
 
 @pytest.mark.timeout(420)
-def test_an_attacked_run_trains_exactly_like_an_undisturbed_one(tmp_path: Path) -> None:
+def test_an_attacked_run_trains_exactly_like_an_undisturbed_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    attacked_dir = tmp_path / "attacked"
+    # inherited by the score workers of both runs; the undisturbed run has no hold file
+    monkeypatch.setenv(held_rewards.HOLD_FILE, str(attacked_dir / "hold"))
+    monkeypatch.setenv(held_rewards.HOLD_AFTER, str((STEPS - 1) * SAMPLES_PER_STEP))
     reference = _run(tmp_path / "undisturbed")
 
-    attacked_dir = tmp_path / "attacked"
     attacker = Attacker(attacked_dir)
     attacker.thread.start()
     attacked = _run(attacked_dir)
-    attacker.thread.join(timeout=60)
-    assert not attacker.thread.is_alive(), "the attacker did not finish"
+    attacker.thread.join(timeout=30)  # it released the run: only its last lines can be left
+    assert not attacker.thread.is_alive(), f"the attacker did not finish; it is at\n{attacker.stack()}"
     if attacker.error is not None:
         raise attacker.error
 

@@ -10,6 +10,7 @@ import pytest
 
 import streamrl
 from streamrl.models.tokenizer import build_char_tokenizer
+from streamrl.runtime.forkserver import start_forkserver
 from streamrl.tasks.registry import get_task
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
 
@@ -42,11 +43,16 @@ stages:
     class: tests.runtime.user_stages:Recorder
     reads: [prompt, answer, response_ids, response_len, reward, step]
     micro_batch: 5
+    options: {environ: STREAMRL_TEST_LAUNCHER_ENV}
 """
 
 
 @pytest.mark.timeout(90)
-def test_user_stages_run_like_built_in_ones_in_processes(tmp_path: Path, importable_tests: None) -> None:
+def test_user_stages_run_like_built_in_ones_in_processes(tmp_path: Path, importable_tests: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # a variable set after the workers' forkserver started (as by a notebook between two runs)
+    start_forkserver()
+    monkeypatch.setenv("STREAMRL_TEST_LAUNCHER_ENV", str(tmp_path))
     pipeline = tmp_path / "mixed.yaml"
     pipeline.write_text(PIPELINE)
     steps, prompts, group = 2, 3, 4
@@ -75,8 +81,9 @@ def test_user_stages_run_like_built_in_ones_in_processes(tmp_path: Path, importa
         assert r["reward"] == (1.0 if right else 0.0), r
         assert r["reward"] == task.reward(r["prompt"], "", r["response_ids"], r["answer"])
     assert {r["response_len"] for r in rows} >= {2, 1, 3}  # lengths really vary
-    # the sink ran in its own worker process, not in the test's
+    # the sink ran in its own worker process, not in the test's, with the launcher's environment
     assert {r["pid"] for r in rows} != {os.getpid()}
+    assert {r["environ"] for r in rows} == {str(tmp_path)}
     # both workers of the user's length stage exist and were set up from the same class
     assert set(result.worker_logs) == {"source-0", "oracle-0", "length-0", "length-1", "score-0", "check-0"}
     assert (result.run_dir / "check.closed.jsonl").exists()  # close() ran

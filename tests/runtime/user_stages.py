@@ -95,7 +95,8 @@ class ResponseLength:
 
 class Recorder:
     """A sink: writes nothing, records every column it reads for every sample to
-    ``<run_dir>/<options.file or stage name>.jsonl`` (tensors as lists)."""
+    ``<run_dir>/<options.file or stage name>.jsonl`` (tensors as lists), and the value of the
+    environment variable ``options.environ`` if that is set."""
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -105,6 +106,8 @@ class Recorder:
         for i, s in enumerate(batch.samples):
             row: dict[str, Any] = {"index": s.index, "group": s.group, "version": s.version,
                                    "worker": self.ctx.worker, "pid": os.getpid()}
+            if "environ" in self.ctx.options:  # the worker's value of this environment variable
+                row["environ"] = os.environ.get(str(self.ctx.options["environ"]))
             for name, values in batch.columns.items():
                 v = values[i]
                 row[name] = v.tolist() if hasattr(v, "tolist") else v
