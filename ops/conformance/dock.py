@@ -55,12 +55,20 @@ class Conn:
     def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a DEALER whose connection the server refused has no peer, and a send would wait for one
+        # forever: bounded like every wait here
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         self.sock.connect(endpoint)
         self.timeout_s = timeout_s
         self.early: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
 
     def send(self, header: dict[str, Any] | bytes, *frames: bytes) -> None:
-        self.sock.send_multipart([header if isinstance(header, bytes) else msgpack.packb(header), *frames])
+        try:
+            self.sock.send_multipart([header if isinstance(header, bytes) else msgpack.packb(header), *frames])
+        except zmq.Again:
+            raise CheckFailed(f"could not send within {self.timeout_s} s: the server took no connection (is the "
+                              "endpoint right? does it require credentials, which this checker does not present?)"
+                              ) from None
 
     def ask(self, header: dict[str, Any] | bytes, *frames: bytes, timeout_s: float | None = None,
             req_id: int | None = None) -> tuple[dict[str, Any], list[bytes]]:

@@ -11,6 +11,7 @@ Every wait is bounded (1-2 s).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,7 +72,11 @@ class Raw:
         self.sock.connect(endpoint)
 
     def send(self, msg: dict[str, Any], *frames: bytes) -> None:
-        self.sock.send_multipart([msgspec.msgpack.encode(msg), *frames])
+        """Queue ``msg``; dropped when the server already refused the handshake. After a refused
+        PLAIN handshake libzmq (4.3) ends the connection and does not reconnect: the DEALER has no
+        peer left, and a blocking send would wait for one forever (CI hung here once)."""
+        with contextlib.suppress(zmq.Again):
+            self.sock.send_multipart([msgspec.msgpack.encode(msg), *frames], flags=zmq.NOBLOCK)
 
     def recv(self, timeout_s: float) -> Any:
         if not self.sock.poll(int(timeout_s * 1000)):

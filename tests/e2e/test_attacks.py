@@ -68,7 +68,9 @@ def _silent(ctx: zmq.Context, endpoint: str, auth: ClientAuth | None, frames: li
     try:
         secure_client(sock, auth)
         sock.connect(endpoint)
-        try:  # never blocks: a DEALER without a peer to queue for would wait for one forever
+        # never blocks: after a refused PLAIN handshake libzmq drops the connection for good, and a
+        # DEALER without a peer would wait for one forever
+        try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             return True
