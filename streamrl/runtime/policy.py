@@ -358,9 +358,11 @@ class PolicySubscriber:
         sock = self._socket()
         rid = next(self._ids)
         files = want and self.asks_for_files
-        await sock.send(_encoder.encode(WeightsRequest(rid, have, need, want, wait_s, files)))
         try:
             with anyio.fail_after(wait_s + reply_timeout_s):
+                # inside the deadline too: a DEALER whose connection was refused (after a failed
+                # handshake libzmq does not reconnect) has no peer, and its send waits for one
+                await sock.send(_encoder.encode(WeightsRequest(rid, have, need, want, wait_s, files)))
                 while True:
                     frames = await sock.recv_multipart(copy=False)
                     try:
