@@ -55,6 +55,9 @@ class Target:
     def connect(self, socket_type: int = zmq.DEALER) -> Connection:
         socket = self.context.socket(socket_type)
         socket.setsockopt(zmq.LINGER, 0)
+        # a socket whose connection the server refused (a wrong CURVE key) has no peer, and a send
+        # would wait for one forever: bounded like the replies (zmq.Again, reported by main)
+        socket.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))
         if self.curve is not None:
             server_public, client_public, client_secret = self.curve
             socket.setsockopt(zmq.CURVE_SERVERKEY, server_public)
@@ -604,7 +607,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for index, (name, run) in enumerate(CHECKS):
             try:
-                run(target, args.scores == "exact-match")
+                try:
+                    run(target, args.scores == "exact-match")
+                except zmq.Again:
+                    raise CheckFailed(f"could not send within {args.timeout_s} s: the server took no connection (is "
+                                      "the endpoint right? do the CURVE keys match the server's?)") from None
             except CheckFailed as exc:
                 failed += 1
                 print(f"FAIL {name}: {exc}", flush=True)
