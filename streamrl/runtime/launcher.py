@@ -392,7 +392,12 @@ class _Launch:
         if sup.failure is not None:
             f = sup.failure
             tail = "\n".join(f.traceback.strip().splitlines()[-12:])
-            raise StageError(f.stage, f.worker, f.indices, f"{f.message.split(': ', 1)[-1]}\n{tail}")
+            error = StageError(f.stage, f.worker, f.indices, f"{f.message.split(': ', 1)[-1]}\n{tail}")
+            if sup.death is None or not sup.crashed:
+                raise error
+            # a worker crashed and a peer failed on what it left (a collective's broken connection):
+            # the crash is the cause, and a resumable one (resources.auto_resume)
+            raise RunFailed(f"{sup.death}\nthen {error}", resumable=sup.resumable)
         if sup.death is not None:
             raise RunFailed(sup.death, resumable=sup.resumable)
         rows = m.train_rows

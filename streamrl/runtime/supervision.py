@@ -37,6 +37,11 @@ log = logging.getLogger("streamrl.launcher")
 STOP_GRACE_S = 15.0  # after a stop request, how long workers get to close (checkpoint) before SIGTERM
 SILENT_WORKER_S = 5.0  # a worker that sent no heartbeat for this long has a blocked event loop
 STACK_DUMP_WAIT_S = 1.0  # after SIGUSR1, how long a worker gets to write its stacks to its log
+# After a stage's error, how long to look for a worker that crashed first: when one rank of a
+# collective dies, its peers fail on the broken connection ("Connection reset by peer"), and the
+# error that reaches the launcher first is often the peer's, not the crash that caused it.
+CRASH_LOOK_S = 1.0
+CRASH_REPORT_LINES = 60  # of a crashed worker's log, from faulthandler's "Fatal Python error" on
 MAX_ERRORS = 50  # the newest errors and warnings kept for the status page
 ERROR_CHARS = 4000  # of each
 
@@ -73,6 +78,9 @@ class Supervisor:
         self.ready: set[tuple[str, int]] = set()
         self.failure: c.Failed | None = None
         self.death: str | None = None
+        # the death was a crash (a signal, an unexpected exit code, a lost node), not the exit of a
+        # stage that raised and reported it (code 1): it outranks a stage's error in the run's report
+        self.crashed = False
         self.resumable = False
         self.stop_reason = ""
         self.stopping = False  # a stop request or SIGTERM arrived: the run is winding down
@@ -131,6 +139,8 @@ class Supervisor:
                     finished.add((s, k))
             if self.death is not None and self.failure is None:
                 await self._drain_for_failure(events)
+            elif self.failure is not None and self.death is None:
+                await self._look_for_a_crash()
             if self.failure is not None or self.death is not None:
                 return
             if self.term_requested and term_deadline is None and stop_deadline is None:
@@ -303,7 +313,7 @@ class Supervisor:
         which = self.backend.dock_dead()
         if which is not None and self.death is None:
             self.death = (f"a dock server process died ({which}); the run cannot continue; " + self.resume_hint())
-            self.resumable = True
+            self.resumable = self.crashed = True
             self.note("death", self.death)
         for name, (members, spec) in list(self.backend.processes.items()):
             proc = members[0].proc
@@ -311,10 +321,7 @@ class Supervisor:
                 continue
             code = proc.exitcode
             lost = getattr(proc, "lost", None)  # a Ray host actor (or its whole node) died
-            how = f"was lost: {lost}" if lost else \
-                f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            if isinstance(proc, RemoteProcess):
-                how += f" (on {proc.node.describe()})"
+            how = _how_it_ended(proc)
             # code 1: the stage raised and reported it (Failed): an error, not a crash to retry
             if code != 1 and not lost and not stopping and all(w.restartable for w in members) \
                     and self.restarts.get(name, 0) < self.cfg.resources.max_restarts:
@@ -335,11 +342,36 @@ class Supervisor:
             # a process that died (not a stage that raised: that arrives as Failed) is the run's
             # machinery failing: resuming from the last checkpoint may get past it
             self.resumable = True
+            self.crashed = code != 1 or bool(lost)
             extra = ""
             if code != 1 and w.restartable and not stopping:
                 extra = f" (restarted {self.restarts.get(name, 0)} times already: resources.max_restarts)"
-            self.death = f"stage {w.stage!r} worker {w.index} {how}{extra}; its log: {w.log_path}; {self.resume_hint()}"
-            self.note("death", self.death)
+            self._record_death(w, how + extra)
+
+    def _record_death(self, w: _Worker, how: str) -> None:
+        self.death = f"stage {w.stage!r} worker {w.index} {how}; its log: {w.log_path}; {self.resume_hint()}"
+        if self.crashed and w.log_path is not None:
+            self.death += crash_report(Path(w.log_path))
+        self.note("death", self.death)
+
+    async def _look_for_a_crash(self) -> None:
+        """A stage reported an error: was it the echo of another worker's crash? Within
+        ``CRASH_LOOK_S``, a worker that died by a signal or an unexpected exit code becomes the
+        run's death (the launcher reports it first, and a resumable run resumes)."""
+        assert self.failure is not None
+        deadline = time.monotonic() + CRASH_LOOK_S
+        while True:
+            for w in self.workers:
+                if (w.stage, w.index) == (self.failure.stage, self.failure.worker) or w.proc is None:
+                    continue
+                code, lost = w.proc.exitcode, getattr(w.proc, "lost", None)
+                if code not in (None, 0, 1) or lost:
+                    self.resumable = self.crashed = True
+                    self._record_death(w, _how_it_ended(w.proc))
+                    return
+            if time.monotonic() > deadline:
+                return
+            await anyio.sleep(0.05)
 
     @staticmethod
     async def stop_late_workers(server: c.ControlServer, stop: c.Stop) -> None:
@@ -356,3 +388,32 @@ class Supervisor:
         async with events:
             while True:
                 await events.send(await server.recv())
+
+
+def _how_it_ended(proc: Any) -> str:
+    """'was killed by signal 11', 'exited with code 3', 'was lost: ...' (+ the Ray node)."""
+    code, lost = proc.exitcode, getattr(proc, "lost", None)
+    how = f"was lost: {lost}" if lost else f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    if isinstance(proc, RemoteProcess):
+        how += f" (on {proc.node.describe()})"
+    return how
+
+
+def crash_report(log_path: Path, max_lines: int = CRASH_REPORT_LINES, max_bytes: int = 64 * 1024) -> str:
+    """The end of a crashed worker's log for the run's error: from faulthandler's last "Fatal Python
+    error" (every thread's Python stack at the crash) on, else its last lines; "" when unreadable
+    (a log on another node)."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - max_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = text.splitlines()
+    start = max((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), default=None)
+    # (faulthandler's last line, the extension modules loaded, is one line of a few thousand characters)
+    shown = [line for line in (lines[start:] if start is not None else lines[-10:])
+             if not line.startswith("Extension modules:")][:max_lines]
+    if not shown:
+        return ""
+    return "; its log ends with:\n" + "\n".join(shown)

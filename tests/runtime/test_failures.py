@@ -129,3 +129,23 @@ def test_a_worker_that_crashes_in_native_code_leaves_its_python_stack_in_its_log
     log = (run_dir / "logs" / "double-0.log").read_text()
     assert str(run_dir / "logs" / "double-0.log") in str(info.value)
     assert "Fatal Python error: Segmentation fault" in log and "user_stages.py" in log and "in process" in log
+    # and the error itself carries that stack: CI keeps a failed test's output, not its run dirs
+    assert "its log ends with:\nFatal Python error: Segmentation fault" in str(info.value)
+    assert "in process" in str(info.value)
+
+
+@pytest.mark.timeout(90)
+def test_a_crash_is_reported_before_the_error_it_caused_in_a_peer(tmp_path: Path, importable_tests: None) -> None:
+    """Worker 0 crashes in native code; worker 1, as the other rank of a collective, then fails on the
+    broken connection. (Seen in CI: a train rank's SIGSEGV in gloo reached the user as the other
+    rank's 'Connection reset by peer', a stage error, which auto_resume does not retry.) The run's
+    error is the crash, resumable, with the crashed worker's stack and the peer's error after it."""
+    before = ipc_dirs()
+    with pytest.raises(RunFailed) as info:
+        streamrl.run(_config(tmp_path, _pipeline(tmp_path, {"crash_worker": 0}, double_workers=2), "processes"))
+    msg = str(info.value)
+    assert msg.startswith("stage 'double' worker 0 was killed by signal 11"), msg
+    assert "Fatal Python error: Segmentation fault" in msg
+    assert "then stage 'double' worker 1 failed on samples" in msg and "Connection reset by peer" in msg
+    assert info.value.resumable
+    assert_run_cleaned(only_run_dir(tmp_path / "runs"), os.getpid(), before)

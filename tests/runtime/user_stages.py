@@ -143,7 +143,11 @@ class Doubler:
     """Writes ``y`` = 2 * ``x``; fails on samples whose ``x`` is in ``options.fail_on`` (a
     ValueError) and kills its own process on those in ``options.die_on`` (``options.how``:
     "exit" = os._exit(3), "kill" = SIGKILL, "segv" = a segmentation fault); sleeps ``options.sleep_s`` per batch. Records each batch
-    it got before acting."""
+    it got before acting.
+
+    ``options.crash_worker`` = k: as two ranks of a collective when one dies in native code. Worker k
+    crashes (SIGSEGV) in its first batch; every other worker, in its first batch, waits (at most 30 s)
+    until worker k's process is gone, then fails as a peer's broken connection does."""
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -151,6 +155,7 @@ class Doubler:
         self.die_on = set(ctx.options.get("die_on", []))
         self.how = str(ctx.options.get("how", "exit"))
         self.sleep_s = float(ctx.options.get("sleep_s", 0.0))  # per batch: a slow stage
+        self.crash_worker = ctx.options.get("crash_worker")
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         xs = [int(x) for x in batch.columns["x"]]
@@ -158,6 +163,15 @@ class Doubler:
             await self.ctx.run_sync(time.sleep, self.sleep_s)
         _record(self.ctx, f"{self.ctx.spec.name}-batches",
                 {"worker": self.ctx.worker, "pid": os.getpid(), "indices": batch.indices, "x": xs})
+        if self.crash_worker is not None:
+            crashed = self.ctx.run_dir / "crashed-worker.pid"
+            if self.ctx.worker == self.crash_worker:
+                crashed.write_text(str(os.getpid()))
+                import faulthandler
+
+                faulthandler._sigsegv()
+            await self.ctx.run_sync(_wait_until_gone, crashed, 30.0)
+            raise ConnectionResetError(f"Connection reset by peer (worker {self.crash_worker})")
         if self.fail_on & set(xs):
             raise ValueError(f"user stage refuses x in {sorted(self.fail_on & set(xs))}")
         if self.die_on & set(xs):
@@ -172,6 +186,20 @@ class Doubler:
 
     async def close(self) -> None:
         pass
+
+
+def _wait_until_gone(pid_file: Path, timeout_s: float) -> None:
+    """Until the process whose pid ``pid_file`` will hold has exited (gone, or a zombie)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pid_file.is_file() and (text := pid_file.read_text()):
+            try:
+                if Path(f"/proc/{text}/stat").read_text().split()[2] == "Z":
+                    return
+            except OSError:
+                return  # reaped
+        time.sleep(0.01)
+    raise TimeoutError(f"no process in {pid_file} ended within {timeout_s:g} s")
 
 
 class BlocksInAThread:
