@@ -40,10 +40,13 @@ def test_more_nccl_ranks_than_devices_is_refused_saying_what_to_change(monkeypat
         rank_device("cuda", 1, 2, "nccl")
 
 
-def test_a_join_abandoned_before_its_rendezvous_completes_leaves_no_process_group(tmp_path: Path) -> None:
+def test_a_join_abandoned_before_its_rendezvous_completes_leaves_no_process_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage stopped during set-up abandons its join while the daemon thread still initialises the
     group; the thread must not leave it initialised (an in-process run's next run would find a
-    default group already there)."""
+    default group already there). The group's initialisation is held until the stage has given up
+    (a world of one rank joins at once: on a busy machine the thread won the race and the stage
+    then owned the group, which only its close() destroys)."""
     from types import SimpleNamespace
 
     import anyio
@@ -54,12 +57,21 @@ def test_a_join_abandoned_before_its_rendezvous_completes_leaves_no_process_grou
     assert not dist.is_initialized()
     ctx = SimpleNamespace(run_dir=tmp_path, rendezvous_endpoint=None, spec=SimpleNamespace(name="train"), worker=0,
                           config=SimpleNamespace(resources=SimpleNamespace(start_timeout_s=30.0)))
+    given_up = threading.Event()
+    init_process_group = dist.init_process_group
+
+    def init_once_given_up(*args: object, **kwargs: object) -> None:
+        assert given_up.wait(30), "the join was never abandoned"
+        init_process_group(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(world.dist, "init_process_group", init_once_given_up)
 
     async def main() -> None:
         with anyio.CancelScope() as scope:
             scope.cancel()  # cancelled at its first wait: the thread is still joining
             await join_world(ctx, "train", 0, 1, None, backend="gloo", timeout_s=30.0,  # type: ignore[arg-type]
                              device="cpu")
+        given_up.set()
         deadline = time.monotonic() + 30
         while any(t.name == "streamrl-join-world" for t in threading.enumerate()) and time.monotonic() < deadline:
             await anyio.sleep(0.01)
