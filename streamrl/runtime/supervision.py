@@ -40,7 +40,7 @@ STACK_DUMP_WAIT_S = 1.0  # after SIGUSR1, how long a worker gets to write its st
 # After a stage's error, how long to look for a worker that crashed first: when one rank of a
 # collective dies, its peers fail on the broken connection ("Connection reset by peer"), and the
 # error that reaches the launcher first is often the peer's, not the crash that caused it.
-CRASH_LOOK_S = 1.0
+CRASH_LOOK_S = 0.5
 CRASH_REPORT_LINES = 60  # of a crashed worker's log, from faulthandler's "Fatal Python error" on
 MAX_ERRORS = 50  # the newest errors and warnings kept for the status page
 ERROR_CHARS = 4000  # of each
@@ -359,11 +359,13 @@ class Supervisor:
         ``CRASH_LOOK_S``, a worker that died by a signal or an unexpected exit code becomes the
         run's death (the launcher reports it first, and a resumable run resumes)."""
         assert self.failure is not None
+        failed = (self.failure.stage, self.failure.worker)
+        # workers in processes (an in-process run's stages share the launcher's: nothing to look for)
+        peers = [w for w in self.workers if (w.stage, w.index) != failed and w.proc is not None]
         deadline = time.monotonic() + CRASH_LOOK_S
-        while True:
-            for w in self.workers:
-                if (w.stage, w.index) == (self.failure.stage, self.failure.worker) or w.proc is None:
-                    continue
+        while peers:
+            for w in peers:
+                assert w.proc is not None
                 code, lost = w.proc.exitcode, getattr(w.proc, "lost", None)
                 if code not in (None, 0, 1) or lost:
                     self.resumable = self.crashed = True
