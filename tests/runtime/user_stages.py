@@ -190,14 +190,12 @@ class Doubler:
 
 def _wait_until_gone(pid_file: Path, timeout_s: float) -> None:
     """Until the process whose pid ``pid_file`` will hold has exited (gone, or a zombie)."""
+    from streamrl.runtime.orphans import process_alive
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if pid_file.is_file() and (text := pid_file.read_text()):
-            try:
-                if Path(f"/proc/{text}/stat").read_text().split()[2] == "Z":
-                    return
-            except OSError:
-                return  # reaped
+        if pid_file.is_file() and (text := pid_file.read_text()) and not process_alive(int(text)):
+            return
         time.sleep(0.01)
     raise TimeoutError(f"no process in {pid_file} ended within {timeout_s:g} s")
 
