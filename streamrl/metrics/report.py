@@ -116,6 +116,19 @@ def _keys(rows: Iterable[Row]) -> list[str]:
 # --------------------------------------------------------------------------- plotting
 
 
+def import_plotting() -> bool:
+    """Import what drawing a figure takes (matplotlib's Figure and Agg canvas: most of a second of
+    CPU) ahead of the first figure; False when matplotlib is missing. The launcher calls it while
+    its workers start, when its own core is idle, so the reward curve at the end of a run costs
+    only its drawing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+        from matplotlib.figure import Figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _figure(n_axes: int = 1) -> Any:
     # Figure + Agg canvas directly: no pyplot, so no global backend switch and no state shared with
     # a caller's own plots (the launcher calls this from a running process)

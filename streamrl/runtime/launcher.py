@@ -32,6 +32,7 @@ from streamrl.config import ConfigError, RunConfig, dump_config, load_config
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
+from streamrl.metrics.report import import_plotting
 from streamrl.metrics.trace import finish_trace
 from streamrl.metrics.writer import plot_reward_curve
 from streamrl.runtime import control as c
@@ -303,6 +304,10 @@ class _Launch:
                                       rendezvous_endpoint=rendezvous.endpoint if rendezvous is not None else "")
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     await backend.start(members, spec, tg)
+                if cfg.output.plot:
+                    # the reward curve's matplotlib import (most of a second) now, while the workers
+                    # start and this process's core is idle, rather than after the last step
+                    tg.start_soon(functools.partial(anyio.to_thread.run_sync, import_plotting, abandon_on_cancel=True))
                 # One task owns the socket's receive: a recv cancelled by the supervisor's poll timeout
                 # could drop a message that had just arrived (e.g. the last Finished: the run would
                 # then wait forever); a memory stream's receive loses nothing when cancelled.

@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +191,16 @@ def test_the_reward_band_stays_within_the_rewards_range() -> None:
     # no row with a range (a run from before they were recorded): mean ± std as it is
     _, low, high = reward_band([{"step": 1, "reward_mean": 0.9, "reward_std": 0.3}])
     assert (low, high) == (pytest.approx([0.6]), pytest.approx([1.2]))
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_import_plotting_loads_what_drawing_takes_or_says_matplotlib_is_missing(installed: bool) -> None:
+    """What the launcher calls while its workers start: afterwards drawing imports nothing more."""
+    hide = "" if installed else "sys.modules['matplotlib'] = None  # as if not installed\n"
+    code = (f"import sys\n{hide}"
+            "from streamrl.metrics.report import import_plotting\n"
+            "assert 'matplotlib.figure' not in sys.modules\n"
+            f"assert import_plotting() is {installed}\n"
+            f"assert ({{'matplotlib.figure', 'matplotlib.backends.backend_agg'}} <= set(sys.modules)) is {installed}\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
