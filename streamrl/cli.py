@@ -254,11 +254,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console() -> None:
     """The ``streamrl`` command (and ``python -m streamrl.cli``): :func:`main`, then the exit. After
-    ``run``, the interpreter's teardown is skipped: its final garbage collection of the torch and
-    transformers modules took about 2 s of a 17 s quickstart here, and by then the run has stopped every
-    process and closed every file it wrote (logging and the standard streams are flushed first)."""
+    ``run``, the workers' forkserver is stopped and the interpreter's teardown is skipped: its final
+    garbage collection of the torch and transformers modules took about 2 s of a 17 s quickstart here,
+    and by then the run has stopped every process and closed every file it wrote (logging and the
+    standard streams are flushed first)."""
     code = main()
     if _ran:
+        from streamrl.runtime.forkserver import stop_forkserver
+
+        # The workers' forkserver would exit on its own once this process is gone, but only after its
+        # own teardown of torch and transformers (about a second of CPU, holding the output pipe of a
+        # `streamrl run ... | tee log` open): every worker was reaped, so it is stopped now.
+        stop_forkserver()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

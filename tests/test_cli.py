@@ -98,19 +98,44 @@ def test_run_prints_a_result_and_ends_promptly(tmp_path: Path) -> None:
     finish) stays close to the last step's time. Bug found: workers forked from the forkserver
     leave through os._exit, which can drop their final ``Finished`` message (still queued in
     ZeroMQ's I/O thread), so the launcher waits out its stop grace period (60 s, then 15 s) and
-    warns that workers "did not finish": train_s ~61 s, then ~16 s, for steps that took 1 s."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.cli", "run", str(DIGITS), "algo.steps=3", "algo.stop_reward=null",
-         f"output.run_dir={tmp_path}", "output.progress=none", "--print-result"],
-        capture_output=True, text=True, timeout=170, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    warns that workers "did not finish": train_s ~61 s, then ~16 s, for steps that took 1 s.
+
+    No process of the run outlives the command: once it has exited, nothing holds its output open
+    (a `streamrl run ... | tee log` ends with it). Bug found: the workers' forkserver exited only
+    after the command, once its own teardown of torch and transformers was done (about 1 s)."""
+    err_path = tmp_path / "stderr.txt"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamrl.cli", "run", str(DIGITS), "algo.steps=3", "algo.stop_reward=null",
+             f"output.run_dir={tmp_path}", "output.progress=none", "--print-result"],
+            stdout=subprocess.PIPE, stderr=err, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        try:
+            returncode = proc.wait(timeout=170)  # its stdout is a few lines: no pipe fills up meanwhile
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    assert proc.stdout is not None
+    out = b""
+    os.set_blocking(proc.stdout.fileno(), False)
+    while True:
+        try:
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+        except BlockingIOError:
+            pytest.fail("the command exited while another process still held its output open")
+        if not chunk:
+            break
+        out += chunk
+    proc.stdout.close()
+    stderr = err_path.read_text()
+    assert returncode == 0, stderr
+    summary = json.loads(out.decode().strip().splitlines()[-1])
     assert summary["steps"] == 3 and summary["stop_reason"] == "completed 3 steps"
     run_dir = Path(summary["run_dir"])
     assert run_dir.parent == tmp_path and (run_dir / "checkpoint").is_dir()
     last_step_s = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["elapsed_s"]
-    assert "did not finish" not in proc.stderr, proc.stderr
+    assert "did not finish" not in stderr, stderr
     assert summary["train_s"] - last_step_s < 10, summary
 
 
