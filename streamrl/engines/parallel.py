@@ -144,9 +144,12 @@ def grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> float:
     does not span: the embedding of a (dp, tp) model is sharded over dp and replicated over tp);
     one float64 all-reduce per mesh dim then gives the exact total. Grouping DTensors by mesh for
     ``clip_grad_norm_`` would need one collective per group and fails on mixed meshes.
+
+    The squares are summed in float64 by one ``_foreach_norm`` per copy count rather than a few
+    ops per parameter: a small model's per-op overhead made that 2.6 ms of a 100 ms step.
     """
     full = mesh.size()
-    total = torch.zeros((), dtype=torch.float64, device=mesh.device_type)
+    pieces: dict[int, list[torch.Tensor]] = {}  # the local pieces, by how many ranks hold each
     for p in params:
         g = p.grad
         if g is None:
@@ -157,8 +160,12 @@ def grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> float:
             for dim, placement in enumerate(g.placements):
                 if placement.is_replicate():
                     copies *= g.device_mesh.size(dim)
+        pieces.setdefault(copies, []).append(local(g).detach())
+    total = torch.zeros((), dtype=torch.float64, device=mesh.device_type)
+    for copies, group in pieces.items():
+        squares = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64)).square().sum()
         # .to(): with CPU offload the gradients live on the host while the mesh is on the device
-        total += (local(g).detach().double().pow(2).sum() / copies).to(total.device)
+        total += (squares / copies).to(total.device)
     for dim in range(mesh.ndim):
         if mesh.size(dim) > 1:
             dist.all_reduce(total, group=mesh.get_group(dim))
