@@ -119,8 +119,8 @@ def _keys(rows: Iterable[Row]) -> list[str]:
 def import_plotting() -> bool:
     """Import what drawing a figure takes (matplotlib's Figure and Agg canvas: most of a second of
     CPU) ahead of the first figure; False when matplotlib is missing. The launcher calls it while
-    its workers start, when its own core is idle, so the reward curve at the end of a run costs
-    only its drawing."""
+    it waits for the workers' forkserver, so the reward curve at the end of a run costs only its
+    drawing."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
         from matplotlib.figure import Figure  # noqa: F401

@@ -288,6 +288,11 @@ class _Launch:
             # colocated and disaggregated stages join torch.distributed through FileStores here
             (self.run_dir / "rendezvous").mkdir(exist_ok=True)
             async with anyio.create_task_group() as tg:
+                if cfg.output.plot:
+                    # The reward curve's matplotlib import (most of a second) now, rather than after the
+                    # last step: until the forkserver has imported what the workers need, the launcher
+                    # only waits for it (backend.start returns once the workers are forked).
+                    tg.start_soon(functools.partial(anyio.to_thread.run_sync, import_plotting, abandon_on_cancel=True))
                 if cfg.output.status_page:
                     await self._start_status_page(tg, dock.controller_endpoint)
                 for group in self.pipeline.process_groups():
@@ -304,10 +309,6 @@ class _Launch:
                                       rendezvous_endpoint=rendezvous.endpoint if rendezvous is not None else "")
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     await backend.start(members, spec, tg)
-                if cfg.output.plot:
-                    # the reward curve's matplotlib import (most of a second) now, while the workers
-                    # start and this process's core is idle, rather than after the last step
-                    tg.start_soon(functools.partial(anyio.to_thread.run_sync, import_plotting, abandon_on_cancel=True))
                 # One task owns the socket's receive: a recv cancelled by the supervisor's poll timeout
                 # could drop a message that had just arrived (e.g. the last Finished: the run would
                 # then wait forever); a memory stream's receive loses nothing when cancelled.
