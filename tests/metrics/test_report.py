@@ -195,7 +195,7 @@ def test_the_reward_band_stays_within_the_rewards_range() -> None:
 
 @pytest.mark.parametrize("installed", [True, False])
 def test_import_plotting_loads_what_drawing_takes_or_says_matplotlib_is_missing(installed: bool) -> None:
-    """What the launcher calls while its workers start: afterwards drawing imports nothing more."""
+    """What the launcher calls while it waits for the forkserver: afterwards drawing imports nothing more."""
     hide = "" if installed else "sys.modules['matplotlib'] = None  # as if not installed\n"
     code = (f"import sys\n{hide}"
             "from streamrl.metrics.report import import_plotting\n"
