@@ -245,11 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ray_cluster is not None and ray_cluster.join_abandoned():
         # a Ray cluster that could not be joined (or a signal during the join): the run has cleaned
         # up and said why; skip the interpreter's teardown, which Ray's stuck native threads break
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_without_teardown(code)
     return code
+
+
+def _exit_without_teardown(code: int) -> None:
+    """Exit now, past the interpreter's teardown: logging and the standard streams flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def console() -> None:
@@ -266,10 +271,7 @@ def console() -> None:
         # own teardown of torch and transformers (about a second of CPU, holding the output pipe of a
         # `streamrl run ... | tee log` open): every worker was reaped, so it is stopped now.
         stop_forkserver()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_without_teardown(code)
     sys.exit(code)
 
 
