@@ -10,6 +10,11 @@ out back to back as one span. The baseline, written here, is the straightforward
 same wire format (docs/dock-protocol.md §5.2): each value copied to its own 16-byte-aligned offset,
 each received value validated and viewed on its own (what streamrl's codec did before 9c9adae).
 
+**The warehouse's side** (ops ``store`` and ``serve``): a warehouse decodes each put as it stores
+it and encodes each get's reply. It keeps the values as bytes (``codec.RawValue``: no torch in
+the process); the baseline is the same codec making torch views of them, which is what the
+warehouse did before it stopped importing torch. Both replies are checked to be byte-equal.
+
 Shapes: W1's micro-batch (64 samples, 4 response tokens and 4 logprobs each) and W2's (128
 samples, 40 and 40). Each figure is the median time of one encode or one decode over ``--iters``
 calls, per repetition; the table shows the median [min, max] over ``--reps`` repetitions. Both
@@ -37,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _common import fmt_spread, print_json_line, print_table, ratio, spread
 
-from streamrl.dock.codec import ALIGN, decode_columns, dtype_name, encode_columns
+from streamrl.dock.codec import ALIGN, decode_columns, decode_put, dtype_name, encode_columns
 from streamrl.dock.protocol import TensorColumn
 
 SHAPES = {"W1": (64, 4), "W2": (128, 40)}  # samples, tokens per sample
@@ -91,6 +96,11 @@ def streamrl_decode(header: list[TensorColumn], frames: list[Any], n: int) -> di
     return decode_columns(header, [bytearray(f) for f in frames], n, exact=True)
 
 
+def store(header: list[TensorColumn], frames: list[Any], n: int, raw: bool) -> dict[str, list[Any]]:
+    """What a warehouse does with a put: decode it, exact, counting the frames each value holds."""
+    return decode_put(header, frames, n, raw=raw)[0]
+
+
 def time_median(fn: Callable[[], Any], iters: int) -> float:
     times = []
     for _ in range(iters):
@@ -120,17 +130,29 @@ def main() -> None:
                     time_median(lambda enc=enc, cols=cols, n=samples: enc(cols, n), args.iters))
                 runs.setdefault(f"{shape}_{side}_decode_ms", []).append(
                     time_median(lambda dec=dec, h=h, f=f, n=samples: dec(h, f, n), args.iters))
+            # the warehouse: bytes (streamrl) against torch views of them (naive: its path before)
+            received = [bytes(f) for f in ours_f]
+            held = {raw: store(ours_h, received, samples, raw) for raw in (True, False)}
+            replies = {raw: encode_columns(held[raw], samples) for raw in (True, False)}
+            assert replies[True][0] == replies[False][0]
+            assert [bytes(f) for f in replies[True][1]] == [bytes(f) for f in replies[False][1]]
+            for side, raw in (("streamrl", True), ("naive", False)):
+                runs.setdefault(f"{shape}_{side}_store_ms", []).append(
+                    time_median(lambda raw=raw, h=ours_h, f=received, n=samples: store(h, f, n, raw), args.iters))
+                runs.setdefault(f"{shape}_{side}_serve_ms", []).append(
+                    time_median(lambda v=held[raw], n=samples: encode_columns(v, n), args.iters))
     figures = {k: spread(v) for k, v in runs.items() if "_streamrl_" in k}
     baseline = {k.replace("_naive_", "_"): spread(v) for k, v in runs.items() if "_naive_" in k}
     ratios = {k.replace("_streamrl_", "_"): round(ratio(baseline[k.replace("_streamrl_", "_")], s), 2)
               for k, s in figures.items()}
     rows = []
     for shape in SHAPES:
-        for op in ("encode", "decode"):
+        for op, base in (("encode", "value by value"), ("decode", "value by value"),
+                         ("store", "torch views"), ("serve", "torch views")):
             key = f"{shape}_{op}_ms"
-            rows.append([shape, op, fmt_spread(baseline[key], 3), fmt_spread(figures[f"{shape}_streamrl_{op}_ms"], 3),
-                         f"{ratios[key]:.2f}x"])
-    print_table(["shape", "op", "value by value (ms)", "streamrl (ms)", "speed-up"], rows)
+            rows.append([shape, op, base, fmt_spread(baseline[key], 3),
+                         fmt_spread(figures[f"{shape}_streamrl_{op}_ms"], 3), f"{ratios[key]:.2f}x"])
+    print_table(["shape", "op", "baseline", "baseline (ms)", "streamrl (ms)", "speed-up"], rows)
     print_json_line("dock_codec", figures, baseline, ratios, {"speed_up_min": 1.0}, reps=args.reps, iters=args.iters)
 
 

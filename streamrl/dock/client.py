@@ -28,6 +28,10 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
+
+# The client hands out tensors (the codec's views of the fetched frames): torch loads with the
+# client, not inside the first fetch, where its seconds of import would count against the lease.
+import torch  # noqa: F401
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message

@@ -10,8 +10,10 @@ controller loses nothing: the link reconnects under the same routing id, the war
 registers again, resends the readiness messages not yet answered and resyncs the samples it
 holds (the controller frees those it lost the ``free`` of); docs/dock-protocol.md §5.8.
 
-Stored tensors are views of the received zmq frames (codec rule 4): a put costs no copy here,
-and a get of a large value sends that same memory back out without copying (codec rule 1).
+Stored tensors are views of the received zmq frames' bytes (codec rule 4; held as
+:class:`~streamrl.dock.codec.RawValue`): a put costs no copy here, and a get of a large value
+sends that same memory back out without copying (codec rule 1). The warehouse never imports
+torch: it starts in a tenth of a second and holds no more than the bytes it stores.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 from streamrl import wire
 from streamrl.dock import protocol as p
 from streamrl.dock.authz import AccessDenied, DockPolicy, parse_policy
+from streamrl.dock.codec import decode_put, encode_columns
 from streamrl.dock.errors import WireFormatError
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.state import ProtocolViolation
@@ -470,9 +473,7 @@ class WarehouseServer:
                     raise ValueError("a column name appears twice in one put")
                 if data and not any(type(c) is p.TensorColumn for c in cols):
                     raise WireFormatError(f"{len(data)} tensor frames follow a put with no tensor column")
-                from streamrl.dock.codec import decode_put  # torch: imported once the server is up (main)
-
-                values, frames = decode_put(cols, data, n)
+                values, frames = decode_put(cols, data, n, raw=True)
                 st.put(idx, values, frames)
                 st.counters["puts"] += 1
                 st.counters["bytes_in"] += sum(nbytes for nbytes, _ in frames)
@@ -488,8 +489,6 @@ class WarehouseServer:
                 if data:
                     raise WireFormatError("a get carries no tensor frames")
                 values = st.get(idx, names)
-                from streamrl.dock.codec import encode_columns
-
                 cols, frames = encode_columns(values, len(idx))
                 st.counters["gets"] += 1
                 st.counters["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
@@ -534,26 +533,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warehouse: {exc}", file=sys.stderr)
         return 2
     server.parent.pid = args.parent_pid
-    serving = False
 
     def on_signal(*_: object) -> None:
-        if serving:
-            server.stop()
-        else:  # still importing (below): nothing is stored yet, and waiting for the import helps no one
-            os._exit(0)
+        server.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"READY {server.endpoint}", flush=True)
-    # torch (the codec's tensor views) only now, with the warehouse registered and its READY out: its
-    # seconds of import then overlap the workers' start instead of delaying every run's launch. Nothing
-    # is put before the workers are set up, and what comes meanwhile waits in the sockets.
-    import torch
-
-    import streamrl.dock.codec  # noqa: F401
-
-    torch.set_num_threads(1)  # the warehouse only copies bytes; a thread pool adds ms-scale wake-ups
-    serving = True
     server.serve_forever()
     server.ctx.destroy(linger=0)  # any socket still open closed, the context's I/O threads ended
     return 0

@@ -9,7 +9,16 @@ import pytest
 import torch
 import zmq
 
-from streamrl.dock.codec import _DTYPES, ALIGN, ZERO_COPY_BYTES, decode_columns, encode_columns
+from streamrl.dock.codec import (
+    ALIGN,
+    ITEMSIZES,
+    ZERO_COPY_BYTES,
+    RawValue,
+    decode_columns,
+    decode_put,
+    encode_columns,
+    torch_dtypes,
+)
 from streamrl.dock.errors import WireFormatError
 from streamrl.dock.protocol import TensorColumn
 
@@ -47,7 +56,7 @@ def _send_recv(frames: list) -> list[zmq.Frame]:
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (ZERO_COPY_BYTES // 4 + 3,)]
 
 
-@pytest.mark.parametrize("dtype", sorted(_DTYPES.values(), key=str))
+@pytest.mark.parametrize("dtype", sorted(torch_dtypes().values(), key=str))
 def test_every_dtype_and_shape_round_trips_through_zmq(dtype: torch.dtype) -> None:
     if dtype in (getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None)):
         values = [torch.zeros(s, dtype=dtype) for s in SHAPES]
@@ -60,6 +69,44 @@ def test_every_dtype_and_shape_round_trips_through_zmq(dtype: torch.dtype) -> No
     for v, o in zip(values, out, strict=True):
         assert o.dtype == v.dtype and o.shape == v.shape
         assert torch.equal(o.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+    # and through a store that holds them as bytes (the warehouse: RawValue, no torch), unchanged
+    stored, _ = decode_put(cols, _send_recv(frames), len(values), raw=True)
+    assert all(type(r) is RawValue and r.dtype == cols[0].dtype for r in stored["x"])
+    again = decode_columns(*_resend(stored, len(values)), len(values))["x"]
+    for v, o in zip(values, again, strict=True):
+        assert o.dtype == v.dtype and o.shape == v.shape
+        assert torch.equal(o.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+
+
+def _resend(values: dict, n: int) -> tuple[list, list[zmq.Frame]]:
+    cols, frames = encode_columns(values, n)
+    return cols, _send_recv(frames)
+
+
+def test_the_wire_itemsizes_are_torchs() -> None:
+    """The table a process without torch sizes values by (the warehouse) agrees with torch."""
+    assert set(torch_dtypes()) == set(ITEMSIZES)
+    for name, dtype in torch_dtypes().items():
+        assert dtype.itemsize == ITEMSIZES[name], name
+
+
+def test_bytes_held_without_torch_go_out_in_the_layout_the_tensors_did() -> None:
+    """A warehouse re-sends what it stored (RawValue) with the header and frames the tensors'
+    own encoding gives: the same shapes, frame ids, offsets (alignment, own frames for large
+    values, empty values at their run's start) and the same bytes, in one message of mixed columns."""
+    n = 6
+    columns = {
+        "ids": [torch.arange(k, dtype=torch.int64) for k in (0, 3, 0, 17, 1, 5)],
+        "logp": [torch.randn(k) for k in (2, 0, 9, 1, 4, 3)],
+        "big": [torch.randn(ZERO_COPY_BYTES // 4 + k) if k % 2 else torch.randn(k) for k in range(n)],
+        "half": [torch.randn(3, k).to(torch.bfloat16) for k in range(n)],
+        "meta": [{"k": k} for k in range(n)],
+    }
+    cols, frames = encode_columns(columns, n)
+    stored, _ = decode_put(cols, _send_recv(frames), n, raw=True)
+    cols2, frames2 = encode_columns(stored, n)
+    assert cols2 == cols
+    assert [bytes(f) for f in frames2] == [bytes(f) for f in frames]
 
 
 def test_ragged_columns_and_objects_in_one_message() -> None:
