@@ -17,9 +17,10 @@ sizes (4, 8, 16 prompts x 8 completions), STEPS steps each, seed 0. Figures per 
   Python, torch, the dock client) + parameters, gradients and AdamW's two moments (16 bytes a
   parameter, fp32) + the published policy versions (8 bytes a parameter: the newest version's file
   in the run's shared memory, which generation maps while the trainer goes on, and the next one's,
-  allocated ahead; streamrl.runtime.policy) + one micro-batch's activations
+  allocated ahead; streamrl.runtime.policy) + the largest micro-batch's activations
   (ACT_BYTES_PER_TOKEN_LAYER_HIDDEN bytes per token, layer and channel, a budget for a block's
-  saved tensors in fp32 without activation checkpointing); the trainer's peak over it.
+  saved tensors in fp32 without activation checkpointing; the tokens of the step with the most,
+  per micro-batch, since the peak comes with the largest one); the trainer's peak over it.
 
     python ops/bench/cost_growth.py                   # the whole grid, both sides
     python ops/bench/cost_growth.py --sizes 3M,25M --batches 64 --skip-trl
@@ -148,7 +149,7 @@ def run_streamrl(size: str, batch: int, tmp: Path, mmap_threshold: int | None = 
     steady = [r["step_time_s"] for r in rows[1:]]  # step 1 carries warm-up (as TRL's steady figure)
     return {"completions_per_s": len(steady) * batch / sum(steady), "train_s": sum(steady),
             "sequence_tokens": sum(r["sequence_tokens"] for r in rows[1:]), "peak_rss_mib": watch.peak,
-            "train_micro_batch": train_mb, "all_tokens": sum(r["sequence_tokens"] for r in rows)}
+            "train_micro_batch": train_mb, "largest_step_tokens": max(r["sequence_tokens"] for r in rows)}
 
 
 def run_trl(python: Path, size: str, batch: int) -> dict[str, Any]:
@@ -197,7 +198,8 @@ def main() -> None:
                 useful = 8 * params * ours["sequence_tokens"] / ours["train_s"] / 1e9
                 peaks = ours["peak_rss_mib"]
                 base = peaks.get("advantage-0", 0.0)
-                tokens_mb = ours["all_tokens"] / STEPS / batch * min(ours["train_micro_batch"], batch)
+                # the largest step's tokens per micro-batch: sampled lengths vary, so the steps do
+                tokens_mb = ours["largest_step_tokens"] / batch * min(ours["train_micro_batch"], batch)
                 activations = ACT_BYTES_PER_TOKEN_LAYER_HIDDEN * tokens_mb * layers * hidden
                 estimate = base + ((16 + PUBLISHED_BYTES_PER_PARAM) * params + activations) / 2**20
                 cell = {"params": params, "completions_per_s": round(ours["completions_per_s"], 2),
