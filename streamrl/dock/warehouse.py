@@ -547,8 +547,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    # Nothing is left to write once main() returns, so skip the interpreter's teardown: its garbage
-    # collection of torch's modules took about 0.6 s, and the end of every run waited for it.
+    # Nothing is left to write once main() returns, so skip the interpreter's teardown: LocalDock.stop,
+    # and with it the end of every run, waits for this process to exit.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
