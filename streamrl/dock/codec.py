@@ -152,10 +152,10 @@ class _Pack:
 
 
 def _layout(nbytes: list[int], itemsize: int, frames: list[Frame], pack: _Pack,
-            own_frame: Any) -> tuple[list[int], list[int], list[int], int]:
+            own_frame: Any) -> tuple[list[int], list[int], list[int]]:
     """Where each of a column's values goes: its own frame from ``own_frame(k)`` (rule 1) or the
-    pack (rule 3). Returns (frame ids, offsets, the positions of the packed values with bytes, the
-    start of their run in the pack, aligned; -1 if none) and pads the pack up to that start."""
+    pack (rule 3). Returns (frame ids, offsets, the positions of the packed values with bytes) and
+    pads the pack up to where their run starts (aligned)."""
     frame_ids: list[int] = []
     offsets: list[int] = []
     packed: list[int] = []
@@ -186,7 +186,7 @@ def _layout(nbytes: list[int], itemsize: int, frames: list[Frame], pack: _Pack,
         if start > pack.size:
             pack.parts.append(bytes(start - pack.size))
         pack.size = start + run
-    return frame_ids, offsets, packed, start
+    return frame_ids, offsets, packed
 
 
 def _encode_tensors(name: str, values: Sequence[Any], frames: list[Frame], pack: _Pack) -> TensorColumn:
@@ -206,7 +206,7 @@ def _encode_tensors(name: str, values: Sequence[Any], frames: list[Frame], pack:
             v = v.contiguous()  # rule 2: the contiguous copy is what stays alive
         tensors.append(v)
     # rule 1: own frame, zero-copy; the memoryview pins the tensor's storage
-    frame_ids, offsets, packed, _ = _layout([v.nbytes for v in tensors], dtype.itemsize, frames, pack,
+    frame_ids, offsets, packed = _layout([v.nbytes for v in tensors], dtype.itemsize, frames, pack,
                                             lambda k: memoryview(_as_bytes_view(tensors[k]).numpy()))
     if packed:
         small = [tensors[k] if tensors[k].dim() == 1 else tensors[k].reshape(-1) for k in packed]
@@ -224,7 +224,7 @@ def _encode_raw(name: str, values: Sequence[RawValue], frames: list[Frame], pack
     if any(v.dtype != dtype for v in values):
         raise ValueError(f"column {name!r} mixes dtypes {sorted({v.dtype for v in values})}: cast them to one dtype")
     # the bytes as they came (rule 4's views): large ones go out as their own frames, uncopied
-    frame_ids, offsets, packed, _ = _layout([v.data.nbytes for v in values], ITEMSIZES[dtype], frames, pack,
+    frame_ids, offsets, packed = _layout([v.data.nbytes for v in values], ITEMSIZES[dtype], frames, pack,
                                             lambda k: values[k].data)
     pack.parts.extend(values[k].data for k in packed)
     return TensorColumn(name, dtype, [list(v.shape) for v in values], frame_ids, offsets)
@@ -295,10 +295,12 @@ class _Tensors:
             self.aligned[key] = buf.clone()
         return self.aligned[key]
 
-    def run(self, dt: str, fid: int, off: int, shapes: list[list[int]], numels: list[int],
+    def run(self, dt: str, fid: int, offs: list[int], shapes: list[list[int]], numels: list[int],
             itemsize: int) -> list[torch.Tensor]:
         """A column whose values lie back to back in one frame: one typed view, one split into views."""
         import torch
+
+        off = offs[0]
 
         dtype = torch_dtypes()[dt]
         total = sum(numels)
@@ -323,10 +325,9 @@ class _Raw:
     def __init__(self, frames: Sequence[Frame]) -> None:
         self.raw = [_frame_bytes(f) for f in frames]
 
-    def run(self, dt: str, fid: int, off: int, shapes: list[list[int]], numels: list[int],
+    def run(self, dt: str, fid: int, offs: list[int], shapes: list[list[int]], numels: list[int],
             itemsize: int) -> list[RawValue]:
-        return self.each(dt, [fid] * len(shapes), list(itertools.accumulate(
-            (m * itemsize for m in numels[:-1]), initial=off)), shapes, numels, itemsize)
+        return self.each(dt, [fid] * len(shapes), offs, shapes, numels, itemsize)
 
     def each(self, dt: str, fids: list[int], offs: list[int], shapes: list[list[int]], numels: list[int],
              itemsize: int) -> list[RawValue]:
@@ -373,7 +374,7 @@ def _decode(
                         ends[fid] = max(ends[fid], starts[-1] * itemsize)
                     if users is not None:
                         users[fid].update(range(n))
-                    out[name] = views.run(dt, fid, offs[0], shapes, numels, itemsize)
+                    out[name] = views.run(dt, fid, offs, shapes, numels, itemsize)
                 else:  # any other layout, value by value: each one's frame and bounds checked
                     _check_each(name, lengths, fids, offs, numels, itemsize, budget, ends, users)
                     out[name] = views.each(dt, fids, offs, shapes, numels, itemsize)
