@@ -30,6 +30,12 @@ def _agent_rows(metrics: list[dict[str, Any]], name: str) -> list[float]:
     return [row[f"agent/{name}"] for row in metrics if f"agent/{name}" in row]
 
 
+def _per_step_sums(metrics: list[dict[str, Any]], name: str) -> list[float]:
+    """Each step's agent metric summed over the stage's workers (rows carry ``agent/<worker>/<name>``
+    when it has more than one)."""
+    return [sum(v for k, v in row.items() if k.startswith("agent/") and k.split("/")[-1] == name) for row in metrics]
+
+
 STEPS = 60  # the learning test's steps; see check_the_calculator_is_learned
 
 
@@ -211,16 +217,26 @@ def test_the_agent_stage_runs_in_the_reshard_placements(tmp_path: Path, placemen
     does: colocated, its endpoint samples on the inference weights the train stage of its process
     reshards in (between_sessions: a micro-batch's sessions keep one version, the train phase waits
     for them); disaggregated, on the versions the train group sends it (in_session: one received
-    during a session goes in between two engine calls). One generation ahead."""
+    during a session goes in between two engine calls: two agent workers play half a step each, and
+    tests.e2e.agent_fns:three_turns_across_a_train_step makes a version land inside sessions for
+    certain). One generation ahead."""
     steps, batch = 6, 16
     before = ipc_dirs()
+    run_dir, marks = tmp_path / "run", tmp_path / "marks"
+    marks.mkdir()
+    if updates == "between_sessions":
+        agent = ["stages.agent.options.rollout=tests.e2e.agent_fns:three_slow_turns"]
+    else:
+        agent = ["stages.agent.options.rollout=tests.e2e.agent_fns:three_turns_across_a_train_step",
+                 "stages.agent.options.rollout_args=" + json.dumps(
+                     {"run_dir": str(run_dir), "marks": str(marks), "steps": steps, "batch": batch})]
     result = streamrl.run(str(CONFIG), [
         f"pipeline={REPO / 'pipelines' / f'agent_{placement}.yaml'}", f"algo.steps={steps}", "algo.stop_reward=null",
         "algo.max_staleness=1", "algo.prompts_per_step=4", "algo.group_size=4", "stages.advantage.micro_batch=16",
         *(["stages.agent.micro_batch=8", "stages.train.micro_batch=8"] if placement == "colocated" else
-          ["stages.agent.workers=1", "stages.agent.micro_batch=16", "stages.train.micro_batch=16"]),
-        f"stages.agent.options.weight_updates={updates}", "stages.agent.options.rollout=tests.e2e.agent_fns:three_slow_turns",
-        "stages.agent.options.tool_parser=hermes", f"output.run_dir={tmp_path}", *QUIET])
+          ["stages.agent.workers=2", "stages.agent.micro_batch=8", "stages.train.micro_batch=16"]),
+        f"stages.agent.options.weight_updates={updates}", *agent, "stages.agent.options.tool_parser=hermes", *QUIET],
+        run_dir=run_dir)
     assert result.steps == steps
     stats = result.dock_statistics
     assert stats["reserved_total"] == steps * batch
@@ -232,10 +248,17 @@ def test_the_agent_stage_runs_in_the_reshard_placements(tmp_path: Path, placemen
     assert [row["samples"] for row in result.metrics] == [batch] * steps
     assert all(row["repeated_samples"] == 0 for row in result.metrics)
     assert max(row["staleness_max"] for row in result.metrics) <= 1
-    assert all(t == 3.0 for t in _agent_rows(result.metrics, "turns_per_trajectory"))
-    mixed = sum(_agent_rows(result.metrics, "mixed_version_trajectories"))
+    turns = [v for row in result.metrics for k, v in row.items() if k.endswith("/turns_per_trajectory")]
+    assert turns and all(t == 3.0 for t in turns)
     if updates == "between_sessions":
-        assert mixed == 0  # every token of a trajectory from one version
+        # every token of a trajectory from one version (each row: every worker's last micro-batch)
+        assert _per_step_sums(result.metrics, "mixed_version_trajectories") == [0.0] * steps
     else:
-        assert mixed > 0  # versions landed inside sessions, each token keeping its own
+        # versions landed inside sessions, in every step after the first (the agent's holds make it
+        # certain, not a race): the replies' policy_version, as the agent saw them
+        sessions = [json.loads(line) for line in (marks / "sessions.jsonl").read_text().splitlines()]
+        assert len(sessions) == steps * batch
+        assert all(s["versions"] == sorted(s["versions"]) for s in sessions)  # a session never goes back
+        spanning = {s["step"] for s in sessions if s["versions"][0] < s["versions"][-1]}
+        assert spanning == set(range(1, steps)), sessions
     assert_run_cleaned(result.run_dir, os.getpid(), before)
