@@ -27,6 +27,14 @@ baseline), in a process with the workers' OpenMP waits.
                                                         # (git worktree add /tmp/old COMMIT)
     python ops/bench/core_share.py --event-loop --reps 5   # a compute thread's kernels, the worker's
                                                         # event loop thread pinned to 1 torch thread or not
+    python ops/bench/core_share.py --optimizer --reps 3    # the train engine's optimizer step on 1 and 2
+                                                        # threads, alone and beside a busy core
+
+``--optimizer`` measures what sets ``ELEMENTWISE_GRAIN``: the FSDP2 train engine's ``step``
+(gradient scaling and norm, AdamW; a world of one) at W1's, W2's and a 25M model's size, on 2
+torch threads (the baseline: the stage's threads, what the share gave it before) and on 1, in a
+process with the workers' OpenMP waits, once with the host otherwise quiet and once beside a
+process that keeps the other core busy (as another stage's compute or the run's Python does).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +86,16 @@ def run(workload: str, staleness: int, setting: str, seed: int, tmp: Path,
 
 GRAIN_WIDTHS = (128, 256, 512)
 GRAIN_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def workers_env() -> dict[str, str]:
+    """This environment with the workers' OpenMP waits (the short spin) instead of the user's: they
+    must be set before torch starts, so the timings run in a child process with it."""
+    from streamrl.runtime.forkserver import openmp_waits
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(openmp_waits(env))
+    return env
 
 
 def layer_times(width: int, rows: int) -> dict[str, float]:
@@ -122,11 +141,7 @@ def grain_child() -> None:
 
 def grain() -> None:
     from streamrl.engines.core_share import DECODE_GRAIN, LAYER_GRAIN
-    from streamrl.runtime.forkserver import openmp_waits
-
-    # the workers' OpenMP waits must be in the environment before torch starts: a child process
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(openmp_waits(env))
+    env = workers_env()
     load = [os.getloadavg()[0]]
     proc = subprocess.run([sys.executable, __file__, "--grain-child"], capture_output=True, text=True,
                           timeout=900, cwd=ROOT, env=env)
@@ -195,10 +210,7 @@ def event_loop_child(pinned: bool) -> None:
 
 def event_loop(reps: int) -> None:
     """The compute thread's kernels with and without the event loop thread pinned to one torch thread."""
-    from streamrl.runtime.forkserver import openmp_waits
-
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(openmp_waits(env))  # the workers' short spin
+    env = workers_env()
     load = [os.getloadavg()[0]]
     got: dict[str, list[dict[str, float]]] = {"pinned": [], "unpinned": []}
     for rep in range(reps):
@@ -224,6 +236,93 @@ def event_loop(reps: int) -> None:
                     load_average=[min(load), max(load)])
 
 
+OPTIMIZER_SIZES = {  # TinyModelSpec shapes: W1's, W2's (ops/bench/grpo_vs_trl.py) and cost_growth.py's 25M
+    "W1": {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 256},
+    "W2": {"hidden": 256, "layers": 4, "heads": 8, "intermediate": 512},
+    "25M": {"hidden": 512, "layers": 8, "heads": 8, "intermediate": 1024},
+}
+BUSY_MAX_S = 600.0  # the busy core's process ends by itself after this, whatever happens to the parent
+
+
+def optimizer_child() -> None:
+    """Median ms of the engine's step per size and thread count (one JSON line per size)."""
+    import torch
+    import torch.distributed as dist
+
+    from streamrl.algos.grpo import LossConfig
+    from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
+    from streamrl.engines.samples import TrainSample
+    from streamrl.models.build import build_model
+    from streamrl.models.spec import TinyModelSpec
+    from streamrl.models.tokenizer import build_char_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="streamrl-optimizer-") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            tokenizer = build_char_tokenizer()
+            gen = torch.Generator().manual_seed(0)
+            batch = [TrainSample(torch.randint(3, 15, (8,), generator=gen), torch.randint(3, 15, (4,), generator=gen),
+                                 advantage=1.0, rollout_logprobs=torch.full((4,), -2.0)) for _ in range(8)]
+            for size, shape in OPTIMIZER_SIZES.items():
+                torch.manual_seed(0)
+                model = build_model(TinyModelSpec(**shape), tokenizer)
+                params = sum(p.numel() for p in model.parameters())
+                engine = FSDPTrainEngine(model, lr=1e-3, max_grad_norm=1.0, device="cpu", options=FSDPOptions())
+                times: dict[str, float] = {}
+                for threads in (2, 1):
+                    torch.set_num_threads(threads)
+                    took = []
+                    for _ in range(14):
+                        engine.accumulate(batch, LossConfig())  # gradients to step on (not timed)
+                        t0 = time.perf_counter()
+                        engine.step()
+                        took.append(time.perf_counter() - t0)
+                    times[f"{threads}_ms"] = 1e3 * sorted(took[2:])[len(took[2:]) // 2]
+                print(json.dumps({"size": size, "params": params, **times}), flush=True)
+        finally:
+            dist.destroy_process_group()
+
+
+def optimizer(reps: int) -> None:
+    """The engine's step on 1 thread against 2, on a quiet host and beside a busy core."""
+    env = workers_env()
+    load = [os.getloadavg()[0]]
+    got: dict[str, list[dict[str, Any]]] = {"quiet": [], "busy": []}
+    for rep in range(reps):
+        for case in (("quiet", "busy") if rep % 2 == 0 else ("busy", "quiet")):
+            busy = None
+            if case == "busy":  # a pure-Python loop: one core taken, no OpenMP of its own
+                busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + "
+                                         f"{BUSY_MAX_S}\nwhile time.monotonic() < end: pass"])
+            try:
+                proc = subprocess.run([sys.executable, __file__, "--optimizer-child"], capture_output=True, text=True,
+                                      timeout=600, cwd=ROOT, env=env)
+            finally:
+                if busy is not None:
+                    busy.kill()
+                    busy.wait(10)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {case} child failed:\n{proc.stderr[-3000:]}")
+            got[case] += [json.loads(line) for line in proc.stdout.splitlines()]
+            print(f"rep {rep} {case:5s} {proc.stdout.strip()}", flush=True)
+    load.append(os.getloadavg()[0])
+    figures, baseline, ratios, rows = {}, {}, {}, []
+    for size in OPTIMIZER_SIZES:
+        for case in ("quiet", "busy"):
+            runs = [r for r in got[case] if r["size"] == size]
+            one, two = spread(r["1_ms"] for r in runs), spread(r["2_ms"] for r in runs)
+            key = f"{size}_{case}"
+            figures[f"{key}_1thread_ms"], baseline[f"{key}_2threads_ms"] = one, two
+            ratios[key] = round(ratio(two, one), 2)
+            rows.append([size, f"{runs[0]['params'] / 1e6:.2f}", case, fmt_spread(two, 2), fmt_spread(one, 2),
+                         f"{ratios[key]:.2f}"])
+    print_table(["model", "params (M)", "other core", "2 threads ms", "1 thread ms", "1 thread's speed-up"], rows)
+    print(f"load average {min(load):.2f} .. {max(load):.2f}")
+    print_json_line("core_share_optimizer", figures, baseline, ratios,
+                    {"note": "a team only where a second thread gains on a quiet host; one thread faster beside a busy core"},
+                    load_average=[min(load), max(load)], reps=reps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["W1", "W2", "both"], default="both")
@@ -234,6 +333,9 @@ def main() -> None:
     ap.add_argument("--event-loop", action="store_true",
                     help="time a compute thread's kernels with the event loop thread pinned to one torch thread or not")
     ap.add_argument("--event-loop-child", choices=["pinned", "unpinned"], help=argparse.SUPPRESS)
+    ap.add_argument("--optimizer", action="store_true",
+                    help="time the train engine's optimizer step on 1 and 2 threads, quiet and beside a busy core")
+    ap.add_argument("--optimizer-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--against", type=Path, metavar="CHECKOUT",
                     help="compare the defaults with another checkout's (e.g. a git worktree of an older commit) "
                          "instead of with the fixed threads")
@@ -249,6 +351,12 @@ def main() -> None:
         return
     if args.event_loop:
         event_loop(args.reps)
+        return
+    if args.optimizer_child:
+        optimizer_child()
+        return
+    if args.optimizer:
+        optimizer(args.reps)
         return
     settings, base_name = SETTINGS, "fixed"
     if args.against is not None:

@@ -57,6 +57,13 @@ LAYER_GRAIN = 4 * 2**20
 # and its sampling split across the rows too: at 4M W2's generation was 20-30 % slower.
 DECODE_GRAIN = 2**20
 
+# Parameters per torch thread of the train engine's optimizer step: a team of 2 from 16 Mi. The
+# step is bound by memory bandwidth, and once its fused operator runs the share cannot take a thread
+# back when another stage starts computing beside it. On a quiet host its second thread sped the
+# step up 1.0-1.25x at 0.3-2.6M parameters and 1.4x at 21M; beside a busy core it slowed it 4-8x
+# (0.3-2.6M) and 2.5x (21M) (`python ops/bench/core_share.py --optimizer`, docs/benchmarks.md §19).
+ELEMENTWISE_GRAIN = 8 * 2**20
+
 _local = threading.local()  # .share: the CoreShare this thread computes under; .threads: its torch threads
 
 
@@ -148,6 +155,13 @@ def rebalance(work: int | None = None, grain: int | None = None) -> None:
     share: CoreShare | None = getattr(_local, "share", None)
     if share is not None:
         share.rebalance(work, grain)
+
+
+def rebalance_for_elementwise(elements: int) -> None:
+    """The engines' hook before a pass of elementwise work over ``elements`` values per tensor (the
+    optimizer step over a rank's parameters: gradient scaling and norm, AdamW): one torch thread
+    per :data:`ELEMENTWISE_GRAIN`, where it computes under a :class:`CoreShare`."""
+    rebalance(elements, ELEMENTWISE_GRAIN)
 
 
 def work(rows: int, width: int) -> int:

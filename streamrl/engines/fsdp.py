@@ -65,7 +65,7 @@ from streamrl.algos.grpo import (
     unnormalized_loss,
     zero_at_zero_advantage,
 )
-from streamrl.engines.core_share import rebalance_at_layers
+from streamrl.engines.core_share import rebalance_at_layers, rebalance_for_elementwise
 from streamrl.engines.packing import (
     DEFAULT_MAX_ROW_TOKENS,
     DEFAULT_SHARED_PREFIX_MIN_PADDING,
@@ -216,6 +216,7 @@ class FSDPTrainEngine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is False everywhere)")
+        self._local_elements = sum(local(p.data).numel() for p in self.params)  # what the optimizer step sweeps
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_adamw_kernel(self.device, tp),
         )
@@ -478,6 +479,7 @@ class FSDPTrainEngine:
         ``accumulate_padding`` this step takes part like the others.
         """
         self.check_on_device()
+        rebalance_for_elementwise(self._local_elements)  # its threads for what follows (core_share.py)
         reduced = self._reduced_sums()
         (loss, tokens, seqs, skipped_tokens, skipped_seqs, micro_batches, clipped, approx_kl, entropy, kl,
          kl_tokens, is_weight, is_tokens, norm_tokens_sum) = reduced[:14]

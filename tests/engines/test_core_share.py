@@ -301,6 +301,30 @@ def test_training_rebalances_before_each_layers_forward_and_backward_with_its_wo
     assert layers == [tokens * TINY.hidden**2] * len(layers)
 
 
+def test_the_optimizer_step_names_the_parameters_it_sweeps_at_the_elementwise_grain(
+    tmp_path: Path, tok: PreTrainedTokenizerFast, model: torch.nn.Module, world_of_one: None,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step (gradient scaling and norm, AdamW) rebalances once, with this rank's parameter count
+    at ELEMENTWISE_GRAIN: a small model's step runs on one thread even when its stage computes alone
+    on two, and a model of two grains gets the team."""
+    engine = FSDPTrainEngine(model, lr=1e-3, device="cpu")
+    prompt = encode(tok, ["12="])[0]
+    samples = [TrainSample(prompt, torch.tensor([5, 6, 7]), advantage=a) for a in (1.0, -1.0)]
+    params = sum(p.numel() for p in model.parameters())
+    share = RecordingShare(tmp_path / "cores", threads=2, cores=2)
+    engine.accumulate(samples, LossConfig())  # outside the share: its hooks do nothing
+    with share.computing():
+        engine.step()
+    assert share.works == [None, params] and share.grains == [None, core_share.ELEMENTWISE_GRAIN]
+    assert params < core_share.ELEMENTWISE_GRAIN and torch.get_num_threads() == 1
+    monkeypatch.setattr(core_share, "ELEMENTWISE_GRAIN", params // 2)
+    engine.accumulate(samples, LossConfig())
+    with share.computing():
+        engine.step()
+    assert share.statistics().threads == 2 and torch.get_num_threads() == 2
+
+
 def test_reference_logprobs_rebalance_before_each_layer(tmp_path: Path, tok: PreTrainedTokenizerFast,
                                                        model: torch.nn.Module) -> None:
     engine = LogprobEngine(model, device="cpu")
