@@ -46,10 +46,10 @@ async def three_turns_across_a_train_step(client: Any, sample: dict[str, Any], r
       ``metrics.jsonl``, which the trainer writes after it has published version s.
 
     So in every step s >= 1 at least the session whose first reply made the mark has that reply on a
-    version older than s and its second on version s, however fast the train step is (without the holds, whether any version
-    landed inside a session was a race between the agent's next claim and the train step). Each hold
-    is bounded by ``wait_s``. Each session appends its step and the ``streamrl.policy_version`` of each
-    reply to ``marks``/sessions.jsonl."""
+    version older than s and its second on version s, however fast the train step is (without the
+    holds, whether any version landed inside a session was a race between the agent's next claim and
+    the train step). Each hold is bounded by ``wait_s``. Each session appends its step and the
+    ``streamrl.policy_version`` of each reply to ``marks``/sessions.jsonl."""
     step, slot = int(sample["step"]), int(sample["sample_key"]) % batch
     metrics, marked = Path(run_dir) / "metrics.jsonl", Path(marks)
     messages: list[dict[str, Any]] = [{"role": "user", "content": sample["prompt"]}]
