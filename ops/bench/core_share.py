@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,22 @@ def workers_env() -> dict[str, str]:
     return env
 
 
+def child_lines(args: list[str], what: str, env: dict[str, str], timeout_s: float) -> list[str]:
+    """The output lines of this script run again with ``args`` (a child mode) in ``env``; its
+    stderr's end in the error if it fails."""
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout_s,
+                          cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout.splitlines()
+
+
+def alternating(reps: int, first: str, second: str) -> Iterator[tuple[int, str]]:
+    """(repetition, case) for two cases, in turn first each repetition, so that drift hits both."""
+    for rep in range(reps):
+        yield from ((rep, case) for case in ((first, second) if rep % 2 == 0 else (second, first)))
+
+
 def layer_times(width: int, rows: int) -> dict[str, float]:
     """Median milliseconds of one decoder layer's train pass and decode pass, on 1 and 2 threads."""
 
@@ -141,16 +158,13 @@ def grain_child() -> None:
 
 def grain() -> None:
     from streamrl.engines.core_share import DECODE_GRAIN, LAYER_GRAIN
-    env = workers_env()
+
     load = [os.getloadavg()[0]]
-    proc = subprocess.run([sys.executable, __file__, "--grain-child"], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the layer timings failed:\n{proc.stderr[-3000:]}")
+    lines = child_lines(["--grain-child"], "the layer timings", workers_env(), 900)
     load.append(os.getloadavg()[0])
     rows_out, figures, baseline, ratios = [], {}, {}, {}
     below, above = [], []  # second-thread speed-ups on work under 2 grains (one thread) and from 2 grains
-    for line in proc.stdout.splitlines():
+    for line in lines:
         r = json.loads(line)
         work = r["rows"] * r["width"] ** 2
         for name in ("train", "decode"):
@@ -213,14 +227,9 @@ def event_loop(reps: int) -> None:
     env = workers_env()
     load = [os.getloadavg()[0]]
     got: dict[str, list[dict[str, float]]] = {"pinned": [], "unpinned": []}
-    for rep in range(reps):
-        for case in (("unpinned", "pinned") if rep % 2 == 0 else ("pinned", "unpinned")):
-            proc = subprocess.run([sys.executable, __file__, "--event-loop-child", case], capture_output=True,
-                                  text=True, timeout=300, cwd=ROOT, env=env)
-            if proc.returncode != 0:
-                raise RuntimeError(f"the {case} child failed:\n{proc.stderr[-3000:]}")
-            got[case].append(json.loads(proc.stdout.splitlines()[-1]))
-            print(f"rep {rep} {case:9s} {got[case][-1]}", flush=True)
+    for rep, case in alternating(reps, "unpinned", "pinned"):
+        got[case].append(json.loads(child_lines(["--event-loop-child", case], f"the {case} child", env, 300)[-1]))
+        print(f"rep {rep} {case:9s} {got[case][-1]}", flush=True)
     load.append(os.getloadavg()[0])
     figures, baseline, ratios, rows = {}, {}, {}, []
     for name in ("adamw_ms", "matmul_ms", "elementwise_ms"):
@@ -288,23 +297,19 @@ def optimizer(reps: int) -> None:
     env = workers_env()
     load = [os.getloadavg()[0]]
     got: dict[str, list[dict[str, Any]]] = {"quiet": [], "busy": []}
-    for rep in range(reps):
-        for case in (("quiet", "busy") if rep % 2 == 0 else ("busy", "quiet")):
-            busy = None
-            if case == "busy":  # a pure-Python loop: one core taken, no OpenMP of its own
-                busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + "
-                                         f"{BUSY_MAX_S}\nwhile time.monotonic() < end: pass"])
-            try:
-                proc = subprocess.run([sys.executable, __file__, "--optimizer-child"], capture_output=True, text=True,
-                                      timeout=600, cwd=ROOT, env=env)
-            finally:
-                if busy is not None:
-                    busy.kill()
-                    busy.wait(10)
-            if proc.returncode != 0:
-                raise RuntimeError(f"the {case} child failed:\n{proc.stderr[-3000:]}")
-            got[case] += [json.loads(line) for line in proc.stdout.splitlines()]
-            print(f"rep {rep} {case:5s} {proc.stdout.strip()}", flush=True)
+    for rep, case in alternating(reps, "quiet", "busy"):
+        busy = None
+        if case == "busy":  # a pure-Python loop: one core taken, no OpenMP of its own
+            busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + "
+                                     f"{BUSY_MAX_S}\nwhile time.monotonic() < end: pass"])
+        try:
+            lines = child_lines(["--optimizer-child"], f"the {case} child", env, 600)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait(10)
+        got[case] += [json.loads(line) for line in lines]
+        print(f"rep {rep} {case:5s} {' '.join(lines)}", flush=True)
     load.append(os.getloadavg()[0])
     figures, baseline, ratios, rows = {}, {}, {}, []
     for size in OPTIMIZER_SIZES:

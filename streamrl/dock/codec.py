@@ -207,7 +207,7 @@ def _encode_tensors(name: str, values: Sequence[Any], frames: list[Frame], pack:
         tensors.append(v)
     # rule 1: own frame, zero-copy; the memoryview pins the tensor's storage
     frame_ids, offsets, packed = _layout([v.nbytes for v in tensors], dtype.itemsize, frames, pack,
-                                            lambda k: memoryview(_as_bytes_view(tensors[k]).numpy()))
+                                         lambda k: memoryview(_as_bytes_view(tensors[k]).numpy()))
     if packed:
         small = [tensors[k] if tensors[k].dim() == 1 else tensors[k].reshape(-1) for k in packed]
         # values of one dtype need no padding between them: one copy for the whole column,
@@ -225,7 +225,7 @@ def _encode_raw(name: str, values: Sequence[RawValue], frames: list[Frame], pack
         raise ValueError(f"column {name!r} mixes dtypes {sorted({v.dtype for v in values})}: cast them to one dtype")
     # the bytes as they came (rule 4's views): large ones go out as their own frames, uncopied
     frame_ids, offsets, packed = _layout([v.data.nbytes for v in values], ITEMSIZES[dtype], frames, pack,
-                                            lambda k: values[k].data)
+                                         lambda k: values[k].data)
     pack.parts.extend(values[k].data for k in packed)
     return TensorColumn(name, dtype, [list(v.shape) for v in values], frame_ids, offsets)
 
@@ -301,7 +301,6 @@ class _Tensors:
         import torch
 
         off = offs[0]
-
         dtype = torch_dtypes()[dt]
         total = sum(numels)
         if total == 0:
