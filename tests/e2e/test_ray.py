@@ -156,6 +156,26 @@ def _rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     return []
 
 
+def _diagnosis(proc: subprocess.Popen[str], run_root: Path) -> str:
+    """What a failed run test shows: the launcher's stderr (SIGTERM first if it still runs), the
+    metrics rows, and the end of each of the run's logs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+    parts = [f"stderr (last 4000 characters):\n{(err or '')[-4000:]}"]
+    for run_dir in run_root.iterdir():
+        rows = _rows([run_dir])
+        parts.append(f"{len(rows)} metrics rows; the last: {rows[-1:]}")
+        for log in sorted((run_dir / "logs").glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            parts.append(f"--- {log.name} (last 15 of {len(lines)} lines)\n" + "\n".join(lines[-15:]))
+    return "\n".join(parts)
+
+
 def test_a_killed_worker_is_restarted_and_sigterm_stops_every_actor(cluster: Any, tmp_path: Path) -> None:
     """``streamrl run`` on the cluster. A generate worker's process is SIGKILLed (its host actor
     lives on): the host starts it again and training goes on (the restart policy of local runs).
@@ -163,8 +183,11 @@ def test_a_killed_worker_is_restarted_and_sigterm_stops_every_actor(cluster: Any
     import json
 
     # the killed worker's leased samples go back to the dock after lease_ttl_s (30 s by default): 2 s
-    # here, so the step after the restart comes as soon as the restarted worker is up
-    args = [str(DIGITS), *_overrides(tmp_path, cluster.address, 200), "resources.dock.lease_ttl_s=2.0"]
+    # here, so the step after the restart comes as soon as the restarted worker is up. A stall
+    # (no step for stall_timeout_s) stops the run with the stuck workers' stacks, which the
+    # failure below shows.
+    args = [str(DIGITS), *_overrides(tmp_path, cluster.address, 200), "resources.dock.lease_ttl_s=2.0",
+            "resources.stall_timeout_s=90"]
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "run", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -175,7 +198,8 @@ def test_a_killed_worker_is_restarted_and_sigterm_stops_every_actor(cluster: Any
             if ok():
                 return
             time.sleep(0.3)
-        raise AssertionError(f"{what}: not within {timeout_s} s (exit code {proc.poll()})")
+        code = proc.poll()
+        raise AssertionError(f"{what}: not within {timeout_s} s (exit code {code})\n{_diagnosis(proc, tmp_path)}")
 
     try:
         wait_for("two steps", lambda: len(_rows(list(tmp_path.iterdir()))) >= 2)
