@@ -1,6 +1,6 @@
 """Ctrl-C on ``streamrl run``: the launcher stops every process it started and exits 130.
 SIGTERM takes the same path (the CLI re-raises it as SIGINT), also where SIGINT is ignored, as
-for a command started with ``&`` from a script."""
+for a command started with ``&`` from a script. SIGUSR1 before it only dumps the launcher's stacks."""
 
 from __future__ import annotations
 
@@ -62,6 +62,13 @@ def test_an_interrupt_stops_the_run_and_every_process(tmp_path: Path, sent: sign
         assert len(started) >= 7, started  # controller + warehouse + 5 stage workers (+ a forkserver)
         dirs = run_ipc_dirs(run_dir)
         assert dirs and all(d.exists() for d in dirs)
+
+        # `kill -USR1` on the launcher writes its threads' stacks to its stderr, and the run goes on
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while "(most recent call first)" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "(most recent call first)" in out.read_text() and proc.poll() is None, out.read_text()
 
         t0 = time.monotonic()
         proc.send_signal(sent)

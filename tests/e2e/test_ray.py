@@ -14,6 +14,7 @@ tests/runtime/test_ray_placement.py checks what the launcher derives for Ray (pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -157,22 +158,33 @@ def _rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
 
 
 def _diagnosis(proc: subprocess.Popen[str], run_root: Path) -> str:
-    """What a failed run test shows: the launcher's stderr (SIGTERM first if it still runs), the
-    metrics rows, and the end of each of the run's logs."""
+    """What a failed run test shows: every thread's stack of the launcher (in its stderr) and of
+    each worker (in its log), taken with SIGUSR1 while the run still runs, then the launcher's
+    stderr (after SIGTERM), the last metrics row and the end of each of the run's logs."""
+    import json
+
     if proc.poll() is None:
+        for pids in run_root.glob("*/logs/pids.json"):
+            # (a worker still importing, before its faulthandler is set, would die of it: the
+            # run is being stopped anyway)
+            for pid in json.loads(pids.read_text()).values():
+                if isinstance(pid, int):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)  # faulthandler writes at once; the launcher's stderr is read below
         proc.send_signal(signal.SIGTERM)
     try:
         _, err = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate(timeout=10)
-    parts = [f"stderr (last 4000 characters):\n{(err or '')[-4000:]}"]
+    parts = [f"stderr (last 12000 characters):\n{(err or '')[-12000:]}"]
     for run_dir in run_root.iterdir():
         rows = _rows([run_dir])
         parts.append(f"{len(rows)} metrics rows; the last: {rows[-1:]}")
         for log in sorted((run_dir / "logs").glob("*.log")):
             lines = log.read_text(errors="replace").splitlines()
-            parts.append(f"--- {log.name} (last 15 of {len(lines)} lines)\n" + "\n".join(lines[-15:]))
+            parts.append(f"--- {log.name} (last 40 of {len(lines)} lines)\n" + "\n".join(lines[-40:]))
     return "\n".join(parts)
 
 
