@@ -4,6 +4,7 @@ status, report on a run, merge its timeline trace, host reward servers, make CUR
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import importlib
 import logging
@@ -240,9 +241,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # would then vanish and SIGTERM would never stop the run (seen: a run kept training).
         # No terminal's Ctrl-C reaches a background job anyway, so nothing is lost by restoring it.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    # `kill -USR1 <launcher pid>` writes every thread's Python stack to stderr, as each worker does to
-    # its log (logs/pids.json names both): how to see where a hung run's launcher waits
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     args = build_parser().parse_args(argv)
     code = int(args.func(args))
     ray_cluster = sys.modules.get("streamrl.runtime.ray_cluster")  # imported only by runs that may use Ray
@@ -267,6 +265,11 @@ def console() -> None:
     garbage collection of the torch and transformers modules took about 2 s of a 17 s quickstart here,
     and by then the run has stopped every process and closed every file it wrote (logging and the
     standard streams are flushed first)."""
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr, as each worker does to its log
+    # (logs/pids.json names the launcher and the workers): where a hung run's launcher waits. Here and
+    # not in main(), which callers (the tests) also run in their own process with other streams
+    with contextlib.suppress(OSError, ValueError):  # a stderr without a file descriptor: no dumps
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     code = main()
     if _ran:
         from streamrl.runtime.forkserver import stop_forkserver
