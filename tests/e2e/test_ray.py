@@ -15,6 +15,7 @@ tests/runtime/test_ray_placement.py checks what the launcher derives for Ray (pr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -149,8 +150,6 @@ def test_a_lost_node_stops_the_run_naming_it(cluster: Any, tmp_path: Path) -> No
 
 
 def _rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
-    import json
-
     for d in run_dirs:
         if (d / "metrics.jsonl").exists():
             return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -161,8 +160,6 @@ def _diagnosis(proc: subprocess.Popen[str], run_root: Path) -> str:
     """What a failed run test shows: every thread's stack of the launcher (in its stderr) and of
     each worker (in its log), taken with SIGUSR1 while the run still runs, then the launcher's
     stderr (after SIGTERM), the last metrics row and the end of each of the run's logs."""
-    import json
-
     if proc.poll() is None:
         for pids in run_root.glob("*/logs/pids.json"):
             # (a worker still importing, before its faulthandler is set, would die of it: the
@@ -192,8 +189,6 @@ def test_a_killed_worker_is_restarted_and_sigterm_stops_every_actor(cluster: Any
     """``streamrl run`` on the cluster. A generate worker's process is SIGKILLed (its host actor
     lives on): the host starts it again and training goes on (the restart policy of local runs).
     Then SIGTERM: the run exits, and no actor, placement group or process of the run remains."""
-    import json
-
     # the killed worker's leased samples go back to the dock after lease_ttl_s (30 s by default): 2 s
     # here, so the step after the restart comes as soon as the restarted worker is up. A stall
     # (no step for stall_timeout_s) stops the run with the stuck workers' stacks, which the
