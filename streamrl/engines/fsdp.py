@@ -6,6 +6,11 @@ The one train engine, R = 1 included (``logprobs``, ``accumulate``, ``step``, ``
 - ``fully_shard`` on every decoder layer (the classes in the model's ``_no_split_modules``) and
   on the root, over the ``dp`` dimension of a :class:`DeviceMesh` whose device type is the
   engine's device (gloo on CPU, nccl on CUDA, hccl on NPU: the same code).
+- At one rank in float32 without CPU offload (``wrapped`` False) the module is trained as it is:
+  there FSDP2 has nothing to shard, and its per-layer gathers and reduce-scatters, which only copy
+  at one rank, cost a small model's micro-batch about 40 % (docs/benchmarks.md §25). The same
+  kernels run on the same full tensors, so the update is the wrapped one's bit for bit
+  (``wrap_single_rank`` keeps FSDP2 there, for a side-by-side).
 - With ``tensor_parallel`` T > 1 the mesh is (dp, tp) and each layer is first
   ``parallelize_module``'d over tp (column-wise q/k/v/gate/up, row-wise o/down), giving FSDP × TP.
 - The Hugging Face module's own forward runs (no functional re-implementation), so any
@@ -126,6 +131,9 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # wide (tokens) or pad at least this many tokens; others: one group per row and the dense mask
     shared_prefix_min_width: int = DEFAULT_SHARED_PREFIX_MIN_WIDTH
     shared_prefix_min_padding: int = DEFAULT_SHARED_PREFIX_MIN_PADDING
+    # fully_shard also at one rank in float32 without CPU offload, where the engine otherwise trains
+    # the module unwrapped (FSDP2 would only copy there: see the module doc)
+    wrap_single_rank: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -152,7 +160,8 @@ class FSDPTrainEngine:
 
     ``model`` must be identical on every rank (same seed or same checkpoint) and hold float32
     weights (cast here otherwise: they become the master copy). The module is sharded in place:
-    afterwards its parameters are DTensors and the engine owns it.
+    afterwards its parameters are DTensors (unless ``wrapped`` is False: one rank, see the module
+    doc) and the engine owns it.
     """
 
     def __init__(
@@ -212,7 +221,15 @@ class FSDPTrainEngine:
                                        shared_prefix_min_width=options.shared_prefix_min_width,
                                        shared_prefix_min_padding=options.shared_prefix_min_padding)
         log.info("train forward: %s (%s)", self.forward.path, self.forward.why)
-        self._shard(model)
+        # FSDP2 only where it has something to do: shards to hold (more than one rank), a compute
+        # dtype to cast to (its MixedPrecisionPolicy), or the state to keep on the host
+        self.wrapped = (self.mesh.size() > 1 or options.wrap_single_rank or options.cpu_offload
+                        or self.compute_dtype != torch.float32)
+        if self.wrapped:
+            self._shard(model)
+        else:
+            self._prepare_unwrapped(model)
+            log.info("train engine: one rank in float32, the module unwrapped (FSDP2 would only copy here)")
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is False everywhere)")
@@ -224,20 +241,28 @@ class FSDPTrainEngine:
         self._sums = StepSums()
         self._on_host = False
 
+    def _enable_activation_checkpointing(self, model: nn.Module) -> None:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ParallelConfigError(
+                f"{type(model).__name__} does not support activation checkpointing "
+                "(transformers' supports_gradient_checkpointing is False); set activation_checkpointing=False"
+            )
+        # Non-reentrant, the form FSDP2 supports: the reentrant one runs a nested backward per
+        # layer and needs inputs that require grad.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def _prepare_unwrapped(self, model: nn.Module) -> None:
+        if self.options.activation_checkpointing:
+            self._enable_activation_checkpointing(model)
+        rebalance_at_layers(decoder_layers(model))  # as _shard: the host's cores, layer by layer
+
     def _shard(self, model: nn.Module) -> None:
         options = self.options
         layers = decoder_layers(model)
         if self.tp_mesh is not None:
             apply_tensor_parallel(layers, self.tp_mesh)
         if options.activation_checkpointing:
-            if not getattr(model, "supports_gradient_checkpointing", False):
-                raise ParallelConfigError(
-                    f"{type(model).__name__} does not support activation checkpointing "
-                    "(transformers' supports_gradient_checkpointing is False); set activation_checkpointing=False"
-                )
-            # Non-reentrant, the form FSDP2 supports: the reentrant one runs a nested backward per
-            # layer and needs inputs that require grad.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._enable_activation_checkpointing(model)
         mp = MixedPrecisionPolicy()
         if self.compute_dtype != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
@@ -552,7 +577,8 @@ class FSDPTrainEngine:
 
         Names are the model's parameter names; each piece is this rank's dim-0 FSDP shard of its
         TP slice (unpadded: the last ranks' pieces can be shorter or empty). The DTensor itself
-        (``dict(model.named_parameters())[name]``) gives its mesh and placements.
+        (``dict(model.named_parameters())[name]``) gives its mesh and placements. Unwrapped (one
+        rank), each piece is the whole parameter.
         """
         self.check_on_device()
         return {name: local(p.data) for name, p in self.model.named_parameters()}

@@ -11,6 +11,9 @@ What TP splits is the engine's choice (streamrl/engines/parallel.py: embeddings 
 not the spec's default (vocab-parallel embeddings, Megatron style): :func:`spec_for_placements`
 takes each parameter's split dim from its placements, and refuses any placement this layout
 cannot express instead of resharding wrong bytes.
+
+A model with no DTensor parameter at all is the train engine's one-rank module, which it trains
+unwrapped (streamrl/engines/fsdp.py): a layout of one rank that holds every parameter whole.
 """
 
 from __future__ import annotations
@@ -31,12 +34,17 @@ def _is_dim0_shard(placement: object) -> bool:
 
 
 def train_tp_dims(model: nn.Module) -> tuple[TrainLayout, dict[str, int | None]]:
-    """The train layout (R, tp) and the TP split dim of every parameter of an FSDP2 model."""
+    """The train layout (R, tp) and the TP split dim of every parameter of an FSDP2 model (or of the
+    train engine's unwrapped one-rank module: (1, 1), no split)."""
     dims: dict[str, int | None] = {}
     world = tp = None
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    if named and not any(isinstance(p, DTensor) for _, p in named):
+        return TrainLayout(1, 1), {name: None for name, _ in named}
+    for name, p in named:
         if not isinstance(p, DTensor):
-            raise LayoutError(f"{name} is not a DTensor: the model is not sharded with FSDP2 (fully_shard)")
+            raise LayoutError(f"{name} is not a DTensor while other parameters are: the model is partly "
+                              "sharded with FSDP2 (fully_shard every decoder layer and the root)")
         mesh, placements = p.device_mesh, p.placements
         names = mesh.mesh_dim_names or ()
         if names == ("dp",) and len(placements) == 1 and _is_dim0_shard(placements[0]):

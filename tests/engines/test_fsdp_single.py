@@ -304,6 +304,34 @@ def test_step_updates_weights_clips_and_resets(model: torch.nn.Module, tok: PreT
         engine.step()
 
 
+def test_one_rank_trains_unwrapped_and_equals_fsdp2_bit_for_bit(
+    model: torch.nn.Module, tok: PreTrainedTokenizerFast
+) -> None:
+    """At one rank in float32 the module is trained as it is (FSDP2 would only copy there), and
+    its updates, statistics and reshard layout are those of the FSDP2-wrapped module exactly."""
+    from streamrl.reshard.fsdp_layout import train_tp_dims
+    from streamrl.reshard.layout import TrainLayout
+
+    plain = _engine(model, max_grad_norm=0.5)
+    wrapped = _engine(model, max_grad_norm=0.5, options=FSDPOptions(wrap_single_rank=True))
+    assert not plain.wrapped and wrapped.wrapped
+    assert not any(isinstance(p, DTensor) for p in plain.model.parameters())
+    assert all(isinstance(p, DTensor) for p in wrapped.model.parameters())
+    layout, dims = train_tp_dims(plain.model)
+    assert layout == TrainLayout(1, 1) and set(dims.values()) == {None}
+    assert train_tp_dims(wrapped.model)[0] == layout
+    for step in range(3):
+        for engine in (plain, wrapped):
+            engine.accumulate(_batch(tok, seed=step)[:3], LossConfig())
+            engine.accumulate(_batch(tok, seed=step)[3:], LossConfig())
+        assert plain.step() == wrapped.step()
+    got, expected = plain.full_state_dict(), wrapped.full_state_dict()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=0, rtol=0)
+    for name, t in plain.local_shards().items():
+        assert t.shape == expected[name].shape  # the reshard's input: each parameter whole
+
+
 def test_clipping_scales_the_gradient_to_max_grad_norm(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
     free = _engine(model)
     g_free = _captured_grads(free)
@@ -391,8 +419,9 @@ def test_logprobs_match_the_hf_forward(
 def test_a_no_grad_forward_leaves_the_parameters_sharded(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
     """Hazard: without a backward, FSDP2 keeps the root's gathered parameters (at one rank, every
     layer's) in place of the sharded DTensors, so a reshard or a state read right after ``logprobs``
-    (the colocated hand-over after a recompute) would read plain full tensors."""
-    engine = _engine(model)
+    (the colocated hand-over after a recompute) would read plain full tensors. At one rank only
+    with ``wrap_single_rank``: the engine trains the module unwrapped there otherwise."""
+    engine = _engine(model, options=FSDPOptions(wrap_single_rank=True))
     batch = _batch(tok)
     shapes = {name: tuple(t.shape) for name, t in engine.local_shards().items()}
     engine.logprobs([s.prompt_ids for s in batch], [s.response_ids for s in batch])

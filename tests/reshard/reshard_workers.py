@@ -116,11 +116,13 @@ def grpo_steps(config: Qwen2Config, steps: int, seed: int = 1) -> list[list[Trai
     ]
 
 
-def make_engine(config: Qwen2Config, mesh: DeviceMesh, tp: int = 1) -> FSDPTrainEngine:
-    """The seeded test model, sharded with FSDP2 (x TP when the mesh is (dp, tp)) over ``mesh``."""
+def make_engine(config: Qwen2Config, mesh: DeviceMesh, tp: int = 1, *,
+                wrap_single_rank: bool = False) -> FSDPTrainEngine:
+    """The seeded test model, sharded with FSDP2 (x TP when the mesh is (dp, tp)) over ``mesh``
+    (a mesh of one: unwrapped unless ``wrap_single_rank``, as the engine does)."""
     return FSDPTrainEngine(
         build_model(config), lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM, device="cpu",
-        mesh=mesh, options=FSDPOptions(tensor_parallel=tp),
+        mesh=mesh, options=FSDPOptions(tensor_parallel=tp, wrap_single_rank=wrap_single_rank),
     )
 
 
@@ -163,10 +165,15 @@ def reference_steps(config: Qwen2Config, steps: list[list[TrainSample]]) -> tupl
 
 
 def full_tensors(engine: FSDPTrainEngine) -> dict[str, torch.Tensor]:
-    """``{name: p.full_tensor()}`` of every parameter (collective over each parameter's mesh)."""
+    """``{name: p.full_tensor()}`` of every parameter (collective over each parameter's mesh); the
+    parameters themselves where the engine trains its one-rank module unwrapped."""
     full = {}
     with torch.no_grad():
         for name, p in engine.model.named_parameters():
+            if not engine.wrapped:
+                assert not isinstance(p, DTensor), f"{name} is a DTensor in an unwrapped engine"
+                full[name] = p.detach().clone()
+                continue
             assert isinstance(p, DTensor), f"{name} is not an FSDP2 DTensor"
             full[name] = p.full_tensor().contiguous()
     return full

@@ -149,9 +149,12 @@ def _objective(engine: FSDPTrainEngine, samples: list[TrainSample]) -> float:
     return sum(s.advantage * float(lp.sum()) for s, lp in zip(samples, logprobs, strict=True))
 
 
-def test_single_rank_fsdp2_engine_trains_swaps_and_reshards(world_of_one: None) -> None:
+@pytest.mark.parametrize("wrapped", [False, True], ids=["unwrapped", "fsdp2"])
+def test_single_rank_engine_trains_swaps_and_reshards(world_of_one: None, wrapped: bool) -> None:
+    """The one-rank engine, unwrapped (its default) and FSDP2-wrapped (``wrap_single_rank``)."""
     config = tiny_config()
-    engine = make_engine(config, build_mesh("cpu", 1))
+    engine = make_engine(config, build_mesh("cpu", 1), wrap_single_rank=wrapped)
+    assert engine.wrapped == wrapped
     samples = grpo_steps(config, steps=1)[0]
     before = _objective(engine, samples)
     train_step(engine, samples)
@@ -169,7 +172,7 @@ def test_single_rank_fsdp2_engine_trains_swaps_and_reshards(world_of_one: None) 
         engine.reload_state()
     train_step(engine, samples)
 
-    # R = 1: the reshard of the (whole) FSDP2 shards is the oracle of full_tensor(), bitwise
+    # R = 1: the reshard of the (whole) shards is the oracle of full_tensor(), bitwise
     spec, layout = fsdp2_spec(engine)
     assert layout == TrainLayout(1, 1)
     groups = build_rank_groups(Topology.colocated(layout, 1))
