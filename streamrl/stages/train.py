@@ -353,7 +353,7 @@ class TrainStage:
         self.tally.add(cols, versions, self.version)
         if self.token_budget:
             # every rank takes one micro-batch per round, so every rank is in this all-reduce as often
-            (tokens,) = await self.ctx.run_sync(self._all_reduce, [float(self.tally.loss_tokens)])
+            (tokens,) = await self._reduced([float(self.tally.loss_tokens)])
             if tokens >= self.token_budget:
                 await self._step()
         elif self.tally.consumed >= self.per_rank:
@@ -365,6 +365,13 @@ class TrainStage:
         if a.old_logprobs == "recompute":
             cols["old_logprobs"] = self.engine.logprobs(cols["prompt_ids"], cols["response_ids"], a.temperature)
         self.engine.accumulate(samples_from_columns(cols), self.loss_config)
+
+    async def _reduced(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+        """``values`` reduced over the dp ranks: in the compute thread where there is a collective to
+        wait for, here where there is none (one dp rank: a thread hop would cost more than the sums)."""
+        if self.engine.dp_size == 1:
+            return self._all_reduce(values, op)
+        return await self.ctx.run_sync(self._all_reduce, values, op)
 
     def _all_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -380,21 +387,21 @@ class TrainStage:
         r = tally.rewards + tally.dropped_rewards
         # Returns once every rank has its whole share of the step; in the colocated placement that
         # is also when all the generation this step waits for is done.
-        (r_sum, r_sq, r_n, n_dropped, g_seq_tok, st_sum) = await self.ctx.run_sync(
-            self._all_reduce, [sum(r), sum(x * x for x in r), float(len(r)), float(len(tally.dropped_rewards)),
+        (r_sum, r_sq, r_n, n_dropped, g_seq_tok, st_sum) = await self._reduced(
+            [sum(r), sum(x * x for x in r), float(len(r)), float(len(tally.dropped_rewards)),
                                float(tally.sequence_tokens), float(sum(tally.staleness))])
         # a save asked for (SIGTERM) reaches the ranks at different moments: agree on it here
         asked = 1.0 if self.ctx.control.save_reason is not None else 0.0
         r_max, r_min = (max(r), min(r)) if r else (-math.inf, math.inf)
-        (st_max, save_asked, r_max, neg_r_min) = await self.ctx.run_sync(
-            self._all_reduce, [float(max(tally.staleness, default=0)), asked, r_max, -r_min], dist.ReduceOp.MAX)
+        (st_max, save_asked, r_max, neg_r_min) = await self._reduced(
+            [float(max(tally.staleness, default=0)), asked, r_max, -r_min], dist.ReduceOp.MAX)
         uniform = 0.0
         if self.dynamic_sampling:  # groups of 2+ samples on this rank whose rewards are all equal
             groups: dict[int, list[float]] = {}
             for key, reward in zip(tally.sample_keys, tally.rewards, strict=True):
                 groups.setdefault(key // self.ctx.config.algo.group_size, []).append(reward)
-            (uniform,) = await self.ctx.run_sync(
-                self._all_reduce, [float(sum(len(rs) > 1 and min(rs) == max(rs) for rs in groups.values()))])
+            (uniform,) = await self._reduced(
+                [float(sum(len(rs) > 1 and min(rs) == max(rs) for rs in groups.values()))])
         t_barrier = time.perf_counter()
         before = await self.hand_over.before_train()
         t_ready = time.perf_counter()
@@ -404,7 +411,10 @@ class TrainStage:
         self.lr_schedule.step()
         t_train = time.perf_counter()
         self.version += 1
-        await self.ctx.run_sync(self._record_trained, tally.sample_keys)
+        if self.engine.dp_size == 1:  # no all-gather to wait for
+            self._record_trained(tally.sample_keys)
+        else:
+            await self.ctx.run_sync(self._record_trained, tally.sample_keys)
         reason = self._stop_reason(r_sum / max(r_n, 1.0))
         out = self.ctx.config.output
         if save_asked:
