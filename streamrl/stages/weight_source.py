@@ -9,9 +9,10 @@ inside ``async with source.hold(need) as rollout``: ``rollout`` generates with o
 ============== ============================================= ==========================================
 placement      source (the pipeline says it)                  a new version arrives
 ============== ============================================= ==========================================
-separate       :class:`FetchedWeights` (neither link):        ``hold`` asks the train stage's
-               the rollout engine (built-in or vLLM) holds    ``PolicyPublisher`` for a newer one and
-               its own copy                                   installs it before the block
+separate       :class:`FetchedWeights` (neither link):        a background task fetches it from the
+               the rollout engine (built-in or vLLM) holds    train stage's ``PolicyPublisher`` as soon
+               its own copy                                   as it is published and installs it
+                                                              between blocks
 colocated      :class:`ColocatedWeights`                      the train stage of this process reshards
                (``colocate_with: train``): zero-copy views    it in (``to_inference``); ``hold`` takes a
                of this process's inference weights            shared lease on it
@@ -56,6 +57,7 @@ from streamrl.reshard import (
     local_hf_views,
 )
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec
+from streamrl.runtime.policy import PolicyTimeout
 from streamrl.runtime.stage import Batch, StageContext
 from streamrl.stages.colocated import ColocatedSetupError, colocated_rank
 from streamrl.stages.common import build_policy, open_rollout_engine
@@ -184,9 +186,13 @@ class ViewRollout:
 class FetchedWeights:
     """Placement separate: the worker's own rollout engine, fed by the train stage's ``PolicyPublisher``.
 
-    ``hold`` asks the publisher whether a newer version exists (waiting for one ``>= need``) and
-    installs it in place, under a lock that also covers the block: no install under a generation.
-    Reports ``weight_install_s`` (the last install) as a stage metric.
+    A background task installs each version as soon as the trainer publishes it (``_prefetch``),
+    so that a synchronous run (``max_staleness: 0``) installs version v while the source makes the
+    step's prompts, not after this worker has claimed them. ``hold`` waits until a version ``>=
+    need`` is installed; installs and generations exclude each other (one lock), so no install
+    lands under a generation. Should no publisher answer (a pipeline without a trainer), the task
+    stops and ``hold`` asks the publisher itself; a failed install fails the worker, as in ``hold``. Reports
+    ``weight_install_s`` (the last install) as a stage metric.
     """
 
     follows = False
@@ -196,6 +202,9 @@ class FetchedWeights:
         self.engine: RolloutEngine | None = None
         self.version = 0
         self._lock = anyio.Lock()
+        self._prefetching = False
+        self._installed = anyio.Event()  # set (and replaced) at each install and when the prefetch stops
+        self._prefetch_scope: anyio.CancelScope | None = None
 
     async def setup(self) -> None:
         ctx = self.ctx
@@ -207,28 +216,70 @@ class FetchedWeights:
         self.engine_name = self.engine.name
         self.generator_device = self.engine.generator_device
         ctx.report_metrics({"engine_startup_s": self.engine.startup_s})
+        tasks = getattr(ctx, "tasks", None)  # the worker's task group (absent: a stage driven by hand)
+        if tasks is not None:
+            self._prefetching = True
+            tasks.start_soon(self._prefetch)
+
+    async def _install(self, version: int, state: Mapping[str, Tensor]) -> None:
+        """Install ``state`` as ``version`` (the caller holds the lock)."""
+        assert self.engine is not None
+        started = time.perf_counter()
+        await self.ctx.run_sync(self.engine.load_weights, state.items())
+        self.version = version
+        ended = time.perf_counter()
+        self.ctx.report_metrics({"weight_install_s": ended - started})
+        tracer().complete("install weights", "policy", started, ended, "policy", version=version)
+        tracer().counter("policy version", version)
+
+    def _wake(self) -> None:
+        self._installed.set()
+        self._installed = anyio.Event()
+
+    async def _prefetch(self) -> None:
+        # The only user of the policy subscriber while it runs (one DEALER: concurrent requests
+        # would take each other's replies). It waits for the version number first and fetches the
+        # weights under the lock, so a mapped version is installed at once, never held across a
+        # generation while the publisher reuses its file.
+        policy = self.ctx.policy
+        with anyio.CancelScope() as scope:
+            self._prefetch_scope = scope
+            try:
+                while True:
+                    await policy.wait_version(self.version + 1)
+                    async with self._lock:
+                        version, state = await policy.fetch(self.version, self.version + 1)
+                        if state is not None and version > self.version:
+                            await self._install(version, state)
+                    self._wake()
+            except PolicyTimeout as exc:  # no publisher answers: hold() asks for itself from now on
+                self.ctx.log.info("%s[%d]: no weights prefetch (%s: %s); each batch asks the publisher itself",
+                                  self.ctx.spec.name, self.ctx.worker, type(exc).__name__, exc)
+            finally:
+                self._prefetching = False
+                self._wake()
 
     @asynccontextmanager
     async def hold(self, need: int) -> AsyncIterator[Rollout]:
         assert self.engine is not None
+        while self._prefetching and self.version < need:
+            await self._installed.wait()
         async with self._lock:
-            version, state = await self.ctx.policy.fetch(self.version, need)
-            if state is not None:
-                started = time.perf_counter()
-                await self.ctx.run_sync(self.engine.load_weights, state.items())
-                self.version = version
-                ended = time.perf_counter()
-                self.ctx.report_metrics({"weight_install_s": ended - started})
-                tracer().complete("install weights", "policy", started, ended, "policy", version=version)
-                tracer().counter("policy version", version)
+            if not self._prefetching:
+                version, state = await self.ctx.policy.fetch(self.version, need)
+                if state is not None:
+                    await self._install(version, state)
             yield EngineRollout(self.engine, self.version)
 
     async def follow(self) -> None:
         raise AssertionError("a worker of placement separate follows no one")
 
     async def close(self) -> None:
+        if self._prefetch_scope is not None:
+            self._prefetch_scope.cancel()
         if self.engine is not None:
-            await self.ctx.run_sync(self.engine.close)
+            async with self._lock:  # after an install in flight (a thread cannot be cancelled)
+                await self.ctx.run_sync(self.engine.close)
 
 
 # -- both reshard placements ------------------------------------------------------------------------

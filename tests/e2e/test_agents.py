@@ -106,9 +106,9 @@ def _steps_done(run_dir: Path) -> int:
 @pytest.mark.parametrize("lost_sessions", ["replay", "drop"])
 def test_weights_land_mid_session_and_a_killed_agent_worker_loses_nothing(tmp_path: Path, lost_sessions: str
                                                                            ) -> None:
-    """One generation ahead (max_staleness 1) with weight_updates: in_session, so new versions are
-    installed while sessions run (an agent of three turns with a slow tool between them, so a session
-    outlasts a training step); the agent worker is SIGKILLed at step 4 with sessions open. The run
+    """One generation ahead (max_staleness 1) with weight_updates: in_session, so new versions may
+    be installed while sessions run (an agent of three turns with a slow tool between them); the
+    agent worker is SIGKILLed at step 4 with sessions open. The run
     finishes every step and the dock's ledger is exact. ``replay``: the restarted worker plays the dead
     one's samples again, and every sample reaches every stage exactly once. ``drop``: it takes them
     out of the run, the source (dynamic sampling) makes as many new ones, and every step still trains
@@ -161,8 +161,8 @@ def test_weights_land_mid_session_and_a_killed_agent_worker_loses_nothing(tmp_pa
         done = {name: c["done"] for name, c in stats["consumers"].items()}
         assert done["train"] >= steps * batch + dropped and done["agent"] >= done["advantage"] >= done["train"]
     assert max(row["staleness_max"] for row in result.metrics) <= 1
-    # versions moved during games: some trajectories hold tokens of two versions (each token keeps its own)
-    assert sum(_agent_rows(result.metrics, "mixed_version_trajectories")) > 0
+    # (that versions land inside sessions in this placement is made certain, not raced, in
+    # test_the_agent_stage_runs_in_every_placement[separate-in_session])
     assert not wait_gone(processes_with_files_under(run_dir), 10)
 
 
@@ -211,15 +211,16 @@ def test_an_external_process_and_a_gym_environment_are_agents_too(tmp_path: Path
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("placement", "updates"), [("colocated", "between_sessions"),
-                                                    ("disaggregated", "in_session")])
-def test_the_agent_stage_runs_in_the_reshard_placements(tmp_path: Path, placement: str, updates: str) -> None:
+                                                    ("disaggregated", "in_session"), ("separate", "in_session")])
+def test_the_agent_stage_runs_in_every_placement(tmp_path: Path, placement: str, updates: str) -> None:
     """The agent stage takes its versions from the placement's weight source, as the generate stage
     does: colocated, its endpoint samples on the inference weights the train stage of its process
     reshards in (between_sessions: a micro-batch's sessions keep one version, the train phase waits
-    for them); disaggregated, on the versions the train group sends it (in_session: one received
-    during a session goes in between two engine calls: two agent workers play half a step each, and
-    tests.e2e.agent_fns:three_turns_across_a_train_step makes a version land inside sessions for
-    certain). One generation ahead."""
+    for them); disaggregated, on the versions the train group sends it, and separate, on those its
+    background task fetches from the trainer's publisher as they are published (in_session: one
+    that comes during a session goes in between two engine calls: two agent workers play half a
+    step each, and tests.e2e.agent_fns:three_turns_across_a_train_step makes a version land inside
+    sessions for certain). One generation ahead."""
     steps, batch = 6, 16
     before = ipc_dirs()
     run_dir, marks = tmp_path / "run", tmp_path / "marks"
@@ -231,7 +232,8 @@ def test_the_agent_stage_runs_in_the_reshard_placements(tmp_path: Path, placemen
                  "stages.agent.options.rollout_args=" + json.dumps(
                      {"run_dir": str(run_dir), "marks": str(marks), "steps": steps, "batch": batch})]
     result = streamrl.run(str(CONFIG), [
-        f"pipeline={REPO / 'pipelines' / f'agent_{placement}.yaml'}", f"algo.steps={steps}", "algo.stop_reward=null",
+        f"pipeline={REPO / 'pipelines' / ('agent.yaml' if placement == 'separate' else f'agent_{placement}.yaml')}",
+        f"algo.steps={steps}", "algo.stop_reward=null",
         "algo.max_staleness=1", "algo.prompts_per_step=4", "algo.group_size=4", "stages.advantage.micro_batch=16",
         *(["stages.agent.micro_batch=8", "stages.train.micro_batch=8"] if placement == "colocated" else
           ["stages.agent.workers=2", "stages.agent.micro_batch=8", "stages.train.micro_batch=16"]),
