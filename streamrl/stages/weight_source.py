@@ -186,13 +186,13 @@ class ViewRollout:
 class FetchedWeights:
     """Placement separate: the worker's own rollout engine, fed by the train stage's ``PolicyPublisher``.
 
-    A background task installs each version as soon as the trainer publishes it (``_prefetch``),
-    so that a synchronous run (``max_staleness: 0``) installs version v while the source makes the
-    step's prompts, not after this worker has claimed them. ``hold`` waits until a version ``>=
-    need`` is installed; installs and generations exclude each other (one lock), so no install
+    A background task, started by the first ``hold``, installs each version as soon as the trainer
+    publishes it (``_prefetch``), so that a synchronous run (``max_staleness: 0``) installs version
+    v while the source makes the step's prompts, not after this worker has claimed them. ``hold``
+    waits until a version ``>= need`` is installed; installs and generations exclude each other (one lock), so no install
     lands under a generation. Should no publisher answer (a pipeline without a trainer), the task
-    stops and ``hold`` asks the publisher itself; a failed install fails the worker, as in ``hold``. Reports
-    ``weight_install_s`` (the last install) as a stage metric.
+    stops and ``hold`` asks the publisher itself; a failed install fails the worker, as it did in
+    ``hold``. Reports ``weight_install_s`` (the last install) as a stage metric.
     """
 
     follows = False
@@ -216,10 +216,6 @@ class FetchedWeights:
         self.engine_name = self.engine.name
         self.generator_device = self.engine.generator_device
         ctx.report_metrics({"engine_startup_s": self.engine.startup_s})
-        tasks = getattr(ctx, "tasks", None)  # the worker's task group (absent: a stage driven by hand)
-        if tasks is not None:
-            self._prefetching = True
-            tasks.start_soon(self._prefetch)
 
     async def _install(self, version: int, state: Mapping[str, Tensor]) -> None:
         """Install ``state`` as ``version`` (the caller holds the lock)."""
@@ -236,14 +232,13 @@ class FetchedWeights:
         self._installed.set()
         self._installed = anyio.Event()
 
-    async def _prefetch(self) -> None:
+    async def _prefetch(self, scope: anyio.CancelScope) -> None:
         # The only user of the policy subscriber while it runs (one DEALER: concurrent requests
         # would take each other's replies). It waits for the version number first and fetches the
         # weights under the lock, so a mapped version is installed at once, never held across a
         # generation while the publisher reuses its file.
         policy = self.ctx.policy
-        with anyio.CancelScope() as scope:
-            self._prefetch_scope = scope
+        with scope:
             try:
                 while True:
                     await policy.wait_version(self.version + 1)
@@ -262,6 +257,13 @@ class FetchedWeights:
     @asynccontextmanager
     async def hold(self, need: int) -> AsyncIterator[Rollout]:
         assert self.engine is not None
+        tasks = getattr(self.ctx, "tasks", None)  # the worker's task group (absent: a stage driven by hand)
+        if self._prefetch_scope is None and tasks is not None:
+            # started by the first hold, once the run has started: the publisher serves by then,
+            # however long the trainer took to set up
+            self._prefetch_scope = anyio.CancelScope()
+            self._prefetching = True
+            tasks.start_soon(self._prefetch, self._prefetch_scope)
         while self._prefetching and self.version < need:
             await self._installed.wait()
         async with self._lock:
