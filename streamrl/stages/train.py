@@ -389,7 +389,7 @@ class TrainStage:
         # is also when all the generation this step waits for is done.
         (r_sum, r_sq, r_n, n_dropped, g_seq_tok, st_sum) = await self._reduced(
             [sum(r), sum(x * x for x in r), float(len(r)), float(len(tally.dropped_rewards)),
-                               float(tally.sequence_tokens), float(sum(tally.staleness))])
+             float(tally.sequence_tokens), float(sum(tally.staleness))])
         # a save asked for (SIGTERM) reaches the ranks at different moments: agree on it here
         asked = 1.0 if self.ctx.control.save_reason is not None else 0.0
         r_max, r_min = (max(r), min(r)) if r else (-math.inf, math.inf)
