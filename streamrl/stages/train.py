@@ -30,8 +30,9 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import anyio
 import msgspec
@@ -64,6 +65,7 @@ from streamrl.stages.handover import HandOver, hand_over_for
 from streamrl.stages.replica import ReplicaChannel
 from streamrl.stages.world import default_backend, join_world, rank_device
 
+T = TypeVar("T")
 log = logging.getLogger("streamrl.stage.train")
 
 STOP_WAIT_S = 10.0  # how long a TP leader tries to release its followers when stopped from outside
@@ -366,12 +368,17 @@ class TrainStage:
             cols["old_logprobs"] = self.engine.logprobs(cols["prompt_ids"], cols["response_ids"], a.temperature)
         self.engine.accumulate(samples_from_columns(cols), self.loss_config)
 
-    async def _reduced(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
-        """``values`` reduced over the dp ranks: in the compute thread where there is a collective to
-        wait for, here where there is none (one dp rank: a thread hop would cost more than the sums)."""
+    async def _over_dp(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a call collective over the dp ranks: in the compute thread where there is a
+        collective to wait for, here where there is none (one dp rank: a thread hop would cost more
+        than the call)."""
         if self.engine.dp_size == 1:
-            return self._all_reduce(values, op)
-        return await self.ctx.run_sync(self._all_reduce, values, op)
+            return fn(*args)
+        return await self.ctx.run_sync(fn, *args)
+
+    async def _reduced(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+        """``values`` reduced over the dp ranks (:meth:`_all_reduce`)."""
+        return await self._over_dp(self._all_reduce, values, op)
 
     def _all_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -411,10 +418,7 @@ class TrainStage:
         self.lr_schedule.step()
         t_train = time.perf_counter()
         self.version += 1
-        if self.engine.dp_size == 1:  # no all-gather to wait for
-            self._record_trained(tally.sample_keys)
-        else:
-            await self.ctx.run_sync(self._record_trained, tally.sample_keys)
+        await self._over_dp(self._record_trained, tally.sample_keys)
         reason = self._stop_reason(r_sum / max(r_n, 1.0))
         out = self.ctx.config.output
         if save_asked:

@@ -189,10 +189,10 @@ class FetchedWeights:
     A background task, started by the first ``hold``, installs each version as soon as the trainer
     publishes it (``_prefetch``), so that a synchronous run (``max_staleness: 0``) installs version
     v while the source makes the step's prompts, not after this worker has claimed them. ``hold``
-    waits until a version ``>= need`` is installed; installs and generations exclude each other (one lock), so no install
-    lands under a generation. Should no publisher answer (a pipeline without a trainer), the task
-    stops and ``hold`` asks the publisher itself; a failed install fails the worker, as it did in
-    ``hold``. Reports ``weight_install_s`` (the last install) as a stage metric.
+    waits until a version ``>= need`` is installed; installs and generations exclude each other
+    (one lock), so no install lands under a generation. Should no publisher answer (a pipeline
+    without a trainer), the task stops and ``hold`` asks the publisher itself; a failed install
+    fails the worker, as it did in ``hold``. Reports ``weight_install_s`` (the last install) as a stage metric.
     """
 
     follows = False

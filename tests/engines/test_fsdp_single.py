@@ -321,9 +321,10 @@ def test_one_rank_trains_unwrapped_and_equals_fsdp2_bit_for_bit(
     assert layout == TrainLayout(1, 1) and set(dims.values()) == {None}
     assert train_tp_dims(wrapped.model)[0] == layout
     for step in range(3):
+        batch = _batch(tok, seed=step)
         for engine in (plain, wrapped):
-            engine.accumulate(_batch(tok, seed=step)[:3], LossConfig())
-            engine.accumulate(_batch(tok, seed=step)[3:], LossConfig())
+            engine.accumulate(batch[:3], LossConfig())
+            engine.accumulate(batch[3:], LossConfig())
         assert plain.step() == wrapped.step()
     got, expected = plain.full_state_dict(), wrapped.full_state_dict()
     for name in expected:
