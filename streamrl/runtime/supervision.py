@@ -41,6 +41,7 @@ STACK_DUMP_WAIT_S = 1.0  # after SIGUSR1, how long a worker gets to write its st
 # collective dies, its peers fail on the broken connection ("Connection reset by peer"), and the
 # error that reaches the launcher first is often the peer's, not the crash that caused it.
 CRASH_LOOK_S = 0.5
+PROCESS_POLL_S = 0.05  # how often, at most, the supervisor polls the processes while events arrive
 CRASH_REPORT_LINES = 60  # of a crashed worker's log, from faulthandler's "Fatal Python error" on
 MAX_ERRORS = 50  # the newest errors and warnings kept for the status page
 ERROR_CHARS = 4000  # of each
@@ -101,11 +102,19 @@ class Supervisor:
         stop_deadline: float | None = None
         term_deadline: float | None = None
         went = False
+        next_poll = 0.0
         while True:
             event = None
             with anyio.move_on_after(0.2):
                 event = await events.receive()
-            self._check_processes(stopping=stop_deadline is not None or term_deadline is not None)
+            # The workers' processes are polled at most every PROCESS_POLL_S, not at every event: a
+            # small model's run sends hundreds of events a second (each worker's busy reports), and
+            # polling every process for each took a tenth of a core from the stages on two cores.
+            now = time.monotonic()
+            poll = event is None or isinstance(event, c.Failed | c.Finished) or now >= next_poll
+            if poll:
+                next_poll = now + PROCESS_POLL_S
+                self._check_processes(stopping=stop_deadline is not None or term_deadline is not None)
             match event:
                 case c.Ready(stage=s, worker=k):
                     ready.add((s, k))
@@ -168,7 +177,7 @@ class Supervisor:
                 missing = sorted(expected - ready)
                 raise RunFailed(f"workers {missing} did not finish setup within resources.start_timeout_s="
                                 f"{self.cfg.resources.start_timeout_s} s; see {self.run_dir / 'logs'}")
-            for w in self.workers:  # a clean exit counts as finished even if its message was lost
+            for w in self.workers if poll else ():  # a clean exit counts as finished even if its message was lost
                 if w.proc is not None and w.proc.exitcode == 0:
                     finished.add((w.stage, w.index))
             if finished == expected and not server.pending(events):  # their last events read first
