@@ -107,9 +107,9 @@ class Supervisor:
             event = None
             with anyio.move_on_after(0.2):
                 event = await events.receive()
-            # The workers' processes are polled at most every PROCESS_POLL_S, not at every event: a
-            # small model's run sends hundreds of events a second (each worker's busy reports), and
-            # polling every process for each took a tenth of a core from the stages on two cores.
+            # The processes are polled at most every PROCESS_POLL_S, not at every event: a small
+            # model's run sends hundreds of events a second (each worker's busy reports), and polling
+            # every process for each was a fifth of the launcher's CPU (docs/benchmarks.md §26).
             now = time.monotonic()
             poll = event is None or isinstance(event, c.Failed | c.Finished) or now >= next_poll
             if poll:
