@@ -115,6 +115,9 @@ class Supervisor:
             if poll:
                 next_poll = now + PROCESS_POLL_S
                 self._check_processes(stopping=stop_deadline is not None or term_deadline is not None)
+                for w in self.workers:  # a clean exit counts as finished even if its message was lost
+                    if w.proc is not None and w.proc.exitcode == 0:
+                        finished.add((w.stage, w.index))
             match event:
                 case c.Ready(stage=s, worker=k):
                     ready.add((s, k))
@@ -177,9 +180,6 @@ class Supervisor:
                 missing = sorted(expected - ready)
                 raise RunFailed(f"workers {missing} did not finish setup within resources.start_timeout_s="
                                 f"{self.cfg.resources.start_timeout_s} s; see {self.run_dir / 'logs'}")
-            for w in self.workers if poll else ():  # a clean exit counts as finished even if its message was lost
-                if w.proc is not None and w.proc.exitcode == 0:
-                    finished.add((w.stage, w.index))
             if finished == expected and not server.pending(events):  # their last events read first
                 self.stop_reason = self.stop_reason or "all stages finished"
                 return
