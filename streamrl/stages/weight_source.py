@@ -192,7 +192,8 @@ class FetchedWeights:
     waits until a version ``>= need`` is installed; installs and generations exclude each other
     (one lock), so no install lands under a generation. Should no publisher answer (a pipeline
     without a trainer), the task stops and ``hold`` asks the publisher itself; a failed install
-    fails the worker, as it did in ``hold``. Reports ``weight_install_s`` (the last install) as a stage metric.
+    fails the worker, as it did in ``hold``. Reports ``weight_install_s`` (the last install) as a
+    stage metric.
     """
 
     follows = False
