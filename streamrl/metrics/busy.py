@@ -1,9 +1,10 @@
 """``busy/<stage>``: the fraction of each optimizer step's wall time a stage's workers spent in batches.
 
 Each worker counts the seconds inside ``process()`` (``produce()`` for a source) and tells the
-launcher (``StageBusy``) when a batch begins, when it ends, and every 0.5 s in between: its busy
-seconds so far, the running batch's seconds, and the wall-clock moment it measured them. From
-these the launcher knows when each batch ran, as an interval of wall-clock time. A step's figure
+launcher (``StageBusy``) when a batch has run 20 ms, when it ends, and every 0.5 s in between: its
+busy seconds so far, the running batch's seconds, and the wall-clock moment it measured them. From
+these the launcher knows when each batch ran, as an interval of wall-clock time (a batch that
+ends within 20 ms is reported once, at its end, which places it just as well). A step's figure
 for one worker is the part of those intervals inside the step's window (from the previous step's
 report to this one's, both as the trainer measured them; the first step's from Go), divided by the
 window; the stage's figure is the mean over its workers. So it is a fraction in [0, 1], also for
@@ -12,7 +13,8 @@ each, for its part).
 
 What the launcher cannot see when it writes a row (a report still on its way, milliseconds) stays
 within that row: a batch it still believes running counts until the step's end, and a batch
-reported late is missed where it fell in an earlier step; each row is clipped to [0, 1]. A batch
+reported late is missed where it fell in an earlier step (so is the part before a step's end of
+a batch that spans it and ran less than 20 ms); each row is clipped to [0, 1]. A batch
 cut short by a worker's death is not counted; a restarted worker counts from zero again.
 """
 

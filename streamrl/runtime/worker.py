@@ -13,6 +13,7 @@ process exits non-zero.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import faulthandler
 import logging
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamrl.worker")
 
 BUSY_REPORT_S = 0.5  # how often a worker tells the launcher its busy time
+# A batch is reported as running only once it has run this long: a small model's batches mostly end
+# sooner, and their end report alone tells the launcher when they ran (one message per batch, not
+# two; the busy reports were most of the launcher's events, docs/benchmarks.md §27)
+BEGIN_REPORT_S = 0.02
 STOP_ACK_TIMEOUT_S = 10.0  # the ack of a stage's last batch, before its StopRun ends the run
 
 
@@ -98,9 +103,10 @@ def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
 
 class _Meter:
     """A worker's busy time: the seconds inside ``process()`` / ``produce()``. It tells the launcher
-    its total when a batch begins, when it ends, and every ``BUSY_REPORT_S`` (the in-flight batch
-    included, with the moment it measured), from which the launcher derives ``busy/<stage>`` for
-    each step (:mod:`streamrl.metrics.busy`). Each batch is also a span of the worker's trace."""
+    its total when a batch has run ``BEGIN_REPORT_S``, when it ends, and every ``BUSY_REPORT_S``
+    (the in-flight batch included, with the moment it measured), from which the launcher derives
+    ``busy/<stage>`` for each step (:mod:`streamrl.metrics.busy`). Each batch is also a span of
+    the worker's trace. ``begin`` and ``end`` run on the worker's event loop."""
 
     def __init__(self, control: ControlClient, stage: str = "") -> None:
         self.control = control
@@ -109,12 +115,18 @@ class _Meter:
         self.batches = 0
         self.samples = 0
         self._started: float | None = None  # the batch in flight, if any
+        self._running_report: asyncio.TimerHandle | None = None  # its report once it ran BEGIN_REPORT_S
 
     def begin(self) -> None:
         self._started = time.perf_counter()
-        self.flush()
+        if self._running_report is not None:
+            self._running_report.cancel()
+        self._running_report = asyncio.get_running_loop().call_later(BEGIN_REPORT_S, self.flush)
 
     def end(self, samples: int, name: str = "process", **args: Any) -> None:
+        if self._running_report is not None:
+            self._running_report.cancel()  # this end report says it all
+            self._running_report = None
         if self._started is not None:
             ended = time.perf_counter()
             self.busy_s += ended - self._started

@@ -18,7 +18,7 @@ from streamrl.dock.client import DockClient
 from streamrl.dock.launch import ThreadDock
 from streamrl.runtime import control as c
 from streamrl.runtime.pipeline import StageSpec
-from streamrl.runtime.worker import WorkerSpec, run_worker
+from streamrl.runtime.worker import BEGIN_REPORT_S, WorkerSpec, run_worker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -141,6 +141,22 @@ async def test_busy_time_counts_while_a_batch_runs(tmp_path: Path) -> None:
     in_flight = [e for e in busy if e.batches == 0]  # reported before the first batch ended
     assert in_flight and 0.2 < max(e.busy_s for e in in_flight) <= 1.3, [(e.batches, e.busy_s) for e in busy]
     assert busy[-1].samples == N and busy[-1].busy_s >= 1.2 * busy[-1].batches * 0.9
+
+
+async def test_a_batch_is_reported_running_only_once_it_has_run_a_while(tmp_path: Path) -> None:
+    """A batch that ends within BEGIN_REPORT_S is reported once, when it ends (the busy reports were
+    most of the launcher's events); a longer one is reported running too, before it ends."""
+    code, events, _, _, _ = await _run_one(tmp_path / "short", {}, lease_ttl_s=30.0)
+    busy = [e for e in events if isinstance(e, c.StageBusy)]
+    assert code == 0 and busy[-1].batches == N // 4
+    # (a periodic report could land inside a batch; these batches take microseconds)
+    assert not [e for e in busy if e.in_batch_s > 0], [(e.batches, e.in_batch_s) for e in busy]
+    assert {e.batches for e in busy} >= {1, 2, 3}  # each batch's end
+
+    code, events, _, _, _ = await _run_one(tmp_path / "long", {"sleep_s": 0.1}, lease_ttl_s=30.0)
+    running = [e for e in events if isinstance(e, c.StageBusy) and e.in_batch_s > 0]
+    assert code == 0 and {e.batches for e in running} == {0, 1, 2}  # each of the 3 batches, while it ran
+    assert min(e.in_batch_s for e in running) >= BEGIN_REPORT_S
 
 
 @pytest.mark.parametrize("core_share", [True, False])
