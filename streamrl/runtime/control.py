@@ -281,6 +281,10 @@ class ControlClient:
     def finished(self) -> None:
         self._send(Finished(self.stage, self.worker))
 
+    @property
+    def closed(self) -> bool:
+        return self.sock.closed
+
     def close(self) -> None:
         self.sock.close()
 

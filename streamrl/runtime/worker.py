@@ -121,7 +121,13 @@ class _Meter:
         self._started = time.perf_counter()
         if self._running_report is not None:
             self._running_report.cancel()
-        self._running_report = asyncio.get_running_loop().call_later(BEGIN_REPORT_S, self.flush)
+        self._running_report = asyncio.get_running_loop().call_later(BEGIN_REPORT_S, self._report_running)
+
+    def _report_running(self) -> None:
+        # (a failing produce() leaves its batch unended: the worker may have closed the channel since)
+        self._running_report = None
+        if self._started is not None and not self.control.closed:
+            self.flush()
 
     def end(self, samples: int, name: str = "process", **args: Any) -> None:
         if self._running_report is not None:

@@ -6,6 +6,7 @@ worker can claim them), and a finished worker wrote and acked every sample.
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,29 @@ async def test_a_batch_is_reported_running_only_once_it_has_run_a_while(tmp_path
     running = [e for e in events if isinstance(e, c.StageBusy) and e.in_batch_s > 0]
     assert code == 0 and {e.batches for e in running} == {0, 1, 2}  # each of the 3 batches, while it ran
     assert min(e.in_batch_s for e in running) >= BEGIN_REPORT_S
+
+
+async def test_a_failing_source_leaves_no_report_to_a_closed_channel(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A produce() that raises leaves its batch unended, and the batch's running report is still
+    due BEGIN_REPORT_S later, after the worker closed its control channel: it must not be sent."""
+    dock = ThreadDock(["look"], capacity=64).start()
+    server = c.ControlServer("tcp://127.0.0.1:0")
+    try:
+        cfg = load_config({"resources": {"launch": "inprocess"}})
+        stage = StageSpec(name="source", cls="tests.runtime.user_stages:CountingSource", writes=["x", "tag"],
+                          options={"n": 16, "fail_after": 4})
+        spec = WorkerSpec(config=cfg, stage=stage, worker=0, dock_endpoint=dock.controller_endpoint,
+                          control_endpoint=server.endpoint, weights_endpoint=f"ipc://{tmp_path}/no-publisher",
+                          run_dir=str(tmp_path))
+        code, events = await _drive(spec, server)
+        await anyio.sleep(5 * BEGIN_REPORT_S)  # the report's moment has passed
+        gc.collect()  # a send on the closed socket fails in a future that is logged when collected
+    finally:
+        server.close()
+        dock.stop()
+    assert code == 1 and isinstance(events[-1], c.Failed) and "user source fails" in events[-1].message
+    assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
 
 
 @pytest.mark.parametrize("core_share", [True, False])

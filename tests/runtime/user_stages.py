@@ -29,7 +29,8 @@ class CountingSource:
     """Writes ``x`` = 0, 1, 2, ... and ``tag`` = "item-<x>", in groups of ``options.group_size``.
 
     options: ``n`` samples in all (default 16), ``group_size`` (default 4), ``rewards``: an
-    optional list of ``n`` values written as the ``reward`` column (if ``reward`` is in writes)."""
+    optional list of ``n`` values written as the ``reward`` column (if ``reward`` is in writes),
+    ``fail_after``: raise in ``produce`` once more than this many samples were made."""
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
@@ -47,6 +48,8 @@ class CountingSource:
         if "reward" in self.ctx.spec.writes:
             assert self.rewards is not None, "options.rewards is needed to write 'reward'"
             cols["reward"] = [float(self.rewards[x]) for x in xs]
+        if self.next > int(self.ctx.options.get("fail_after", self.n)):
+            raise RuntimeError("user source fails")
         return Output(cols, group_size=len(xs))
 
     async def close(self) -> None:
