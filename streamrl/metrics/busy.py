@@ -1,8 +1,8 @@
 """``busy/<stage>``: the fraction of each optimizer step's wall time a stage's workers spent in batches.
 
 Each worker counts the seconds inside ``process()`` (``produce()`` for a source) and tells the
-launcher (``StageBusy``) when a batch has run 20 ms (a trainer, whose StepReport comes from inside
-its batch: when it begins), when it ends, and every 0.5 s in between: its busy seconds so far, the
+launcher (``StageBusy``) when a batch has run 20 ms (or, sooner, just before a StepReport the batch
+sends: the trainer's), when it ends, and every 0.5 s in between: its busy seconds so far, the
 running batch's seconds, and the wall-clock moment it measured them. From
 these the launcher knows when each batch ran, as an interval of wall-clock time (a batch that
 ends within 20 ms is reported once, at its end, which places it just as well). A step's figure

@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import anyio
@@ -171,6 +172,9 @@ class ControlClient:
         self.launcher_gone = False  # the worker saw its launcher exit: no answer will come
         self._readers = 0  # tasks in wait_stop: while one runs, wait_recorded leaves the socket to it
         self._changed: anyio.Event | None = None  # made by the first waiter (an event loop runs then)
+        # called before each step row: the worker's busy meter reports a batch it has not reported
+        # yet, so that the row never reaches the launcher ahead of the batch it comes from
+        self.before_step: Callable[[], None] | None = None
         self._send(Starting(stage, worker, os.getpid(), token))
 
     def _send(self, msg: _Msg) -> None:
@@ -265,6 +269,8 @@ class ControlClient:
 
     def step(self, step: int, metrics: dict[str, float], *, record: bool = False) -> None:
         """One optimizer step's row; ``record``: ask for Recorded (:meth:`wait_recorded`)."""
+        if self.before_step is not None:
+            self.before_step()
         self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}, time.time(), record))
 
     def eval_report(self, step: int, metrics: dict[str, float]) -> None:

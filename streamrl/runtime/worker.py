@@ -39,7 +39,7 @@ from streamrl.models.device import DeviceUnavailableError, resolve_device
 from streamrl.runtime.checkpoints import ResumeFrom
 from streamrl.runtime.control import ControlClient
 from streamrl.runtime.orphans import remove_if_owner_is, wait_gone
-from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object, is_trainer
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
 from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun
 from streamrl.security import ClientAuth, ServerAuth
@@ -103,16 +103,16 @@ def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
 
 class _Meter:
     """A worker's busy time: the seconds inside ``process()`` / ``produce()``. It tells the launcher
-    its total when a batch has run ``BEGIN_REPORT_S`` (at once with ``report_begin``: a trainer,
-    whose step rows are sent from inside its batches), when it ends, and every ``BUSY_REPORT_S``
+    its total when a batch has run ``BEGIN_REPORT_S`` (or sooner, just before a step row the batch
+    sends: the trainer's), when it ends, and every ``BUSY_REPORT_S``
     (the in-flight batch included, with the moment it measured), from which the launcher derives
     ``busy/<stage>`` for each step (:mod:`streamrl.metrics.busy`). Each batch is also a span of
     the worker's trace. ``begin`` and ``end`` run on the worker's event loop."""
 
-    def __init__(self, control: ControlClient, stage: str = "", *, report_begin: bool = False) -> None:
+    def __init__(self, control: ControlClient, stage: str = "") -> None:
         self.control = control
         self.stage = stage
-        self.report_begin = report_begin  # report each batch when it begins, not BEGIN_REPORT_S later
+        control.before_step = self._report_before_row
         self.busy_s = 0.0  # finished batches
         self.batches = 0
         self.samples = 0
@@ -121,13 +121,16 @@ class _Meter:
 
     def begin(self) -> None:
         self._started = time.perf_counter()
-        if self._running_report is not None:
-            self._running_report.cancel()
-            self._running_report = None
-        if self.report_begin:
-            self.flush()
-        else:
-            self._running_report = asyncio.get_running_loop().call_later(BEGIN_REPORT_S, self._report_running)
+        self._cancel_running_report()
+        self._running_report = asyncio.get_running_loop().call_later(BEGIN_REPORT_S, self._report_running)
+
+    def _cancel_running_report(self) -> bool:
+        """Drop the running batch's pending report; True if one was pending."""
+        if self._running_report is None:
+            return False
+        self._running_report.cancel()
+        self._running_report = None
+        return True
 
     def _report_running(self) -> None:
         # (a failing produce() leaves its batch unended: the worker may have closed the channel since)
@@ -135,10 +138,14 @@ class _Meter:
         if self._started is not None and not self.control.closed:
             self.flush()
 
+    def _report_before_row(self) -> None:
+        # ControlClient.step's hook: a step row sent from inside a batch (the trainer's) must not reach
+        # the launcher before that batch's first report, or the row misses the batch
+        if self._cancel_running_report():
+            self.flush()
+
     def end(self, samples: int, name: str = "process", **args: Any) -> None:
-        if self._running_report is not None:
-            self._running_report.cancel()  # this end report says it all
-            self._running_report = None
+        self._cancel_running_report()  # this end report says it all
         if self._started is not None:
             ended = time.perf_counter()
             self.busy_s += ended - self._started
@@ -262,9 +269,7 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                 loop_scope.cancel()
 
             tg.start_soon(stop_watch)
-            # a trainer writes each step's row (StepReport) from inside its batch: the launcher must
-            # know that batch is running before the row, so its begin is reported at once
-            meter = _Meter(control, sspec.name, report_begin=is_trainer(cls))
+            meter = _Meter(control, sspec.name)
             tg.start_soon(meter.report_every, BUSY_REPORT_S)
             async with DockClient(spec.dock_endpoint, client_id=f"{sspec.name}-{spec.worker}-{os.getpid()}",
                                   lease_ttl_s=cfg.resources.dock.lease_ttl_s,
