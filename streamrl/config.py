@@ -276,7 +276,8 @@ class DockConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class StageOverride(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Per-stage overrides of the pipeline file's settings (``stages.<name>``); null keeps the pipeline's."""
+    """Per-stage overrides of the pipeline file's settings (``stages.<name>``); null keeps the pipeline's. A link of
+    a chain stage (streamrl.stages.chain) takes ``stages.<link>.options``; the chain's other settings are its own."""
 
     workers: Annotated[int | None, Meta(description="Worker processes of the stage")] = None
     micro_batch: Annotated[int | None, Meta(description="Samples per claim from the dock")] = None

@@ -32,6 +32,7 @@ from streamrl.config import (
 )
 from streamrl.engines.options import GenerateOptions
 from streamrl.stages.agent import AgentOptions
+from streamrl.stages.chain import ChainOptions
 from streamrl.stages.critic import CriticOptions
 from streamrl.stages.score import ScoreOptions
 from streamrl.stages.source import SourceOptions
@@ -49,6 +50,7 @@ STAGE_OPTIONS: list[tuple[str, str, type[msgspec.Struct], tuple[str, ...]]] = [
     ("options.score", "score", ScoreOptions, ("streamrl.stages.score:ScoreStage",)),
     ("options.critic", "critic", CriticOptions, ("streamrl.stages.critic:CriticStage",)),
     ("options.agent", "agent", AgentOptions, ("streamrl.stages.agent:AgentStage",)),
+    ("options.chain", "reward", ChainOptions, ("streamrl.stages.chain:ChainStage",)),
 ]
 NO_OPTIONS = ("advantage", "reference", "eval", "value")
 
@@ -141,13 +143,28 @@ def _default(field: msgspec.structs.FieldInfo) -> Any:
     return msgspec.NODEFAULT
 
 
+def _struct_of(tp: Any) -> tuple[Any, str]:
+    """The Struct a field holds (``S``, ``S | None``) or lists (``list[S]``: its items' keys get ``[]``),
+    and the key suffix of its fields; (None, "") for any other field."""
+    sub = struct_in(tp)
+    if sub is not None:
+        return sub, ""
+    bare = bare_type(tp)
+    args = typing.get_args(bare)
+    if typing.get_origin(bare) is list and len(args) == 1:
+        item = struct_in(args[0])
+        if item is not None:
+            return item, "[]"
+    return None, ""
+
+
 def _rows(struct: type[msgspec.Struct], prefix: str, names: dict[type, str]) -> list[Row]:
     types = field_types(struct)
     rows = []
     for field in msgspec.structs.fields(struct):
         tp = types[field.name]
         default = _default(field)
-        sub = struct_in(tp)
+        sub, _ = _struct_of(tp)
         if default is msgspec.NODEFAULT:
             shown = "(required)"
         elif isinstance(default, msgspec.Struct) and sub in names:
@@ -167,9 +184,9 @@ def sections() -> list[Section]:
     def visit(struct: type[msgspec.Struct], name: str, prefix: str) -> None:
         plan.append((name, prefix, struct))
         for field_name, tp in field_types(struct).items():
-            sub = struct_in(tp)
+            sub, items = _struct_of(tp)
             if sub is not None and sub not in {s for _, _, s in plan}:
-                visit(sub, field_name if name == TOP else f"{name}.{field_name}", f"{prefix}{field_name}.")
+                visit(sub, field_name if name == TOP else f"{name}.{field_name}", f"{prefix}{field_name}{items}.")
 
     visit(RunConfig, TOP, "")
     plan.append(("stages", "stages.<name>.", StageOverride))

@@ -173,6 +173,12 @@ def _explain_stage_error(text: str, raw: Any) -> str:
     return f"stage {name!r} (stages[{k}]): field {field!r}: {text.split(' - at ')[0]}"
 
 
+def is_plain_name(name: str) -> bool:
+    """A stage's (or a chain link's) name: letters, digits, '-' and '_' only, since it names
+    processes, log files, metrics and dock roles."""
+    return bool(name) and name.replace("_", "").replace("-", "").isalnum()
+
+
 def import_object(spec: str, what: str, *, form: str = "package.module:Name", must_call: bool = False) -> Any:
     """The object ``spec`` (``module:attr``) names, else ValueError naming ``what`` and the fix.
     ``must_call``: it must be callable (a user's function)."""
@@ -217,11 +223,46 @@ def read_pipeline(cfg: RunConfig, *, also_overridable: Collection[str] = ()) -> 
         raise ConfigError(f"{where}: {_explain_stage_error(str(exc), raw)}") from None
     names = [s.name for s in spec.stages]
     for name in cfg.stages:
-        if name not in names and name not in also_overridable:
+        if name not in names and name not in also_overridable and _chain_of_link(spec, name) is None:
             raise ConfigError(f"run config: stages.{name} overrides a stage that {where} does not have "
                               f"(stages: {names})")
     spec.stages = [apply_overrides(s, cfg.stages[s.name]) if s.name in cfg.stages else s for s in spec.stages]
+    for name, over in cfg.stages.items():
+        chain = _chain_of_link(spec, name) if name not in names else None
+        if chain is not None:
+            _override_link(chain, name, over)
     return spec
+
+
+def _links(s: StageSpec) -> list[Any]:
+    """The links of a chain stage (``options.links``, streamrl.stages.chain), else []."""
+    links = s.options.get("links")
+    return links if isinstance(links, list) else []
+
+
+def _chain_of_link(spec: PipelineSpec, name: str) -> StageSpec | None:
+    """The chain stage with a link named ``name``: ``stages.<link>.options`` in a run config sets
+    that link's options, as it would the stage's were it not chained."""
+    for s in spec.stages:
+        if any(isinstance(link, dict) and link.get("name") == name for link in _links(s)):
+            return s
+    return None
+
+
+def _override_link(chain: StageSpec, name: str, over: StageOverride) -> None:
+    other = sorted(k for k, v in msgspec.structs.asdict(over).items() if v is not None and k != "options")
+    if other:
+        raise ConfigError(f"run config: stages.{name} sets {other} of link {name!r}, which runs inside the chain "
+                          f"stage {chain.name!r} with its workers, micro-batch, device and threads: set "
+                          f"stages.{chain.name}.{other[0]} instead (a link's own settings are its options)")
+    def merged(link: Any) -> Any:
+        own = link.get("options", {}) if isinstance(link, dict) else None
+        if link.get("name") != name or not isinstance(own, dict):  # a malformed link: the options check says so
+            return link
+        return {**link, "options": {**own, **(over.options or {})}}
+
+    chain.options = {**chain.options, "links": [merged(link) if isinstance(link, dict) else link
+                                                for link in _links(chain)]}
 
 
 def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: bool = True) -> None:
@@ -234,7 +275,7 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
     writer: dict[str, str] = {}
     for i, s in enumerate(spec.stages):
         at = f"{where}: stage {s.name!r} (#{i})"
-        if not s.name or not s.name.replace("_", "").replace("-", "").isalnum():
+        if not is_plain_name(s.name):
             raise ConfigError(f"{where}: stage #{i} name {s.name!r} must be letters, digits, '-' or '_'")
         if s.name in seen:
             raise ConfigError(f"{at}: name is not unique")
@@ -281,7 +322,7 @@ def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: boo
                           "(use pipelines/grpo_kl.yaml, which has the reference stage)")
     if import_classes:
         for s in spec.stages:
-            _check_class(s, f"{where}: stage {s.name!r} class", spec, cfg)
+            check_stage_class(s, f"{where}: stage {s.name!r} class", spec, cfg)
     _check_device(cfg.resources.device, "run config: resources.device")
 
 
@@ -390,7 +431,10 @@ def _check_acyclic(spec: PipelineSpec, writer: dict[str, str], where: str) -> No
         visit(name, [])
 
 
-def _check_class(s: StageSpec, at: str, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+def check_stage_class(s: StageSpec, at: str, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+    """Stage ``s``'s class in ``pipeline``: it imports, takes ``s.options``, accepts ``s`` (its
+    ``check_spec``) and has the methods its kind needs; ``ConfigError`` at ``at`` if not. Sets
+    ``s.restartable`` where the class says so. A chain stage checks each of its links with it."""
     try:
         cls = import_object(s.cls, "class")
     except ValueError as exc:

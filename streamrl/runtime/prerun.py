@@ -36,6 +36,7 @@ from streamrl.config import (
 )
 from streamrl.runtime.pipeline import (
     PipelineSpec,
+    class_says,
     import_stage_class,
     inference_tensor_parallel,
     read_pipeline,
@@ -128,10 +129,10 @@ def check_run(spec: PipelineSpec, cfg: RunConfig) -> None:
 
     if cfg.resources.launch == "ray":
         attempt(_check_ray, spec, cfg)
-    classes = [import_stage_class(s.cls) for s in spec.stages]
-    if any(_says(c, "uses_model_and_task") for c in classes):  # else: the model and the task are the user's stages'
+    classes = [(import_stage_class(s.cls), s) for s in spec.stages]
+    if any(class_says(c, "uses_model_and_task", s) for c, s in classes):  # else: the model and task are the user's
         model = attempt(_check_model, cfg)
-        generates = any(_says(c, "generates") for c in classes)
+        generates = any(class_says(c, "generates", s) for c, s in classes)
         if model is not None:
             tokenizer, model_config, positions_key = model
             max_positions = model_config.get("max_positions")
@@ -160,11 +161,6 @@ def _check_ray(spec: PipelineSpec, cfg: RunConfig) -> None:
     if unknown:
         raise ConfigError(f"resources.ray.stage_resources names stages {unknown} that the pipeline {spec.name!r} "
                           f"does not have; its stages: {[s.name for s in spec.stages]}")
-
-
-def _says(cls: type | None, flag: str) -> bool:
-    """The stage class sets ``flag = True`` (the built-in stages: ``uses_model_and_task``, ``generates``)."""
-    return cls is not None and getattr(cls, flag, False) is True
 
 
 def _check_model(cfg: RunConfig) -> tuple[Any, dict[str, Any], str]:
