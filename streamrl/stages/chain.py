@@ -30,10 +30,12 @@ links wrote in one put (docs/benchmarks.md §27 measures it).
 
 Each link is checked as the stage it would be on its own (its ``Options``, ``check_options``,
 ``check_spec``), with the chain's workers, micro-batch, device, threads and whole groups; an
-error names ``options.links[k]``. A link is a processing stage (it reads columns) that keeps every
-sample: the chain refuses sources and side stages, trainers (``publishes_policy`` or
-``claim_size``), generators (``generates``), stages that drop samples (``discards``), stages that
-follow another worker, and chains. The chain is restartable where each of its links is.
+error names ``options.links[k]``. A link is a processing stage (it reads columns): the chain
+refuses sources and side stages, trainers (``publishes_policy`` or ``claim_size``), generators
+(``generates``: they wait for policy versions and follow one another), and chains. A link may drop
+samples (``Output.discard``, the filter: pipelines/dapo_chained.yaml): the links after it get only
+the samples it kept, and the chain drops them from the run. The chain is restartable where each
+of its links is, and drops samples where one of them does (the source then makes more).
 
 A link reports its metrics as the chain's, named ``<link>/<name>`` (e.g. ``reward/score/latency_p50_ms``);
 the chain's busy time is ``busy/<chain>``.
@@ -79,14 +81,14 @@ class ChainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The links, in the order they run: each {name, class: module:Class, reads, writes, options}, a processing "
         "stage checked as one of its own (with the chain's workers, micro_batch, device, threads, whole_groups). "
         "A link reads the chain's columns or an earlier link's; the chain reads and writes what its links need and "
-        "make. Not chainable: trainers, generators, stages that drop samples, chains"))]
+        "make. A link that drops samples leaves the links after it only those it kept. Not chainable: trainers, "
+        "generators, chains"))]
 
 
 # class attributes that make a stage something other than one batch in, columns out
 _REFUSED_FLAGS = {
     "publishes_policy": "it trains the policy (a trainer claims to fill its steps)",
     "generates": "it generates (a generator waits for policy versions and sizes its own batches)",
-    "discards": "it drops samples from the run, which the links after it would still see",
 }
 
 
@@ -118,6 +120,11 @@ class ChainStage:
         """Where each link is: the chain keeps no state of its own between micro-batches."""
         says = _links_say(spec, "restartable")
         return bool(says) and all(says)
+
+    @staticmethod
+    def discards(spec: StageSpec) -> bool:
+        """Where a link drops samples (the filter): the source then makes more (streamrl.stages.source)."""
+        return any(_links_say(spec, "discards"))
 
     @staticmethod
     def uses_model_and_task(spec: StageSpec) -> bool:
@@ -200,26 +207,38 @@ class ChainStage:
             raise
 
     async def process(self, batch: Batch) -> Output:
-        columns = dict(batch.columns)
+        n = len(batch.samples)
+        columns = {c: list(v) for c, v in batch.columns.items()}  # batch-long; links fill in what they write
         written: dict[str, list[Any]] = {}
-        versions: list[int] | None = None
-        lengths: list[int] | None = None
+        versions: list[int] = batch.versions
+        lengths: list[int] = batch.lengths
+        set_versions = set_lengths = False
+        discard = [False] * n
+        kept = list(range(n))  # the batch positions no link has dropped, which the next link gets
         for link, stage in self.links:
-            result = await stage.process(Batch(batch.samples, {c: columns[c] for c in link.reads}))
+            if not kept:  # every sample was dropped: nothing left to process
+                break
+            samples = [batch.samples[i] for i in kept]
+            result = await stage.process(Batch(samples, {c: [columns[c][i] for i in kept] for c in link.reads}))
             out = result if isinstance(result, Output) else Output(columns=dict(result or {}))
+            _check_link_output(link, out, len(kept))
+            for c, values in out.columns.items():
+                full = written.setdefault(c, [None] * n)  # a dropped sample's value is never stored
+                for i, v in zip(kept, values, strict=True):
+                    full[i] = v
+                columns[c] = full
+            if out.versions is not None:
+                versions, set_versions = _scatter(versions, kept, out.versions), True
+            if out.lengths is not None:
+                lengths, set_lengths = _scatter(lengths, kept, out.lengths), True
             if out.discard is not None and any(out.discard):
-                raise ValueError(f"chain link {link.name!r} discarded samples; a chained stage must keep every "
-                                 "sample (make it a stage of its own)")
-            missing = [c for c in link.writes if c not in out.columns]
-            extra = [c for c in out.columns if c not in link.writes]
-            if missing or extra:
-                raise ValueError(f"chain link {link.name!r}: process() must return exactly the columns in its "
-                                 f"writes={link.writes}; missing {missing}, not declared {extra}")
-            columns.update(out.columns)
-            written.update(out.columns)
-            versions = out.versions if out.versions is not None else versions
-            lengths = out.lengths if out.lengths is not None else lengths
-        return Output(written, versions=versions, lengths=lengths)
+                for i, drop in zip(kept, out.discard, strict=True):
+                    discard[i] = discard[i] or bool(drop)
+                kept = [i for i in kept if not discard[i]]
+        for c in self.ctx.spec.writes:  # links after the last sample was dropped wrote nothing
+            written.setdefault(c, [None] * n)
+        return Output(written, versions=versions if set_versions else None, lengths=lengths if set_lengths else None,
+                      discard=discard if any(discard) else None)
 
     async def close(self) -> None:
         """Closes every link set up, the last first, even where one fails; then raises the first error."""
@@ -232,6 +251,28 @@ class ChainStage:
         self.links = []
         if error is not None:
             raise error
+
+
+def _check_link_output(link: StageSpec, out: Output, n: int) -> None:
+    """What the worker checks of a stage's output, for one link: its declared columns, one value
+    (and one flag, one version, one length) per sample it was given."""
+    missing = [c for c in link.writes if c not in out.columns]
+    extra = [c for c in out.columns if c not in link.writes]
+    if missing or extra:
+        raise ValueError(f"chain link {link.name!r}: process() must return exactly the columns in its "
+                         f"writes={link.writes}; missing {missing}, not declared {extra}")
+    for what, values in [*out.columns.items(), ("discard", out.discard), ("versions", out.versions),
+                         ("lengths", out.lengths)]:
+        if values is not None and len(values) != n:
+            raise ValueError(f"chain link {link.name!r}: {what} has {len(values)} values for the {n} samples it "
+                             "was given")
+
+
+def _scatter(base: list[int], positions: list[int], values: list[int]) -> list[int]:
+    out = list(base)
+    for i, v in zip(positions, values, strict=True):
+        out[i] = v
+    return out
 
 
 class _LinkControl:

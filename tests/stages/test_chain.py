@@ -73,7 +73,7 @@ def _set(path: str, value: Any) -> Any:
     (_set("1.name", "score"), "options.links[1] ('score'): name must be letters, digits, '-' or '_', and unique"),
     (_set("1.class", "streamrl.stages.train:TrainStage"), "cannot be chained: it trains the policy"),
     (_set("0.class", "streamrl.stages.generate:GenerateStage"), "cannot be chained: it generates"),
-    (_set("1.class", "streamrl.stages.filter:FilterStage"), "cannot be chained: it drops samples"),
+    (_set("1.class", "streamrl.stages.filter:FilterStage"), "set algo.dynamic_sampling.enabled: true"),
     (_set("1.class", "streamrl.stages.chain:ChainStage"), "a chain cannot be a link of a chain"),
     (_set("1.reads", []), "options.links[1] ('advantage').reads: a link processes claimed samples"),
     (_set("0.writes", ["reward", "advantage"]), "'advantage' is already written by an earlier link"),
@@ -161,6 +161,15 @@ class Versioned(Doubler):
         return Output(out, versions=[7] * len(batch), lengths=[3] * len(batch))
 
 
+class DropOdd(Doubler):
+    """A link that drops every sample with an odd value, like the filter drops uniform groups."""
+
+    async def process(self, batch: Batch) -> Output:
+        values = batch.columns[self.ctx.spec.reads[0]]
+        self.log.append(f"{self.ctx.spec.name} got {values}")
+        return Output({self.ctx.spec.writes[0]: values}, discard=[v % 2 == 1 for v in values])
+
+
 class _Control:
     """What a link's metrics reach: the worker's control channel records them here."""
 
@@ -201,6 +210,23 @@ async def test_links_run_in_order_each_on_what_the_ones_before_wrote(tmp_path: P
     assert control.metrics == [{"a/n": 3}, {"b/n": 3}]  # each link's metrics under its name
     await chain.close()
     assert Doubler.log == ["setup a", "setup b", "close b", "close a"]
+
+
+@pytest.mark.anyio
+async def test_the_links_after_one_that_drops_samples_see_only_those_it_kept(tmp_path: Path) -> None:
+    Doubler.log = []
+    chain = ChainStage()
+    await chain.setup(_context(tmp_path, _links(("drop", "DropOdd", "value", "kept"), ("a", "Doubler", "kept", "x"),
+                                                ("b", "DropOdd", "x", "y")), _Control()))
+    out = await chain.process(_batch([1, 2, 3, 4]))
+    # positions 0 and 2 dropped by the first link; the last link drops none of 4, 8
+    assert out.discard == [True, False, True, False]
+    # a dropped sample's values are never stored (the worker puts only the kept ones)
+    assert out.columns == {"kept": [1, 2, 3, 4], "x": [None, 4, None, 8], "y": [None, 4, None, 8]}
+    assert "b got [4, 8]" in Doubler.log
+    out = await chain.process(_batch([1, 3]))  # all dropped: the links after it are not called
+    assert out.discard == [True, True] and out.columns == {"kept": [1, 3], "x": [None, None], "y": [None, None]}
+    await chain.close()
 
 
 @pytest.mark.anyio
@@ -267,3 +293,27 @@ def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
     assert "busy/reward" in last and "busy/score" not in last and "busy/advantage" not in last
     assert "reward/score/latency_p50_ms" in last  # the score link's figures, under its name
     assert_run_cleaned(chained.run_dir, os.getpid(), before)
+
+
+@pytest.mark.timeout(300)
+def test_a_chained_filter_drops_groups_and_the_source_makes_up_for_them(tmp_path: Path) -> None:
+    """pipelines/dapo_chained.yaml: the filter link drops uniform groups from the run (the dock's
+    discard), the advantage link sees only the kept ones, and every step still gets its quota."""
+    from tests.e2e.test_dynamic_sampling import STEPS, G, P, _config
+
+    config = _config(tmp_path)
+    raw = yaml.safe_load(config.read_text())
+    raw["pipeline"] = str(REPO / "pipelines" / "dapo_chained.yaml")
+    raw["stages"] = {s: {"micro_batch": 16} for s in ("generate", "reward", "train")}
+    raw["output"]["checkpoint_every"] = 0
+    config.write_text(yaml.safe_dump(raw))
+    before = ipc_dirs()
+    result = streamrl.run(config, run_dir=tmp_path / "run")
+    rows = result.metrics
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["samples"] == P * G for r in rows), [r["samples"] for r in rows]
+    assert all(r["uniform_groups"] == 0 for r in rows)  # the advantage link never saw a dropped group
+    assert sum(r["dropped_samples"] for r in rows) > 0, "nothing dropped: dynamic sampling was not exercised"
+    assert 0 < rows[-1]["reward/filter/kept_fraction"] < 1
+    assert result.dock_statistics["samples_discarded"] > 0
+    assert_run_cleaned(result.run_dir, os.getpid(), before)
