@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Cheap stages chained on one claim against the same stages one per process: the W1 config
+(``configs/grpo_digits.yaml``) on ``pipelines/grpo_chained.yaml`` against ``pipelines/grpo.yaml``
+(``--family dapo``: preset dapo on ``pipelines/dapo_chained.yaml`` against ``pipelines/dapo.yaml``),
+alternating (the order reversed every other pair), at ``algo.max_staleness`` 0 and 1.
+
+Each run trains ``--steps`` steps with the stop reward off. Between steps ``--from`` and
+``--to`` (the steady state: set-up and the first steps left out) it takes, from ``/proc``:
+
+- ms a step (wall);
+- CPU ms a step of every process of the run (the launcher's process tree);
+- CPU ms a step around the compute: the same less the two processes that used the most CPU (the
+  train and generate workers), i.e. the launcher, the dock, the source and the cheap stages.
+
+The host's speed can drift by 2x within minutes (docs/benchmarks.md §27), so every figure is a
+ratio within a pair, and the table gives the median and range of the ratios.
+
+    python ops/bench/chained_stages.py --pairs 6
+
+Last line: one JSON object. Target: the chained pipeline no slower (ms a step ratio <= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt_spread, print_json_line, print_table, spread
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "grpo_digits.yaml"
+FAMILIES = ("grpo", "dapo")  # pipelines/<family>.yaml against pipelines/<family>_chained.yaml
+FIGURES = ("ms a step", "CPU ms a step", "CPU ms a step around the compute")
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+POLL_S = 0.02
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each process still there."""
+    out = {}
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None:
+            out[pid] = (int(fields[11]) + int(fields[12])) * TICK_S
+    return out
+
+
+def last_step(run_root: Path) -> int:
+    """The newest step in the run's metrics.jsonl (0 before the first)."""
+    for metrics in run_root.glob("*/metrics.jsonl"):
+        for line in reversed(metrics.read_text().splitlines()):
+            try:
+                return int(json.loads(line).get("step", 0))
+            except ValueError:  # a line being written
+                continue
+    return 0
+
+
+def one_run(pipeline: Path, preset: str, staleness: int, steps: int, window: tuple[int, int],
+            timeout_s: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="chained-") as tmp:
+        run_root = Path(tmp) / "runs"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamrl.cli", "run", str(CONFIG), f"pipeline={pipeline}", f"preset={preset}",
+             f"algo.max_staleness={staleness}", f"algo.steps={steps}", "algo.stop_reward=null",
+             f"output.run_dir={run_root}", "output.progress=none", "output.tensorboard=false", "output.plot=false",
+             "output.checkpoint=false"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp)
+        deadline = time.monotonic() + timeout_s
+        snaps = []
+        try:
+            for target in window:
+                while (step := last_step(run_root)) < target:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(f"the run on {pipeline.name} ended or timed out at step {step} before step "
+                                         f"{target} (exit {proc.returncode}); run it by hand to see why")
+                    time.sleep(POLL_S)
+                snaps.append((step, time.monotonic(), cpu_seconds(process_tree(proc.pid))))
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    (s0, t0, cpu0), (s1, t1, cpu1) = snaps
+    n = s1 - s0
+    used = sorted(((cpu1[p] - cpu0[p]) * 1000 / n for p in cpu1 if p in cpu0), reverse=True)
+    return {"ms a step": (t1 - t0) * 1000 / n, "CPU ms a step": sum(used),
+            "CPU ms a step around the compute": sum(used[2:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=6, help="pairs of runs per staleness, alternating")
+    ap.add_argument("--steps", type=int, default=260, help="steps of each run")
+    ap.add_argument("--from", dest="first", type=int, default=30, help="the window's first step")
+    ap.add_argument("--to", dest="last", type=int, default=230, help="the window's last step")
+    ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="algo.max_staleness values")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
+    ap.add_argument("--family", choices=FAMILIES, default="grpo", help="the pipelines (and preset) compared")
+    args = ap.parse_args()
+    pipelines = {"default": ROOT / "pipelines" / f"{args.family}.yaml",
+                 "chained": ROOT / "pipelines" / f"{args.family}_chained.yaml"}
+    if args.pairs < 1 or not 0 < args.first < args.last <= args.steps:
+        raise SystemExit("need --pairs >= 1 and 0 < --from < --to <= --steps")
+    figures: dict[str, dict[str, dict[str, float]]] = {}
+    baseline: dict[str, dict[str, dict[str, float]]] = {}
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    for k in args.staleness:
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in pipelines}
+        for pair in range(args.pairs):
+            order = list(pipelines) if pair % 2 == 0 else list(reversed(pipelines))
+            for name in order:
+                load = os.getloadavg()[0]
+                r = one_run(pipelines[name], args.family, k, args.steps, (args.first, args.last), args.timeout)
+                runs[name].append(r)
+                print(f"k={k} pair {pair} {name:8s} load {load:.2f}: "
+                      + ", ".join(f"{f} {r[f]:.2f}" for f in FIGURES), flush=True)
+        key = f"k={k}"
+        figures[key] = {f: spread(r[f] for r in runs["chained"]) for f in FIGURES}
+        baseline[key] = {f: spread(r[f] for r in runs["default"]) for f in FIGURES}
+        ratios[key] = {f: spread(c[f] / d[f] for c, d in zip(runs["chained"], runs["default"], strict=True))
+                       for f in FIGURES}
+        print_table([f"k={k}, median [min, max]", "chained", "default", "chained ÷ default, per pair"],
+                    [[f, fmt_spread(figures[key][f], 2), fmt_spread(baseline[key][f], 2),
+                      fmt_spread(ratios[key][f], 3)] for f in FIGURES])
+    print_json_line(f"chained_stages_{args.family}", figures, baseline,
+                    {key: {f: r[f]["median"] for f in FIGURES} for key, r in ratios.items()},
+                    {"ms a step": "<= 1.0"}, pairs=args.pairs, window=[args.first, args.last],
+                    met=all(r["ms a step"]["median"] <= 1.0 for r in ratios.values()))
+
+
+if __name__ == "__main__":
+    main()
