@@ -38,7 +38,8 @@ the samples it kept, and the chain drops them from the run. The chain is restart
 of its links is, and drops samples where one of them does (the source then makes more).
 
 A link reports its metrics as the chain's, named ``<link>/<name>`` (e.g. ``reward/score/latency_p50_ms``);
-the chain's busy time is ``busy/<chain>``.
+the chain's busy time is ``busy/<chain>``; in the run's trace each link's call is a span named after
+the link inside the chain's batch.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import msgspec
 from msgspec import Meta
 
 from streamrl.config import ConfigError, RunConfig
+from streamrl.metrics.trace import tracer
 from streamrl.runtime.pipeline import (
     PipelineSpec,
     StageSpec,
@@ -219,7 +221,8 @@ class ChainStage:
             if not kept:  # every sample was dropped: nothing left to process
                 break
             samples = [batch.samples[i] for i in kept]
-            result = await stage.process(Batch(samples, {c: [columns[c][i] for i in kept] for c in link.reads}))
+            with tracer().span(link.name, "batch", "chain", samples=len(samples)):  # inside the chain's batch
+                result = await stage.process(Batch(samples, {c: [columns[c][i] for i in kept] for c in link.reads}))
             out = result if isinstance(result, Output) else Output(columns=dict(result or {}))
             _check_link_output(link, out, len(kept))
             for c, values in out.columns.items():

@@ -5,6 +5,7 @@ same steps as the unchained one."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ from streamrl.runtime.pipeline import PipelineSpec, class_says
 from streamrl.runtime.prerun import load_pipeline
 from streamrl.runtime.stage import Batch, Output, StageContext
 from streamrl.stages.chain import ChainStage
+from tests.metrics.test_trace import assert_spans_nest
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -292,6 +294,11 @@ def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
     last = chained.metrics[-1]
     assert "busy/reward" in last and "busy/score" not in last and "busy/advantage" not in last
     assert "reward/score/latency_p50_ms" in last  # the score link's figures, under its name
+    events = json.loads((chained.run_dir / "trace.json").read_text())["traceEvents"]
+    assert_spans_nest(events)  # each link's span inside the chain's batch
+    stage_of = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    names = {(stage_of[e["pid"]], e["name"], e.get("cat")) for e in events if e["ph"] == "X"}
+    assert {("reward", "process", "batch"), ("reward", "score", "chain"), ("reward", "advantage", "chain")} <= names
     assert_run_cleaned(chained.run_dir, os.getpid(), before)
 
 
