@@ -41,6 +41,7 @@ import math
 import random
 from typing import Annotated, Any
 
+import anyio
 import msgspec
 import torch
 from msgspec import Meta
@@ -138,6 +139,14 @@ class SourceStage:
         self.boundary = (0, 0)  # a token budget: (a version, samples the trainer had taken when the source saw it)
         self.wave: tuple[int, int] | None = None  # the next wave's (groups, version), once the demand is there
         self.reported: dict[str, float] = {}  # the dynamic-sampling figures last sent as stage metrics
+        # dynamic sampling: a new policy version raises the demand. One long poll at a time follows
+        # the versions (a background task) and wakes the demand loop, which otherwise re-reads the
+        # dock's counts every DEMAND_POLL_S: asking the trainer at each of those would cost it, and
+        # this process, a round trip every 10 ms
+        self.new_version = anyio.Event()
+        self.follows_versions = self.dynamic and hasattr(ctx, "tasks")
+        if self.follows_versions:
+            ctx.tasks.start_soon(self._follow_versions)  # type: ignore[attr-defined]  # the worker's task group
         if ctx.resume is not None:
             st = ctx.resume.state
             self.trained = TrainedKeys(st.trained_below, st.trained_extra)
@@ -206,10 +215,27 @@ class SourceStage:
                             "samples (the budget over the mean response length)" if a.dynamic_sampling.token_budget
                             else ""))
                 return groups, version
-            try:  # a new version raises the demand; drops and judgements are seen at the next poll
-                await policy.wait_version(version + 1, timeout_s=DEMAND_POLL_S)
-            except PolicyTimeout:
-                pass
+            # a new version raises the demand; drops and judgements are seen at the next poll
+            if not self.follows_versions:
+                try:
+                    await policy.wait_version(version + 1, timeout_s=DEMAND_POLL_S)
+                except PolicyTimeout:
+                    pass
+            elif policy.known_version == version:  # (else a version came while the dock answered: look again)
+                with anyio.move_on_after(DEMAND_POLL_S):
+                    await self.new_version.wait()
+
+    async def _follow_versions(self) -> None:
+        """Dynamic sampling: wait for each next policy version, one long poll at a time, and set
+        ``new_version`` at each (then replace it for the next)."""
+        policy = self.ctx.policy
+        while True:
+            try:
+                await policy.wait_version(policy.known_version + 1)
+            except PolicyTimeout:  # the publisher is slow or gone: the demand loop still polls the dock
+                continue
+            event, self.new_version = self.new_version, anyio.Event()
+            event.set()
 
     def _short_of_rounds(self, stats: dict[str, Any], version: int, dropped: int) -> int:
         """A token budget: the samples the trainer lacks to finish its step and train ``max_staleness``
