@@ -256,13 +256,12 @@ def _override_link(chain: StageSpec, name: str, over: StageOverride) -> None:
                           f"stage {chain.name!r} with its workers, micro-batch, device and threads: set "
                           f"stages.{chain.name}.{other[0]} instead (a link's own settings are its options)")
     def merged(link: Any) -> Any:
-        own = link.get("options", {}) if isinstance(link, dict) else None
-        if link.get("name") != name or not isinstance(own, dict):  # a malformed link: the options check says so
+        own = link.get("options", {}) if isinstance(link, dict) and link.get("name") == name else None
+        if not isinstance(own, dict):  # another link, or a malformed one (the options check says so)
             return link
         return {**link, "options": {**own, **(over.options or {})}}
 
-    chain.options = {**chain.options, "links": [merged(link) if isinstance(link, dict) else link
-                                                for link in _links(chain)]}
+    chain.options = {**chain.options, "links": [merged(link) for link in _links(chain)]}
 
 
 def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: bool = True) -> None:

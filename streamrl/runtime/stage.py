@@ -94,6 +94,26 @@ class Output:
     discard: list[bool] | None = None
 
 
+def as_output(result: Any, writes: Sequence[str], n: int) -> Output:
+    """What a processing stage's ``process`` returned for a batch of ``n``, as an :class:`Output`;
+    ValueError unless it has exactly the columns in ``writes`` and one value (discard flag, version,
+    length) per sample."""
+    out = result if isinstance(result, Output) else Output(columns=dict(result or {}))
+    missing = [c for c in writes if c not in out.columns]
+    extra = [c for c in out.columns if c not in writes]
+    if missing or extra:
+        raise ValueError(f"process() must return exactly the columns in writes={list(writes)}; "
+                         f"missing {missing}, not declared {extra}")
+    for name, values in out.columns.items():
+        if len(values) != n:
+            raise ValueError(f"column {name!r} has {len(values)} values for a batch of {n}")
+    for name, values, unit in (("discard", out.discard, "flags"), ("versions", out.versions, "versions"),
+                               ("lengths", out.lengths, "lengths")):
+        if values is not None and len(values) != n:
+            raise ValueError(f"Output.{name} has {len(values)} {unit} for a batch of {n}")
+    return out
+
+
 @dataclass
 class ClaimSize:
     n: int

@@ -41,7 +41,7 @@ from streamrl.runtime.control import ControlClient
 from streamrl.runtime.orphans import remove_if_owner_is, wait_gone
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
-from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun
+from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun, as_output
 from streamrl.security import ClientAuth, ServerAuth
 
 if TYPE_CHECKING:
@@ -84,21 +84,6 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     # (streamrl.runtime.rendezvous) instead of a FileStore
     home_warehouse: int | None = None
     rendezvous_endpoint: str = ""
-
-
-def _as_output(result: Any, spec: StageSpec, n: int) -> Output:
-    out = result if isinstance(result, Output) else Output(columns=dict(result or {}))
-    missing = [c for c in spec.writes if c not in out.columns]
-    extra = [c for c in out.columns if c not in spec.writes]
-    if missing or extra:
-        raise ValueError(f"process() must return exactly the columns in writes={spec.writes}; "
-                         f"missing {missing}, not declared {extra}")
-    for name, values in out.columns.items():
-        if len(values) != n:
-            raise ValueError(f"column {name!r} has {len(values)} values for a batch of {n}")
-    if out.discard is not None and len(out.discard) != n:
-        raise ValueError(f"Output.discard has {len(out.discard)} flags for a batch of {n}")
-    return out
 
 
 class _Meter:
@@ -511,7 +496,7 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
         out_versions = getattr(result, "versions", None) if isinstance(result, Output) else None
         meter.end(len(lease), version=_versions(lease.versions), **({"out_version": _versions(out_versions)}
                                                                     if out_versions else {}))
-    out = _as_output(result, spec, len(lease))
+    out = as_output(result, spec.writes, len(lease))
     indices = lease.indices
     if out.discard is not None and any(out.discard):
         # dropped from the run first: no later stage waits for them (the dock's discard)

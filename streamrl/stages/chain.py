@@ -61,7 +61,7 @@ from streamrl.runtime.pipeline import (
     import_stage_class,
     is_plain_name,
 )
-from streamrl.runtime.stage import Batch, Output, StageContext
+from streamrl.runtime.stage import Batch, Output, StageContext, as_output
 
 
 class ChainLink(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename={"cls": "class"}):
@@ -210,11 +210,10 @@ class ChainStage:
 
     async def process(self, batch: Batch) -> Output:
         n = len(batch.samples)
-        columns = {c: list(v) for c, v in batch.columns.items()}  # batch-long; links fill in what they write
-        written: dict[str, list[Any]] = {}
-        versions: list[int] = batch.versions
-        lengths: list[int] = batch.lengths
-        set_versions = set_lengths = False
+        columns = dict(batch.columns)  # batch-long; each link's columns replace or join them
+        written: dict[str, list[Any]] = {c: [None] * n for c in self.ctx.spec.writes}  # a dropped sample's stay None
+        versions: list[int] | None = None  # set once a link sets its samples' versions (lengths likewise)
+        lengths: list[int] | None = None
         discard = [False] * n
         kept = list(range(n))  # the batch positions no link has dropped, which the next link gets
         for link, stage in self.links:
@@ -223,25 +222,22 @@ class ChainStage:
             samples = [batch.samples[i] for i in kept]
             with tracer().span(link.name, "batch", "chain", samples=len(samples)):  # inside the chain's batch
                 result = await stage.process(Batch(samples, {c: [columns[c][i] for i in kept] for c in link.reads}))
-            out = result if isinstance(result, Output) else Output(columns=dict(result or {}))
-            _check_link_output(link, out, len(kept))
+            try:
+                out = as_output(result, link.writes, len(kept))
+            except ValueError as exc:
+                raise ValueError(f"chain link {link.name!r}: {exc}") from None
             for c, values in out.columns.items():
-                full = written.setdefault(c, [None] * n)  # a dropped sample's value is never stored
-                for i, v in zip(kept, values, strict=True):
-                    full[i] = v
-                columns[c] = full
+                _scatter(written[c], kept, values)
+                columns[c] = written[c]
             if out.versions is not None:
-                versions, set_versions = _scatter(versions, kept, out.versions), True
+                versions = _scatter(versions or batch.versions, kept, out.versions)
             if out.lengths is not None:
-                lengths, set_lengths = _scatter(lengths, kept, out.lengths), True
+                lengths = _scatter(lengths or batch.lengths, kept, out.lengths)
             if out.discard is not None and any(out.discard):
                 for i, drop in zip(kept, out.discard, strict=True):
                     discard[i] = discard[i] or bool(drop)
                 kept = [i for i in kept if not discard[i]]
-        for c in self.ctx.spec.writes:  # links after the last sample was dropped wrote nothing
-            written.setdefault(c, [None] * n)
-        return Output(written, versions=versions if set_versions else None, lengths=lengths if set_lengths else None,
-                      discard=discard if any(discard) else None)
+        return Output(written, versions=versions, lengths=lengths, discard=discard if any(discard) else None)
 
     async def close(self) -> None:
         """Closes every link set up, the last first, even where one fails; then raises the first error."""
@@ -256,26 +252,11 @@ class ChainStage:
             raise error
 
 
-def _check_link_output(link: StageSpec, out: Output, n: int) -> None:
-    """What the worker checks of a stage's output, for one link: its declared columns, one value
-    (and one flag, one version, one length) per sample it was given."""
-    missing = [c for c in link.writes if c not in out.columns]
-    extra = [c for c in out.columns if c not in link.writes]
-    if missing or extra:
-        raise ValueError(f"chain link {link.name!r}: process() must return exactly the columns in its "
-                         f"writes={link.writes}; missing {missing}, not declared {extra}")
-    for what, values in [*out.columns.items(), ("discard", out.discard), ("versions", out.versions),
-                         ("lengths", out.lengths)]:
-        if values is not None and len(values) != n:
-            raise ValueError(f"chain link {link.name!r}: {what} has {len(values)} values for the {n} samples it "
-                             "was given")
-
-
-def _scatter(base: list[int], positions: list[int], values: list[int]) -> list[int]:
-    out = list(base)
+def _scatter(into: list[Any], positions: list[int], values: list[Any]) -> list[Any]:
+    """``into`` with ``values`` at ``positions`` (in place)."""
     for i, v in zip(positions, values, strict=True):
-        out[i] = v
-    return out
+        into[i] = v
+    return into
 
 
 class _LinkControl:
