@@ -85,26 +85,42 @@ def last_step(run_root: Path) -> int:
     return 0
 
 
-def one_run(pipeline: Path, preset: str, staleness: int, steps: int, window: tuple[int, int],
-            timeout_s: float) -> dict[str, float]:
-    with tempfile.TemporaryDirectory(prefix="chained-") as tmp:
+def process_names(run_root: Path) -> dict[int, str]:
+    """pid -> the run's name for it (its logs/pids.json: ``train-0``, ``launcher``, ``dock0`` the
+    controller, ``dock1`` the warehouse)."""
+    names: dict[int, str] = {}
+    for pids in run_root.glob("*/logs/pids.json"):
+        for key, value in json.loads(pids.read_text()).items():
+            if key == "dock":
+                names.update({pid: f"dock{j}" for j, pid in enumerate(value)})
+            elif isinstance(value, int):
+                names[value] = key
+    return names
+
+
+def measure_window(config: Path, overrides: list[str], window: tuple[int, int], timeout_s: float,
+                   env: dict[str, str] | None = None) -> tuple[float, dict[int, float], dict[int, str]]:
+    """One ``streamrl run CONFIG OVERRIDES`` (quiet, no outputs beyond metrics) measured between
+    steps ``window``: its ms a step, each process's CPU ms a step (by pid), and the run's names
+    for its processes."""
+    with tempfile.TemporaryDirectory(prefix="cpu-window-") as tmp:
         run_root = Path(tmp) / "runs"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "streamrl.cli", "run", str(CONFIG), f"pipeline={pipeline}", f"preset={preset}",
-             f"algo.max_staleness={staleness}", f"algo.steps={steps}", "algo.stop_reward=null",
+            [sys.executable, "-m", "streamrl.cli", "run", str(config), "algo.stop_reward=null",
              f"output.run_dir={run_root}", "output.progress=none", "output.tensorboard=false", "output.plot=false",
-             "output.checkpoint=false"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp)
+             "output.checkpoint=false", *overrides],  # the caller's last: they win
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout_s
         snaps = []
         try:
             for target in window:
                 while (step := last_step(run_root)) < target:
                     if proc.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit(f"the run on {pipeline.name} ended or timed out at step {step} before step "
-                                         f"{target} (exit {proc.returncode}); run it by hand to see why")
+                        raise SystemExit(f"the run ({' '.join(overrides)}) ended or timed out at step {step} before "
+                                         f"step {target} (exit {proc.returncode}); run it by hand to see why")
                     time.sleep(POLL_S)
                 snaps.append((step, time.monotonic(), cpu_seconds(process_tree(proc.pid))))
+            names = process_names(run_root)
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             if proc.poll() is None:
@@ -112,9 +128,16 @@ def one_run(pipeline: Path, preset: str, staleness: int, steps: int, window: tup
                 proc.wait(timeout=10)
     (s0, t0, cpu0), (s1, t1, cpu1) = snaps
     n = s1 - s0
-    used = sorted(((cpu1[p] - cpu0[p]) * 1000 / n for p in cpu1 if p in cpu0), reverse=True)
-    return {"ms a step": (t1 - t0) * 1000 / n, "CPU ms a step": sum(used),
-            "CPU ms a step around the compute": sum(used[2:])}
+    return (t1 - t0) * 1000 / n, {p: (cpu1[p] - cpu0[p]) * 1000 / n for p in cpu1 if p in cpu0}, names
+
+
+def one_run(pipeline: Path, preset: str, staleness: int, steps: int, window: tuple[int, int],
+            timeout_s: float) -> dict[str, float]:
+    wall, cpu, _ = measure_window(CONFIG, [f"pipeline={pipeline}", f"preset={preset}",
+                                           f"algo.max_staleness={staleness}", f"algo.steps={steps}"],
+                                  window, timeout_s)
+    used = sorted(cpu.values(), reverse=True)
+    return {"ms a step": wall, "CPU ms a step": sum(used), "CPU ms a step around the compute": sum(used[2:])}
 
 
 def main() -> None:

@@ -19,67 +19,23 @@ target: a breakdown).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import checkout_env, fmt_spread, print_json_line, print_table, spread
-from chained_stages import POLL_S, cpu_seconds, last_step, process_tree
+from chained_stages import measure_window
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def process_names(run_root: Path) -> dict[int, str]:
-    """pid -> the run's name for it (logs/pids.json)."""
-    names: dict[int, str] = {}
-    for pids in run_root.glob("*/logs/pids.json"):
-        for key, value in json.loads(pids.read_text()).items():
-            if key == "dock":
-                names.update({pid: f"dock{j}" for j, pid in enumerate(value)})
-            elif isinstance(value, int):
-                names[value] = key
-    return names
 
 
 def one_run(config: Path, pipeline: Path, sets: list[str], window: tuple[int, int], env: dict[str, str],
             timeout_s: float) -> dict[str, float]:
     """CPU ms a step of each named process over the window, and the run's ms a step ("wall")."""
-    with tempfile.TemporaryDirectory(prefix="cpu-per-step-") as tmp:
-        run_root = Path(tmp) / "runs"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "streamrl.cli", "run", str(config), f"pipeline={pipeline}",
-             f"algo.steps={window[1] + 30}", "algo.stop_reward=null", f"output.run_dir={run_root}",
-             "output.progress=none", "output.tensorboard=false", "output.plot=false", "output.checkpoint=false",
-             *sets],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp, env={**os.environ, **env})
-        deadline = time.monotonic() + timeout_s
-        snaps = []
-        try:
-            for target in window:
-                while (step := last_step(run_root)) < target:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit(f"the run ended or timed out at step {step} before step {target} "
-                                         f"(exit {proc.returncode}); run it by hand to see why")
-                    time.sleep(POLL_S)
-                snaps.append((step, time.monotonic(), cpu_seconds(process_tree(proc.pid))))
-            names = process_names(run_root)
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    (s0, t0, cpu0), (s1, t1, cpu1) = snaps
-    n = s1 - s0
-    out = {"wall": (t1 - t0) * 1000 / n}
-    for pid, seconds in cpu1.items():
-        if pid in cpu0 and pid in names:
-            out[names[pid]] = (seconds - cpu0[pid]) * 1000 / n
-    return out
+    wall, cpu, names = measure_window(config, [f"pipeline={pipeline}", f"algo.steps={window[1] + 30}", *sets],
+                                      window, timeout_s, env)
+    return {"wall": wall, **{names[pid]: ms for pid, ms in cpu.items() if pid in names}}
 
 
 def main() -> None:
