@@ -144,8 +144,7 @@ class SourceStage:
         # dock's counts every DEMAND_POLL_S: asking the trainer at each of those would cost it, and
         # this process, a round trip every 10 ms
         self.new_version = anyio.Event()
-        self.follows_versions = self.dynamic and hasattr(ctx, "tasks")
-        if self.follows_versions:
+        if self.dynamic:
             ctx.tasks.start_soon(self._follow_versions)  # type: ignore[attr-defined]  # the worker's task group
         if ctx.resume is not None:
             st = ctx.resume.state
@@ -216,12 +215,7 @@ class SourceStage:
                             else ""))
                 return groups, version
             # a new version raises the demand; drops and judgements are seen at the next poll
-            if not self.follows_versions:
-                try:
-                    await policy.wait_version(version + 1, timeout_s=DEMAND_POLL_S)
-                except PolicyTimeout:
-                    pass
-            elif policy.known_version == version:  # (else a version came while the dock answered: look again)
+            if policy.known_version == version:  # (else a version came while the dock answered: look again)
                 with anyio.move_on_after(DEMAND_POLL_S):
                     await self.new_version.wait()
 
