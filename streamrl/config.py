@@ -253,7 +253,7 @@ _HeaderMib = _limit("max_header_mib", (
     "Largest header, and largest message the controller accepts (MiB; it only receives headers)"))
 _MaxClients = _limit("max_clients", (
     "Client ids the controller keeps state for at once (idle ones are forgotten after their TTL)"))
-_MaxParked = _limit("max_parked", "Claims and reserves the controller holds open at once (long-polls)")
+_MaxParked = _limit("max_parked", "Claims, reserves and stats requests the controller holds open at once (long-polls)")
 
 
 class DockConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -74,14 +74,16 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
     return out
 
 
-def last_step(run_root: Path) -> int:
-    """The newest step in the run's metrics.jsonl (0 before the first)."""
+def last_step(run_root: Path, key: str = "step") -> float:
+    """The newest value of ``key`` in the run's metrics.jsonl (the step by default; 0 before the first)."""
     for metrics in run_root.glob("*/metrics.jsonl"):
         for line in reversed(metrics.read_text().splitlines()):
             try:
-                return int(json.loads(line).get("step", 0))
+                row = json.loads(line)
             except ValueError:  # a line being written
                 continue
+            if key in row:
+                return float(row[key])
     return 0
 
 
@@ -99,10 +101,12 @@ def process_names(run_root: Path) -> dict[int, str]:
 
 
 def measure_window(config: Path, overrides: list[str], window: tuple[int, int], timeout_s: float,
-                   env: dict[str, str] | None = None) -> tuple[float, dict[int, float], dict[int, str]]:
+                   env: dict[str, str] | None = None,
+                   per: str = "step") -> tuple[float, dict[int, float], dict[int, str]]:
     """One ``streamrl run CONFIG OVERRIDES`` (quiet, no outputs beyond metrics) measured between
     steps ``window``: its ms a step, each process's CPU ms a step (by pid), and the run's names
-    for its processes."""
+    for its processes. ``per``: another metric that counts up, e.g. ``source/groups_made``: each
+    figure is then per unit of it over the window instead of per step."""
     with tempfile.TemporaryDirectory(prefix="cpu-window-") as tmp:
         run_root = Path(tmp) / "runs"
         proc = subprocess.Popen(
@@ -119,7 +123,7 @@ def measure_window(config: Path, overrides: list[str], window: tuple[int, int], 
                         raise SystemExit(f"the run ({' '.join(overrides)}) ended or timed out at step {step} before "
                                          f"step {target} (exit {proc.returncode}); run it by hand to see why")
                     time.sleep(POLL_S)
-                snaps.append((step, time.monotonic(), cpu_seconds(process_tree(proc.pid))))
+                snaps.append((last_step(run_root, per), time.monotonic(), cpu_seconds(process_tree(proc.pid))))
             names = process_names(run_root)
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
@@ -128,6 +132,8 @@ def measure_window(config: Path, overrides: list[str], window: tuple[int, int], 
                 proc.wait(timeout=10)
     (s0, t0, cpu0), (s1, t1, cpu1) = snaps
     n = s1 - s0
+    if n <= 0:
+        raise SystemExit(f"{per} did not grow between steps {window[0]} and {window[1]}: nothing to divide by")
     return (t1 - t0) * 1000 / n, {p: (cpu1[p] - cpu0[p]) * 1000 / n for p in cpu1 if p in cpu0}, names
 
 

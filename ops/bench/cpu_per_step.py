@@ -12,6 +12,10 @@ controller, ``dock1`` the warehouse, ``launcher``).
     python ops/bench/cpu_per_step.py --against /tmp/before --pipeline pipelines/dapo.yaml \\
         --set preset=dapo --set algo.max_staleness=0 --from 20 --to 90 --pairs 4
 
+With dynamic sampling at ``max_staleness`` > 0 the groups made a step vary with the policy's
+trajectory, which differs from run to run: ``--per source/groups_made`` divides by the groups the
+source made over the window instead of the steps.
+
 Last line: one JSON object (per process, median CPU ms a step, this checkout and the other; no
 target: a breakdown).
 """
@@ -31,10 +35,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def one_run(config: Path, pipeline: Path, sets: list[str], window: tuple[int, int], env: dict[str, str],
-            timeout_s: float) -> dict[str, float]:
-    """CPU ms a step of each named process over the window, and the run's ms a step ("wall")."""
+            timeout_s: float, per: str = "step") -> dict[str, float]:
+    """CPU ms a step (or a unit of ``per``) of each named process over the window, and the run's ms a
+    step ("wall")."""
     wall, cpu, names = measure_window(config, [f"pipeline={pipeline}", f"algo.steps={window[1] + 30}", *sets],
-                                      window, timeout_s, env)
+                                      window, timeout_s, env, per)
     return {"wall": wall, **{names[pid]: ms for pid, ms in cpu.items() if pid in names}}
 
 
@@ -48,6 +53,9 @@ def main() -> None:
     ap.add_argument("--from", dest="first", type=int, default=30)
     ap.add_argument("--to", dest="last", type=int, default=230)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
+    ap.add_argument("--per", default="step", help="divide by this metric's growth over the window instead of "
+                    "the steps, e.g. source/groups_made: dynamic sampling's work per step varies with the "
+                    "policy's trajectory at max_staleness > 0")
     args = ap.parse_args()
     if args.pairs < 1 or not 0 < args.first < args.last:
         raise SystemExit("need --pairs >= 1 and 0 < --from < --to")
@@ -59,18 +67,19 @@ def main() -> None:
             root, env = checkouts[name]
             load = os.getloadavg()[0]
             r = one_run(root / "configs" / "grpo_digits.yaml", root / args.pipeline, args.sets,
-                        (args.first, args.last), env, args.timeout)
+                        (args.first, args.last), env, args.timeout, args.per)
             runs[name].append(r)
             print(f"pair {pair} {name:7s} load {load:.2f}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()),
                   flush=True)
     keys = sorted({k for rs in runs.values() for r in rs for k in r}, key=lambda k: (k != "wall", k))
     figures = {name: {k: spread(r[k] for r in rs if k in r) for k in keys} for name, rs in runs.items()}
-    print_table(["ms a step (wall) / CPU ms a step, median [min, max]", "this checkout", f"against {args.against}"],
+    print_table([f"ms a {args.per} (wall) / CPU ms a {args.per}, median [min, max]", "this checkout", f"against {args.against}"],
                 [[k, fmt_spread(figures["this"][k]), fmt_spread(figures["against"][k])] for k in keys])
     print_json_line("cpu_per_step", figures["this"], figures["against"],
                     {k: figures["this"][k]["median"] / figures["against"][k]["median"]
                      for k in keys if figures["against"][k]["median"]},
-                    {}, pipeline=args.pipeline, sets=args.sets, pairs=args.pairs, window=[args.first, args.last])
+                    {}, pipeline=args.pipeline, sets=args.sets, pairs=args.pairs, window=[args.first, args.last],
+                    per=args.per)
 
 
 if __name__ == "__main__":

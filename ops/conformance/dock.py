@@ -5,7 +5,7 @@
 
 Drives the documented protocol with raw pyzmq + msgpack only (never streamrl's client), so it
 tests the page, not our code: hello, reserve, put to the owning warehouse, columns ready -> claim,
-fetch, ack, release, lease expiry, stats, one error reply per documented error code, and the
+fetch, ack, release, lease expiry, stats and its long poll, one error reply per documented error code, and the
 documented limits. Prints one line per check (PASS / FAIL / SKIP) and a final ``N passed, N
 failed`` line; exits 0 only if nothing failed.
 
@@ -75,6 +75,10 @@ class Conn:
         """Send and wait for the reply carrying the request's req_id (CheckFailed if none comes)."""
         rid = req_id if req_id is not None else header["req_id"]  # type: ignore[index]
         self.send(header, *frames)
+        return self.wait(rid, timeout_s)
+
+    def wait(self, rid: int, timeout_s: float | None = None) -> tuple[dict[str, Any], list[bytes]]:
+        """The reply carrying ``rid`` (CheckFailed if none comes); replies to others are kept for theirs."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while rid not in self.early:
             left = deadline - time.monotonic()
@@ -369,6 +373,43 @@ class Suite:
             ws = self.stats(w)
             for key in ("warehouse_id", "samples", "bytes_held"):
                 expect(key in ws, f"warehouse stats lack {key!r}")
+
+    def c_g_stats_long_poll(self) -> None:
+        st, _ = self.ctl.ask({"type": "stats", "req_id": rid(), "watch": [self.consumer]})
+        expect(st.get("type") == "stats_reply" and isinstance(st["stats"].get("watched"), int),
+               f"stats with watch must carry an integer watched token (§5.9), got {st}")
+        token = st["stats"]["watched"]
+        t0 = time.monotonic()
+        same, _ = self.ctl.ask({"type": "stats", "req_id": rid(), "watch": [self.consumer], "seen": token,
+                                "timeout_s": 0.3})
+        waited = time.monotonic() - t0
+        expect(same.get("type") == "stats_reply" and same["stats"].get("watched") == token,
+               f"a long poll nothing changed for is answered at its timeout with the same token, got {same}")
+        expect(waited >= 0.25, f"a long poll with the current token was answered after {waited:.2f} s, before "
+                               "its timeout_s of 0.3 s, though nothing it watches changed")
+        poll = rid()
+        self.ctl.send({"type": "stats", "req_id": poll, "watch": [self.consumer], "seen": token, "timeout_s": 10.0})
+        idx = self.fresh_samples(2)  # reserve and put: ready counts, which are not watched
+        time.sleep(0.1)
+        while self.ctl.sock.poll(0):
+            parts = self.ctl.sock.recv_multipart()
+            reply = msgpack.unpackb(parts[0], raw=False, strict_map_key=False)
+            self.ctl.early[reply.get("req_id")] = (reply, parts[1:])
+        expect(poll not in self.ctl.early, "a long poll was answered by a reserve and a put, which change "
+                                           "nothing it watches (§5.9)")
+        t1 = time.monotonic()
+        lease = self.claim_exactly(idx)  # the consumer's claimed count changes
+        changed, _ = self.ctl.wait(poll, timeout_s=5.0)
+        expect(changed.get("type") == "stats_reply" and changed["stats"].get("watched") != token,
+               f"a claim by the watched consumer must answer its long poll with a new token, got {changed}")
+        expect(time.monotonic() - t1 < 2.0, "the long poll was answered only at its timeout, not at the claim")
+        expect(self.ack(lease["lease_id"]).get("type") == "ok", "ack refused")
+        bad, _ = self.ctl.ask({"type": "stats", "req_id": rid(), "watch": ["conformance-nobody"]})
+        expect_error(bad, "unknown_consumer")
+        bad, _ = self.ctl.ask({"type": "stats", "req_id": rid(), "seen": token})
+        expect_error(bad, "bad_field")
+        bad, _ = self.warehouses[0].ask({"type": "stats", "req_id": rid(), "watch": [self.consumer]})
+        expect_error(bad, "bad_field")
 
     def c_h_error_codes(self) -> None:
         reply, _ = self.ctl.ask({"type": "launch_missiles", "req_id": rid()})

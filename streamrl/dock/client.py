@@ -593,11 +593,19 @@ class DockClient:
             whs.append(reply.stats)
         return {"controller": ctl.stats, "warehouses": whs}
 
-    async def controller_statistics(self) -> dict[str, Any]:
-        """The controller's statistics only (one round trip): counters such as ``samples_discarded``."""
+    async def controller_statistics(self, watch: Sequence[str] | None = None, seen: int | None = None,
+                                    timeout: float = 0.0) -> dict[str, Any]:
+        """The controller's statistics only (one round trip): counters such as ``samples_discarded``.
+
+        With ``watch`` (consumer names) they carry ``watched``, a token of those consumers' ``done``
+        and ``claimed`` and the dock's ``samples_discarded`` and ``dropped_stale``; given the token of
+        an earlier answer as ``seen``, the controller answers only once it differs, or after
+        ``timeout`` seconds (a long poll instead of polling: docs/dock-protocol.md §5.9)."""
         assert self._ctl is not None
-        reply, _ = await self._request(self._ctl, p.StatsRequest(self._next_id()))
-        return reply.stats
+        req = p.StatsRequest(self._next_id(), watch=list(watch) if watch is not None else None, seen=seen,
+                             timeout_s=timeout)
+        reply, _ = await self._request(self._ctl, req, timeout=timeout + self.request_timeout_s)
+        return _expect(reply, p.Stats, "controller").stats
 
     def statistics(self) -> dict[str, Any]:
         """This client's own counters (no round trip)."""

@@ -4,11 +4,11 @@
 bookkeeping of samples, columns, consumers, claims, leases and ownership) on one ZeroMQ ROUTER
 socket. Per message it decodes the request (:mod:`streamrl.dock.protocol`), applies it to the
 state and sends the reply. On top of the state it keeps what needs a clock or a peer's address:
-long-polled claims and reserves parked until they can be answered or time out, when each client
-was last heard from (every message, heartbeats included, renews all its leases; a client silent
-past its lease TTL loses them), the registered warehouses (told which samples to drop once
-freed), the resource limits, the warehouse secret and CURVE authentication, and the ``stats``
-reply.
+long-polled claims, reserves and stats requests parked until they can be answered or time out,
+when each client was last heard from (every message, heartbeats included, renews all its leases;
+a client silent past its lease TTL loses them), the registered warehouses (told which samples to
+drop once freed), the resource limits, the warehouse secret and CURVE authentication, and the
+``stats`` reply.
 
 The loop is synchronous pyzmq: serving is one process's only job, and a plain loop has less
 per-message overhead than an event loop. Started as a process by
@@ -68,6 +68,14 @@ class _PendingReserve:
     role: str | None = None  # the reserving client's role: what makes its samples written (state.reserve)
 
 
+@dataclass(eq=False)
+class _PendingStats:
+    identity: bytes
+    req: p.StatsRequest
+    deadline: float
+    watch: list[int]  # the consumer ids of req.watch
+
+
 DEFAULT_TTL_S = 10.0  # lease TTL of a client that never sent hello
 # Replies kept for resent requests: enough for every reply of the last seconds at full rate (a link
 # reset is noticed, and the requests resent, within a reconnect interval of ~0.1 s).
@@ -87,7 +95,7 @@ class ControllerServer:
     (:func:`protocol.decode_request`: types, bounds, UTF-8, nesting), then :meth:`_dispatch`, whose
     refusals are :class:`ProtocolViolation` answered with an ``error`` reply. Per-peer state is
     bounded: at most ``limits.max_clients`` client ids (when that is reached, those holding no
-    lease and silent past their TTL are forgotten) and ``limits.max_parked`` claims/reserves held
+    lease and silent past their TTL are forgotten) and ``limits.max_parked`` claims/reserves/stats held
     open; answered long-polls leave the deadline heap once they dominate it.
     """
 
@@ -147,6 +155,7 @@ class ControllerServer:
         self.pending_hellos: dict[str, tuple[bytes, p.Hello]] = {}  # by client id: a repeated hello replaces
         self.pending_claims: dict[int, list[_PendingClaim]] = {}
         self.pending_reserves: deque[_PendingReserve] = deque()
+        self.pending_stats: list[_PendingStats] = []  # long polls of watched figures (docs §5.9)
         self.deadlines: list[tuple[float, int, Any]] = []  # heap of (deadline, seq, pending item)
         self.stale_deadlines = 0  # heap entries of items answered before their deadline
         self.seq = itertools.count()
@@ -281,6 +290,8 @@ class ControllerServer:
         except Exception as exc:  # a bug must not take the controller down for everyone
             log.exception("internal error handling %s", type(msg).__name__)
             self._error(identity, _req_id(msg), "internal", f"{type(exc).__name__}: {exc}")
+        if self.pending_stats:  # this message may have changed what a long poll watches
+            self._serve_stats()
 
     # ------------------------------------------------------------------ clients
     def _touch(self, client_id: str, role: str | None = None) -> None:
@@ -356,16 +367,17 @@ class ControllerServer:
         client was forgotten meanwhile; otherwise the lease would never expire."""
         self.client_seen[client_id] = time.monotonic()
 
-    def _park(self, item: _PendingClaim | _PendingReserve) -> None:
-        parked = len(self.pending_reserves) + sum(len(v) for v in self.pending_claims.values())
+    def _park(self, item: _PendingClaim | _PendingReserve | _PendingStats) -> None:
+        parked = (len(self.pending_reserves) + len(self.pending_stats)
+                  + sum(len(v) for v in self.pending_claims.values()))
         if parked >= self.limits.max_parked:
             raise ProtocolViolation(
-                "busy", f"the controller already holds {parked} claims/reserves open, its limit (resources.dock."
-                "max_parked, controller flag --max-parked): retry later with a shorter timeout_s, or raise it")
+                "busy", f"the controller already holds {parked} claims/reserves/stats open, its limit (resources."
+                "dock.max_parked, controller flag --max-parked): retry later with a shorter timeout_s, or raise it")
         heapq.heappush(self.deadlines, (item.deadline, next(self.seq), item))
         self.parked_keys.add((item.identity, item.req.req_id))
 
-    def _answered(self, item: _PendingClaim | _PendingReserve) -> None:
+    def _answered(self, item: _PendingClaim | _PendingReserve | _PendingStats) -> None:
         """``item`` was answered before its deadline: its heap entry is stale. Rebuild the heap once
         stale entries dominate, so answered long-polls do not pile up until their deadlines."""
         item.deadline = -1.0
@@ -472,20 +484,62 @@ class ControllerServer:
                 self._send(identity, p.Ok(msg.req_id))
                 for consumer in range(len(st.consumers)):
                     self._serve_claims(consumer)
-            case p.StatsRequest(req_id=rid):
-                stats = st.statistics()
-                stats["pending_claims"] = sum(len(v) for v in self.pending_claims.values())
-                stats["pending_reserves"] = len(self.pending_reserves)
-                stats["clients"] = len(self.client_seen)
-                if self.policy is not None:
-                    stats["clients_per_role"] = {r: n for r, n in self.role_clients.items() if n}
-                stats["refused"] = dict(self.refused)
-                stats["warehouses_registered"] = len(self.warehouses)
-                stats["warehouses_reregistered"] = self.reregistered
-                stats["requests_resent"] = self.resent
-                if self.zap is not None:  # handshakes this process's ZAP handler admitted / refused
-                    stats["auth"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
-                self._send(identity, p.Stats(rid, stats))
+            case p.StatsRequest():
+                self._stats(identity, msg)
+
+    def _statistics(self, watched: int | None = None) -> dict[str, Any]:
+        stats = self.state.statistics()
+        stats["pending_claims"] = sum(len(v) for v in self.pending_claims.values())
+        stats["pending_reserves"] = len(self.pending_reserves)
+        stats["pending_stats"] = len(self.pending_stats)
+        stats["clients"] = len(self.client_seen)
+        if self.policy is not None:
+            stats["clients_per_role"] = {r: n for r, n in self.role_clients.items() if n}
+        stats["refused"] = dict(self.refused)
+        stats["warehouses_registered"] = len(self.warehouses)
+        stats["warehouses_reregistered"] = self.reregistered
+        stats["requests_resent"] = self.resent
+        if self.zap is not None:  # handshakes this process's ZAP handler admitted / refused
+            stats["auth"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}
+        if watched is not None:
+            stats["watched"] = watched
+        return stats
+
+    def _stats(self, identity: bytes, msg: p.StatsRequest) -> None:
+        """A stats request: answered at once, or, with ``watch`` and the ``seen`` token still current,
+        held until a watched figure changes or ``timeout_s`` passes (docs §5.9)."""
+        if msg.watch is None:
+            if msg.seen is not None or msg.timeout_s:
+                raise ProtocolViolation("bad_field", "stats: seen and timeout_s wait for a change of the watched "
+                                        "figures: name the consumers to watch in watch")
+            self._send(identity, p.Stats(msg.req_id, self._statistics()))
+            return
+        ids = []
+        for name in msg.watch:
+            cid = self.state.consumer_ids.get(name)
+            if cid is None:
+                raise ProtocolViolation("unknown_consumer", f"stats watch: consumer {name!r} is not registered; "
+                                        f"known: {self.state.consumers}")
+            ids.append(cid)
+        token = self.state.watched(ids)
+        if msg.seen != token or not msg.timeout_s:
+            self._send(identity, p.Stats(msg.req_id, self._statistics(token)))
+            return
+        item = _PendingStats(identity, msg, time.monotonic() + msg.timeout_s, ids)
+        self._park(item)
+        self.pending_stats.append(item)
+
+    def _serve_stats(self) -> None:
+        """Answer each parked stats request whose watched figures changed."""
+        waiting: list[_PendingStats] = []
+        for item in self.pending_stats:
+            token = self.state.watched(item.watch)
+            if token == item.req.seen:
+                waiting.append(item)
+                continue
+            self._answered(item)
+            self._send(item.identity, p.Stats(item.req.req_id, self._statistics(token)))
+        self.pending_stats = waiting
 
     def _register_warehouse(self, identity: bytes, msg: p.WarehouseHello) -> None:
         wid = msg.warehouse_id
@@ -598,6 +652,9 @@ class ControllerServer:
                     self._granted(item.req.client_id)
                 end = self.state.at_end(view.consumer)
                 self._send(item.identity, reply or p.Claimed(item.req.req_id, 0, [], 0, end))
+            elif isinstance(item, _PendingStats):  # nothing it watches changed: the figures as they are
+                self.pending_stats.remove(item)
+                self._send(item.identity, p.Stats(item.req.req_id, self._statistics(self.state.watched(item.watch))))
             else:
                 if item in self.pending_reserves:
                     self.pending_reserves.remove(item)
@@ -616,6 +673,8 @@ class ControllerServer:
                     log.warning("client %s silent for > %.2f s: its leases go back to the pool", cid, ttl)
                     for consumer in self.state.expire_client(cid):
                         self._serve_claims(consumer)
+        if self.pending_stats:  # an expired lease changes a consumer's claimed count
+            self._serve_stats()
 
     def _flush_frees(self) -> None:
         freed = self.state.take_freed()

@@ -71,7 +71,7 @@ class DockLimits:
         ap.add_argument("--max-header-mib", type=int, default=d.max_header_mib,
                         help="largest header (and controller message), MiB")
         ap.add_argument("--max-clients", type=int, default=d.max_clients, help="live client ids at once")
-        ap.add_argument("--max-parked", type=int, default=d.max_parked, help="claims/reserves held open at once")
+        ap.add_argument("--max-parked", type=int, default=d.max_parked, help="claims/reserves/stats held open at once")
         ap.add_argument("--reserve-ttl-s", type=int, default=d.reserve_ttl_s,
                         help="seconds after which reserved samples never written expire")
 

@@ -192,6 +192,13 @@ class CloseInput(_Msg, tag="close_input"):
 
 class StatsRequest(_Msg, tag="stats"):
     req_id: Id
+    # A long poll of a few figures (controller only, docs §5.9): the reply's stats then carry
+    # ``watched``, a token of these consumers' ``done`` and ``claimed`` and the dock's
+    # ``samples_discarded`` and ``dropped_stale``. Given the token of an earlier reply as ``seen``,
+    # the controller holds the request until the token differs, or ``timeout_s`` passes.
+    watch: Names | None = None
+    seen: Id | None = None
+    timeout_s: Seconds = 0.0
 
 
 ControllerRequest = (

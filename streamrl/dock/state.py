@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -666,6 +666,16 @@ class ControllerState:
     def take_freed(self) -> list[int]:
         freed, self.to_free = self.to_free, []
         return freed
+
+    def watched(self, consumers: Sequence[int]) -> int:
+        """The ``watched`` token of a stats long poll (docs/dock-protocol.md §5.9): a function of these
+        consumers' done and claimed counts and of the dock's drop counts, so equal figures give an
+        equal token and a change of any of them (almost surely) another."""
+        c = self.counters
+        figures = [c["samples_discarded"], c["dropped_stale"]]
+        for cid in consumers:
+            figures += (self.done_count[cid], self.claimed_count[cid])
+        return hash(tuple(figures)) & p.INT63
 
     def statistics(self) -> dict[str, Any]:
         claimed = sum(len(lease.indices) for lease in self.leases.values())

@@ -494,6 +494,9 @@ class WarehouseServer:
                 st.counters["bytes_out"] += sum(memoryview(f).nbytes for f in frames)
                 self._reply(identity, p.Fetched(rid, idx, cols), frames)
             case p.StatsRequest(req_id=rid):
+                if msg.watch is not None or msg.seen is not None or msg.timeout_s:
+                    raise ProtocolViolation("bad_field", "a warehouse answers stats at once: watch, seen and "
+                                            "timeout_s (a long poll of the consumers' figures) are the controller's")
                 stats = {**st.statistics(), **self.link, "readies_pending": len(self.readies)}
                 if self.zap is not None:  # handshakes this process's ZAP handler admitted / refused
                     stats["auth"] = {"accepted": self.zap.accepted, "refused": self.zap.refused}

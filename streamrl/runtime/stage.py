@@ -158,9 +158,10 @@ class StageContext:
     server_auth: ServerAuth | None = None
     # a run across hosts: the launcher's torch.distributed store, HOST:PORT ("" = a FileStore in run_dir)
     rendezvous_endpoint: str = ""
-    # the dock controller's statistics (one round trip; its counters, e.g. samples_discarded), set
-    # once the worker's dock client is open: a source reads it to generate as much as consumers drop
-    dock_statistics: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    # the dock controller's statistics (DockClient.controller_statistics: one round trip, or a long
+    # poll of watched consumers' figures; its counters, e.g. samples_discarded), set once the
+    # worker's dock client is open: a source reads it to generate as much as consumers drop
+    dock_statistics: Callable[..., Awaitable[dict[str, Any]]] | None = None
     # this worker process's share of the host's cores (resources.core_share, CPU stages of a launched
     # run): run_sync marks its thread computing, the engines rebalance its torch threads; None: off
     cores: CoreShare | None = None

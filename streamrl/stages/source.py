@@ -62,7 +62,13 @@ from streamrl.stages.common import build_task, build_tokenizer
 from streamrl.tasks.chat import render_prompt
 
 SOURCE_COLUMNS = ("prompt_ids", "prompt", "answer", "step", "sample_key")  # what it can write
-DEMAND_POLL_S = 0.01  # dynamic sampling: how often the source re-reads the dock's drop counts while it waits
+# dynamic sampling: how long the controller holds the source's long poll of the dock's figures when
+# none of them changes (then it answers as they are, and the source asks again)
+FOLLOW_DOCK_S = 5.0
+# dynamic sampling ahead of training (max_staleness > 0): a wave smaller than prompts_per_step waits
+# this long for more drops first. Made at each drop, waves would be a group or two each, and so
+# would the generator's batches, whose cost is mostly per batch (docs/benchmarks.md §29)
+COALESCE_S = 0.01
 
 
 class OverGenerationCapReached(RuntimeError):
@@ -139,11 +145,14 @@ class SourceStage:
         self.boundary = (0, 0)  # a token budget: (a version, samples the trainer had taken when the source saw it)
         self.wave: tuple[int, int] | None = None  # the next wave's (groups, version), once the demand is there
         self.reported: dict[str, float] = {}  # the dynamic-sampling figures last sent as stage metrics
-        # dynamic sampling: a new policy version raises the demand. One long poll at a time follows
-        # the versions (a background task) and wakes the demand loop, which otherwise re-reads the
-        # dock's counts every DEMAND_POLL_S: asking the trainer at each of those would cost it, and
-        # this process, a round trip every 10 ms
-        self.new_version = anyio.Event()
+        # dynamic sampling: the demand changes with each new policy version and with the dock's figures
+        # (drops, what the filters judged, what the trainers took). Two background tasks follow them,
+        # one long poll each, and wake the demand loop at each change; polling either every few ms
+        # would cost the trainer, the controller and this process a round trip each time
+        self.changed = anyio.Event()
+        self.dock_figures: dict[str, Any] | None = None  # the controller's stats as of its last change
+        self.follow_error: Exception | None = None  # a follower's failure, raised by the demand loop
+        self.following_dock = False  # started with the first wait: the worker opens its dock client after setup
         if self.dynamic:
             ctx.tasks.start_soon(self._follow_versions)  # type: ignore[attr-defined]  # the worker's task group
         if ctx.resume is not None:
@@ -179,10 +188,19 @@ class SourceStage:
         generation may run ahead to need (synchronous: and the filter has judged all it was given).
         Returns (the groups to make, the newest policy version known)."""
         cfg, a, policy = self.ctx.config, self.ctx.config.algo, self.ctx.policy
-        assert self.ctx.dock_statistics is not None, "a source runs with its worker's dock client open"
+        if not self.following_dock:
+            self.following_dock = True
+            self.ctx.tasks.start_soon(self._follow_dock)  # type: ignore[attr-defined]  # the worker's task group
+        coalesced = False
         while True:
+            changed = self.changed  # taken before reading what it guards: no change between is missed
+            if self.follow_error is not None:
+                raise self.follow_error
+            stats = self.dock_figures
+            if stats is None:  # the first answer is on its way
+                await changed.wait()
+                continue
             version = policy.known_version
-            stats = await self.ctx.dock_statistics()
             discarded = int(stats.get("samples_discarded", 0))
             dropped = discarded + int(stats.get("dropped_stale", 0))
             # what every dropping stage has judged (done for it: kept, dropped, or dropped by another)
@@ -200,6 +218,10 @@ class SourceStage:
                 self.reported = figures
             if short > 0 and settled:
                 groups = min(-(-short // a.group_size), a.prompts_per_step)
+                if a.max_staleness > 0 and groups < a.prompts_per_step and not coalesced:
+                    coalesced = True
+                    await anyio.sleep(COALESCE_S)
+                    continue
                 cap = a.dynamic_sampling.max_rounds * a.prompts_per_step * steps  # since this run (or resume) began
                 if cap and self.groups_made - self.first_group + groups > cap:
                     raise OverGenerationCapReached(
@@ -214,22 +236,42 @@ class SourceStage:
                             "samples (the budget over the mean response length)" if a.dynamic_sampling.token_budget
                             else ""))
                 return groups, version
-            # a new version raises the demand; drops and judgements are seen at the next poll
-            if policy.known_version == version:  # (else a version came while the dock answered: look again)
-                with anyio.move_on_after(DEMAND_POLL_S):
-                    await self.new_version.wait()
+            await changed.wait()  # a new version, a drop, a judgement or a take
+
+    def _wake(self) -> None:
+        event, self.changed = self.changed, anyio.Event()
+        event.set()
 
     async def _follow_versions(self) -> None:
-        """Dynamic sampling: wait for each next policy version, one long poll at a time, and set
-        ``new_version`` at each (then replace it for the next)."""
+        """Dynamic sampling: wait for each next policy version, one long poll at a time, and wake the
+        demand loop at each."""
         policy = self.ctx.policy
         while True:
             try:
                 await policy.wait_version(policy.known_version + 1)
-            except PolicyTimeout:  # the publisher is slow or gone: the demand loop still polls the dock
+            except PolicyTimeout:  # the publisher is slow or gone: ask again (the run's own watchdogs act)
                 continue
-            event, self.new_version = self.new_version, anyio.Event()
-            event.set()
+            self._wake()
+
+    async def _follow_dock(self) -> None:
+        """Dynamic sampling: keep ``dock_figures`` current, one long poll of the controller at a time,
+        answered when a watched figure changes: the drops, the filters' done counts (what they judged)
+        and, with a token budget, the trainers' done and claimed counts (what they took). A failure
+        is kept for the demand loop to raise (once the source has finished, the dock client closes
+        under this task: nothing waits for it then)."""
+        assert self.ctx.dock_statistics is not None, "a source runs with its worker's dock client open"
+        watch = self.filters + (self.trainers if self.ctx.config.algo.dynamic_sampling.token_budget else [])
+        seen: int | None = None
+        try:
+            while True:
+                stats = await self.ctx.dock_statistics(watch=watch, seen=seen, timeout=FOLLOW_DOCK_S)
+                if stats.get("watched") != seen or self.dock_figures is None:
+                    seen = stats.get("watched")
+                    self.dock_figures = stats
+                    self._wake()
+        except Exception as exc:
+            self.follow_error = exc
+            self._wake()
 
     def _short_of_rounds(self, stats: dict[str, Any], version: int, dropped: int) -> int:
         """A token budget: the samples the trainer lacks to finish its step and train ``max_staleness``

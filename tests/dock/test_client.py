@@ -114,6 +114,57 @@ def test_bad_requests_get_clear_errors_and_the_servers_keep_serving(dock: LocalD
     anyio.run(main)
 
 
+def test_stats_long_poll_is_answered_when_a_watched_figure_changes(dock: LocalDock) -> None:
+    """docs/dock-protocol.md §5.9: a stats request with ``watch`` and the ``seen`` token waits for a
+    change of those consumers' done/claimed counts or of the drop counts, and for nothing else."""
+    async def main() -> None:
+        async with DockClient(dock.controller_endpoint) as c, DockClient(dock.controller_endpoint) as poller:
+            first = await poller.controller_statistics(watch=["gen"])  # no seen: at once
+            token = first["watched"]
+            t0 = anyio.current_time()
+            same = await poller.controller_statistics(watch=["gen"], seen=token, timeout=0.3)
+            assert same["watched"] == token and anyio.current_time() - t0 >= 0.25  # answered at its timeout
+            with anyio.fail_after(10):
+                answers: list[dict] = []
+
+                async def wait_for_change() -> None:
+                    answers.append(await poller.controller_statistics(watch=["gen"], seen=token, timeout=8))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(wait_for_change)
+                    await anyio.sleep(0.1)
+                    assert (await c.controller_statistics())["pending_stats"] == 1
+                    idx = await c.add({"x": [torch.tensor([i]) for i in range(4)]})  # ready counts: not watched
+                    lease = await c.claim("train", ["x"], 4, min_n=4, timeout=5)  # another consumer's claim
+                    await anyio.sleep(0.2)
+                    assert not answers
+                    await c.ack(lease)
+                    await anyio.sleep(0.2)
+                    assert not answers
+                    t1 = anyio.current_time()
+                    lease = await c.claim("gen", ["x"], 4, min_n=4, timeout=5)  # gen's claimed count moves
+                # well before the poll's 8 s timeout
+                assert anyio.current_time() - t1 < 2 and answers[0]["watched"] != token
+                assert answers[0]["consumers"]["gen"]["claimed"] == 4
+            # a discard by any consumer changes every watch's token (the dock's drop counts)
+            token = answers[0]["watched"]
+            async with anyio.create_task_group() as tg:
+                answers.clear()
+                tg.start_soon(wait_for_change)
+                await anyio.sleep(0.1)
+                other = await poller.controller_statistics(watch=["train"])
+                await c.ack(lease, idx[:2], discard=True)
+            assert answers[0]["samples_discarded"] == 2 and answers[0]["watched"] != token
+            assert (await poller.controller_statistics(watch=["train"]))["watched"] != other["watched"]
+            with pytest.raises(RemoteError, match="consumer 'nobody' is not registered"):
+                await poller.controller_statistics(watch=["nobody"])
+            with pytest.raises(RemoteError, match="name the consumers to watch"):
+                await poller.controller_statistics(seen=1)
+            assert (await c.controller_statistics())["pending_stats"] == 0
+
+    anyio.run(main)
+
+
 def test_reserve_nowait_raises_dock_full_and_reserve_times_out() -> None:
     async def main(dock: LocalDock) -> None:
         async with DockClient(dock.controller_endpoint) as c:

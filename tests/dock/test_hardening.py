@@ -334,11 +334,17 @@ def test_6_parked_requests_are_capped_and_answered_ones_leave_the_deadline_heap(
     with LocalDock(["gen", "other"], capacity=16, limits=DockLimits(max_parked=3)) as small:
         ctl = Raw(small.controller_endpoint)
         try:
-            for k in range(3):  # claims for a column nobody writes: they stay parked
+            for k in range(2):  # claims for a column nobody writes: they stay parked
                 ctl.send(msgpack.packb(_claim(k, consumer="other", reads=["never"], timeout_s=30.0)))
+            token = ctl.ask({"type": "stats", "req_id": 5, "watch": ["gen"]}).stats["watched"]
+            # a stats long poll nothing answers (docs §5.9) takes a parked slot as well
+            ctl.send(msgpack.packb({"type": "stats", "req_id": 6, "watch": ["gen"], "seen": token, "timeout_s": 30.0}))
             busy = _error(ctl.ask(_claim(9, consumer="other", reads=["never"], timeout_s=30.0)), 9, "busy")
             assert "max_parked" in busy.message
-            assert ctl.ask({"type": "stats", "req_id": 10}).stats["pending_claims"] == 3
+            busy = _error(ctl.ask({"type": "stats", "req_id": 11, "watch": ["gen"], "seen": token,
+                                   "timeout_s": 30.0}), 11, "busy")
+            stats = ctl.ask({"type": "stats", "req_id": 10}).stats
+            assert stats["pending_claims"] == 2 and stats["pending_stats"] == 1
         finally:
             ctl.close()
         still_serves(small)  # a claim that is answered at once is not parked, so not refused
