@@ -336,6 +336,32 @@ class Suite:
         expect(after.get("samples_discarded", 0) - before.get("samples_discarded", 0) == 2,
                f"samples_discarded went {before.get('samples_discarded')} -> {after.get('samples_discarded')}")
 
+    def c_d_put_carries_ack(self) -> str | None:
+        """§5.7: a put with ack_client and ack_lease acks its samples for the lease's consumer once
+        their columns are ready; the lease is then gone (a separate ack is unknown_lease)."""
+        if self.args.declared_columns:
+            return "a dock with declared columns refuses the check's own column (run it against one without)"
+        idx = self.fresh_samples(2)
+        reply = self.claim_exactly(idx)
+        before = self.stats()["consumers"][self.consumer]["done"]
+        for k in idx:
+            put = {"type": "put", "req_id": rid(), "indices": [k], "ack_client": self.client_id,
+                   "ack_lease": reply["lease_id"],
+                   "columns": [{"kind": "object", "name": "conformance_result", "values": [k]}]}
+            ok, _ = self.owner(k).ask(put)
+            expect(ok.get("type") == "ok", f"a put with its lease's ack was answered with {ok}")
+        done = self.stats()["consumers"][self.consumer]["done"]
+        expect(done - before == 2, f"a put's ack must make its samples done for the consumer: done went {before} "
+                                   f"-> {done}")
+        expect_error(self.ack(reply["lease_id"]), "unknown_lease")
+        (k,) = self.reserve(1)["indices"]
+        half, _ = self.owner(k).ask({"type": "put", "req_id": rid(), "indices": [k], "ack_lease": 1,
+                                     "columns": [{"kind": "object", "name": "conformance_result", "values": [k]}]})
+        expect_error(half, "bad_request")  # ack_lease without ack_client: refused, nothing stored
+        self.put_reads([k])
+        self.drain()
+        return None
+
     def c_e_release_returns_samples(self) -> None:
         idx = self.fresh_samples(2)
         reply = self.claim_exactly(idx)

@@ -169,6 +169,7 @@ class DockClient:
         self.consumers: list[str] = []
         self.capacity = 0
         self._leases: dict[int, Lease] = {}
+        self._partly_acked: dict[int, set[int]] = {}  # lease id -> indices acked so far, for a lease acked in parts
         # claims this client stopped waiting for (cancelled, timed out): if the controller grants
         # one anyway, the late reply is released at once instead of holding samples until the TTL
         self._abandoned_claims: set[int] = set()
@@ -373,11 +374,15 @@ class DockClient:
         *,
         versions: Sequence[int] | None = None,
         lengths: Sequence[int] | None = None,
+        ack: Lease | None = None,
     ) -> None:
         """Write columns of existing samples, straight to their warehouses, in parallel.
 
-        Returns once every warehouse stored its part; only then may the caller modify the
-        tensors it passed (they are sent zero-copy, see codec rule 1).
+        Returns once every warehouse stored its part and the controller has its columns ready;
+        only then may the caller modify the tensors it passed (they are sent zero-copy, see codec
+        rule 1). ``ack``: the lease these samples came in, acked for them with the put (the
+        warehouse forwards the ack with the columns' readiness: one message less than
+        :meth:`ack` after the put, docs/dock-protocol.md §5.7).
         """
         n = len(indices)
         for name, vals in columns.items():
@@ -395,11 +400,15 @@ class DockClient:
                 cols,
                 [versions[k] for k in pos] if versions is not None else None,
                 [lengths[k] for k in pos] if lengths is not None else None,
+                ack_client=self.client_id if ack is not None else None,
+                ack_lease=ack.lease_id if ack is not None else None,
             )
             await self._request(self._warehouses[wid], req, frames)
 
-        with tracer().span("put", "dock_out", "dock", samples=n):
+        with tracer().span("put", "dock_out", "dock", samples=n, **({"ack": True} if ack is not None else {})):
             await self._fan_out(send, self._split(indices))
+        if ack is not None:
+            self._acked(ack, indices)
 
     async def add(
         self,
@@ -531,13 +540,23 @@ class DockClient:
                 p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices is not None else None,
                       discard=discard),
             )
-        if indices is None or set(indices) >= set(lease.indices):
-            self._leases.pop(lease.lease_id, None)
+        self._acked(lease, indices)
+
+    def _acked(self, lease: Lease, indices: Sequence[int] | None) -> None:
+        """``indices`` of ``lease`` (None: all) were acked: once all are, the lease is not held."""
+        done = self._partly_acked.pop(lease.lease_id, set())
+        if indices is not None:
+            done |= set(indices)
+            if not done >= set(lease.indices):
+                self._partly_acked[lease.lease_id] = done
+                return
+        self._leases.pop(lease.lease_id, None)
 
     async def release(self, lease: Lease) -> None:
         """Give the lease's unacked samples back to the pool (e.g. a stage failed on them)."""
         assert self._ctl is not None
         self._leases.pop(lease.lease_id, None)
+        self._partly_acked.pop(lease.lease_id, None)
         with tracer().span("release", "dock_out", "dock", samples=len(lease)):
             await self._request(self._ctl, p.Release(self._next_id(), self.client_id, lease.lease_id))
 

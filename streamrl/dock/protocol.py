@@ -183,6 +183,11 @@ class ColumnsReady(_Msg, tag="columns_ready"):
     # answered ok (or error) when set: the warehouse answers the put that stored these columns only
     # then, and resends it after a link reset until answered (columns_ready is idempotent)
     req_id: Id | None = None
+    # the put's ack (docs §5.7): these indices of lease ack_lease of client ack_client are done
+    # for its consumer once their columns are ready. Applied once: resent, the indices already done
+    # (or a lease gone) are skipped
+    ack_client: Name | None = None
+    ack_lease: Id | None = None
 
 
 class CloseInput(_Msg, tag="close_input"):
@@ -213,6 +218,10 @@ class Put(_Msg, tag="put"):
     columns: Columns
     versions: Ids | None = None  # policy version of each sample, forwarded to the controller
     lengths: Ids | None = None  # length of each sample (tokens), for length-balanced claims
+    # ack these indices of lease ack_lease (held by client ack_client) once the columns are ready:
+    # a consumer's result and its ack in one message (docs §5.7); both or neither
+    ack_client: Name | None = None
+    ack_lease: Id | None = None
 
 
 class Get(_Msg, tag="get"):

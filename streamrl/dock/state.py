@@ -161,7 +161,7 @@ class ControllerState:
         self.counters = dict.fromkeys(
             ("reserved", "claims", "samples_claimed", "samples_acked", "samples_freed",
              "samples_released", "dropped_stale", "samples_discarded", "leases_expired", "errors", "claimed_local", "claimed_remote",
-             "reservations_expired"),
+             "reservations_expired", "put_acks", "put_acks_skipped"),
             0,
         )
         if policy is not None:
@@ -584,6 +584,27 @@ class ControllerState:
         if not lease.indices:
             self._drop_lease(lease)
         return touched
+
+    def check_put_ack(self, client_id: str, lease_id: int, role: str | None = None) -> None:
+        """Before a ``columns_ready`` that carries a put's ack is applied: the putter's role must be
+        the lease's consumer's (refused as a separate ack would be). A lease this client no longer
+        holds is no error here: :meth:`ack_with_put` skips it."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and lease.client_id == client_id and self.policy is not None:
+            self.policy.check_consumer(role, self.consumers[lease.consumer], "ack")
+
+    def ack_with_put(self, client_id: str, lease_id: int, indices: list[int], role: str | None = None) -> set[int]:
+        """A put's ack, forwarded in its ``columns_ready`` (docs/dock-protocol.md §5.7): ``indices``
+        done for the lease's consumer, as :meth:`ack` does, but applied once. Indices no longer in
+        the lease, or a lease this client no longer holds, are skipped without an error: the
+        ``columns_ready`` may be a resend, or the lease may have expired and gone to another worker
+        (whose own put then finds the columns written)."""
+        lease = self.leases.get(lease_id)
+        still = [i for i in indices if i in lease.indices] if lease is not None and lease.client_id == client_id else []
+        self.counters["put_acks"] += 1
+        if len(still) < len(indices):
+            self.counters["put_acks_skipped"] += 1
+        return self.ack(client_id, lease_id, still, role) if still else set()
 
     def _discard(self, s: _Sample, by: int) -> set[int]:
         """DONE without delivery for every consumer but ``by`` that has ``s`` PENDING; returns them."""

@@ -469,6 +469,8 @@ class WarehouseServer:
                 n = len(idx)
                 if (vers is not None and len(vers) != n) or (lens is not None and len(lens) != n):
                     raise ValueError(f"versions/lengths must have one entry per index ({n})")
+                if (msg.ack_client is None) != (msg.ack_lease is None):
+                    raise ValueError("a put's ack needs both ack_client and ack_lease (the lease's holder and id)")
                 if len({c.name for c in cols}) != len(cols):
                     raise ValueError("a column name appears twice in one put")
                 if data and not any(type(c) is p.TensorColumn for c in cols):
@@ -481,7 +483,8 @@ class WarehouseServer:
                 # writer's role goes along: the controller checks the column owners too
                 ready_id = next(self._ctl_ids)
                 data = p.encoder.encode(p.ColumnsReady(st.warehouse_id, idx, [c.name for c in cols], vers, lens,
-                                                       writer=role, req_id=ready_id))
+                                                       writer=role, req_id=ready_id, ack_client=msg.ack_client,
+                                                       ack_lease=msg.ack_lease))
                 self.readies[ready_id] = _PendingReady(data, identity, rid, time.monotonic())
                 self.putting[(identity, rid)] = ready_id
                 self._to_ctl(data)

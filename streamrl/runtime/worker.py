@@ -1,4 +1,4 @@
-"""One stage worker: set up the stage, wait for Go, then loop claim -> fetch -> process -> put -> ack.
+"""One stage worker: set up the stage, wait for Go, then loop claim -> fetch -> process -> put (with the ack).
 
 Runs as its own process (``python -m streamrl.runtime.worker SPEC.json``, the default) or as a
 task inside the launcher's process (``resources.launch: inprocess``). A process can host several
@@ -508,14 +508,17 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
                      lengths=[out.lengths[k] for k in keep] if out.lengths is not None else None)
     if out.columns and indices:
         try:
-            await dock.put(indices, out.columns, versions=out.versions, lengths=out.lengths)
+            # the put carries the lease's ack: the controller applies it with the columns' readiness
+            await dock.put(indices, out.columns, versions=out.versions, lengths=out.lengths, ack=lease)
+            return
         except RemoteError as exc:
             if "already written" not in exc.message:
                 raise
-            # A worker of this stage died after its put and before its ack; its lease expired and
-            # the samples came here. Their columns are written (write-once): this batch's result is
+            # A worker of this stage held these samples before, wrote their columns and lost its
+            # lease (it stalled past the lease TTL, or died with its put's readiness in flight); the
+            # samples came here. Their columns are written (write-once): this batch's result is
             # dropped and the samples acked, so each reaches the next stage once.
-            log.warning("%s: samples %s were already written by a worker that died before acking; acking them",
+            log.warning("%s: samples %s were already written by a worker whose lease expired; acking them",
                         spec.name, lease.indices[:8])
     if indices:  # else every sample was discarded: that ack was the lease's last
         await dock.ack(lease)

@@ -114,6 +114,30 @@ def test_bad_requests_get_clear_errors_and_the_servers_keep_serving(dock: LocalD
     anyio.run(main)
 
 
+def test_a_put_carries_its_leases_ack_to_both_warehouses(dock: LocalDock) -> None:
+    """docs/dock-protocol.md §5.7: put(..., ack=lease) acks the put's samples for the lease's
+    consumer once their columns are ready; the samples are split over the two warehouses."""
+    async def main() -> None:
+        async with DockClient(dock.controller_endpoint) as c:
+            idx = await c.add({"x": [torch.tensor([i]) for i in range(8)]})
+            lease = await c.claim("gen", ["x"], 8, min_n=8, timeout=10)
+            assert {c._owner(i) for i in lease.indices} == {0, 1}
+            await c.ack(lease, lease.indices[:2], discard=True)  # a stage's drops go first, on their own
+            kept = lease.indices[2:]
+            await c.put(kept, {"y": [torch.ones(2)] * 6}, ack=lease)
+            st = await c.controller_statistics()
+            assert st["consumers"]["gen"]["done"] == 8 and st["consumers"]["gen"]["claimed"] == 0
+            assert st["leases"] == 0 and st["put_acks"] == 2  # one per warehouse's part
+            assert c.statistics()["leases_held"] == 0
+            with pytest.raises(RemoteError, match="not held"):
+                await c.ack(lease)
+            got = await c.claim("train", ["x", "y"], 8, min_n=6, timeout=10)
+            assert sorted(got.indices) == sorted(kept) and set(idx) >= set(kept)
+            await c.ack(got)
+
+    anyio.run(main)
+
+
 def test_stats_long_poll_is_answered_when_a_watched_figure_changes(dock: LocalDock) -> None:
     """docs/dock-protocol.md §5.9: a stats request with ``watch`` and the ``seen`` token waits for a
     change of those consumers' done/claimed counts or of the drop counts, and for nothing else."""

@@ -201,6 +201,41 @@ def test_ack_with_duplicate_indices_counts_each_sample_once() -> None:
     assert state.done_count == [2] and state.claimed_count == [0] and not state.samples
 
 
+def test_a_puts_ack_is_applied_once_and_skips_what_is_done_or_gone() -> None:
+    """docs/dock-protocol.md §5.7: the ack a put carries reaches the controller in columns_ready,
+    which a warehouse resends after a link reset: applied twice it must ack nothing more and raise
+    nothing; a lease this client no longer holds acks nothing."""
+    state = ControllerState(["a", "b"], capacity=8, n_warehouses=2)
+    idx, _ = state.reserve(4, 1)
+    state.columns_ready(idx, ["x"], None, None)
+    reply = claim(state, "a", 4)
+    assert reply is not None
+    state.columns_ready(idx[:2], ["y"], None, None)  # the first warehouse's part of the put
+    assert state.ack_with_put("c1", reply.lease_id, idx[:2]) == {0}
+    assert state.ack_with_put("c1", reply.lease_id, idx[:2]) == set()  # resent: nothing twice
+    assert state.ack_with_put("other", reply.lease_id, idx[2:]) == set()  # not this client's lease
+    assert state.done_count == [2, 0] and state.claimed_count == [2, 0]
+    state.columns_ready(idx[2:], ["y"], None, None)
+    assert state.ack_with_put("c1", reply.lease_id, idx[2:]) == {0}
+    assert state.done_count == [4, 0] and state.claimed_count == [0, 0] and not state.leases
+    assert state.ack_with_put("c1", reply.lease_id, idx[2:]) == set()  # the lease is gone: skipped
+    assert state.counters["put_acks"] == 5 and state.counters["put_acks_skipped"] == 3
+
+
+def test_policy_a_puts_ack_only_from_the_leases_consumer_role() -> None:
+    state = _policy_state()
+    idx, _ = state.reserve(2, 1, role="stage:src")
+    state.columns_ready(idx, ["x"], None, None, "stage:src")
+    req = p.Claim(1, "g1", "gen", ["x"], 2)
+    reply = state.try_claim(req, state.validate_claim(req, "stage:gen"), force=True)
+    assert reply is not None
+    with pytest.raises(ProtocolViolation) as exc:
+        state.check_put_ack("g1", reply.lease_id, "stage:train")
+    assert exc.value.code == "forbidden"
+    state.check_put_ack("g1", reply.lease_id, "stage:gen")
+    state.check_put_ack("g1", 10**6, "stage:train")  # no such lease: nothing to refuse, nothing acked
+
+
 def test_group_members_released_after_the_first_member_was_freed_are_claimable() -> None:
     """The group's size must not come from its first member, which may be gone."""
     state = ControllerState(["adv"], capacity=8, n_warehouses=1)

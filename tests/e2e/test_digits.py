@@ -173,3 +173,7 @@ def _check_credentials(result: RunResult) -> None:
     # the launcher's statistics client got through as role launcher; no handshake was refused
     assert result.dock_statistics["auth"]["accepted"] >= len(STAGES) + 1
     assert result.dock_statistics["auth"]["refused"] == 0
+    # generate, score and advantage ack their leases with their puts (docs/dock-protocol.md §5.7),
+    # each at least once a step and authorized as the lease's consumer; none came twice
+    assert result.dock_statistics["put_acks"] >= 3 * result.steps
+    assert result.dock_statistics["put_acks_skipped"] == 0
