@@ -1,8 +1,8 @@
 """The chain stage: several cheap stages run one after the other on one claimed micro-batch.
 
-Why: each stage of a pipeline pays, per micro-batch, a claim, a fetch, a put and an ack to the
-dock (each a ZeroMQ round trip, paid in asyncio and libzmq at both ends) and runs in a process
-of its own. For stages whose compute is small (scoring with an in-process rule, group
+Why: each stage of a pipeline pays, per micro-batch, a claim, a fetch and a put (carrying the
+ack) to the dock (each a ZeroMQ round trip, paid in asyncio and libzmq at both ends), and runs in
+a process of its own. For stages whose compute is small (scoring with an in-process rule, group
 advantages) those hops cost more CPU than the work; on a machine with few cores that CPU is
 taken from generation and training. A chain claims once, runs its links in order, each link
 seeing the columns the chain read plus what the links before it wrote, and puts what all the
@@ -77,7 +77,7 @@ class ChainLink(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename
 
 class ChainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Options of the chain stage (streamrl.stages.chain:ChainStage): the stages it runs one after
-    the other on each claimed micro-batch, sharing one claim, fetch, put and ack."""
+    the other on each claimed micro-batch, sharing one claim, fetch and put."""
 
     links: Annotated[list[ChainLink], Meta(description=(
         "The links, in the order they run: each {name, class: module:Class, reads, writes, options}, a processing "
