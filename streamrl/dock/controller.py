@@ -444,18 +444,21 @@ class ControllerServer:
                 if (msg.ack_client is None) != (msg.ack_lease is None):
                     raise ProtocolViolation("bad_field", "columns_ready: a put's ack needs both ack_client and "
                                             "ack_lease")
-                if msg.ack_client is not None and msg.ack_lease is not None:
-                    st.check_put_ack(msg.ack_client, msg.ack_lease, writer)  # refused before anything is marked
+                put_ack = ((msg.ack_client, msg.ack_lease)
+                           if msg.ack_client is not None and msg.ack_lease is not None else None)
+                if put_ack is not None:
+                    st.check_put_ack(*put_ack, writer)  # refused before anything is marked
                 touched, unknown = st.columns_ready(idx, cols, vers, lens, writer)
                 if unknown:
                     self._send(identity, p.Free(unknown))  # data for dead indices: drop it
                 acked: set[int] = set()
-                if msg.ack_client is not None and msg.ack_lease is not None:
+                if put_ack is not None:
                     # the put's ack, after its columns are marked (as a separate ack would come):
                     # authorized as the putter's role, which must be the lease's consumer (docs §5.7)
-                    acked = st.ack_with_put(msg.ack_client, msg.ack_lease, idx, writer)
-                    if msg.ack_client in self.client_seen:
-                        self.client_seen[msg.ack_client] = time.monotonic()  # renews its leases, as any message
+                    cid, lid = put_ack
+                    acked = st.ack_with_put(cid, lid, idx, writer)
+                    if cid in self.client_seen:
+                        self.client_seen[cid] = time.monotonic()  # renews its leases, as any message
                 if msg.req_id is not None:  # now the warehouse may answer the put ok (docs §5.8)
                     self._send(identity, p.Ok(msg.req_id))
                 if acked:

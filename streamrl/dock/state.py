@@ -544,9 +544,14 @@ class ControllerState:
             self.to_free.append(s.index)
             self.counters["samples_freed"] += 1
 
-    def _lease_of(self, client_id: str, lease_id: int, role: str | None, what: str) -> _Lease:
+    def _held(self, client_id: str, lease_id: int) -> _Lease | None:
+        """Lease ``lease_id`` if client ``client_id`` holds it now, else None."""
         lease = self.leases.get(lease_id)
-        if lease is None or lease.client_id != client_id:
+        return lease if lease is not None and lease.client_id == client_id else None
+
+    def _lease_of(self, client_id: str, lease_id: int, role: str | None, what: str) -> _Lease:
+        lease = self._held(client_id, lease_id)
+        if lease is None:
             raise ProtocolViolation(
                 "unknown_lease",
                 f"lease {lease_id} is not held by client {client_id!r} (expired after the lease TTL, "
@@ -589,8 +594,8 @@ class ControllerState:
         """Before a ``columns_ready`` that carries a put's ack is applied: the putter's role must be
         the lease's consumer's (refused as a separate ack would be). A lease this client no longer
         holds is no error here: :meth:`ack_with_put` skips it."""
-        lease = self.leases.get(lease_id)
-        if lease is not None and lease.client_id == client_id and self.policy is not None:
+        lease = self._held(client_id, lease_id)
+        if lease is not None and self.policy is not None:
             self.policy.check_consumer(role, self.consumers[lease.consumer], "ack")
 
     def ack_with_put(self, client_id: str, lease_id: int, indices: list[int], role: str | None = None) -> set[int]:
@@ -599,8 +604,8 @@ class ControllerState:
         the lease, or a lease this client no longer holds, are skipped without an error: the
         ``columns_ready`` may be a resend, or the lease may have expired and gone to another worker
         (whose own put then finds the columns written)."""
-        lease = self.leases.get(lease_id)
-        still = [i for i in indices if i in lease.indices] if lease is not None and lease.client_id == client_id else []
+        lease = self._held(client_id, lease_id)
+        still = [i for i in indices if i in lease.indices] if lease is not None else []
         self.counters["put_acks"] += 1
         if len(still) < len(indices):
             self.counters["put_acks_skipped"] += 1

@@ -265,8 +265,8 @@ class SourceStage:
         try:
             while True:
                 stats = await self.ctx.dock_statistics(watch=watch, seen=seen, timeout=FOLLOW_DOCK_S)
-                if stats.get("watched") != seen or self.dock_figures is None:
-                    seen = stats.get("watched")
+                if stats["watched"] != seen:  # (at the timeout: the same figures)
+                    seen = stats["watched"]
                     self.dock_figures = stats
                     self._wake()
         except Exception as exc:
