@@ -40,6 +40,8 @@ FinishReason = Literal["eos", "length"]
 RolloutForwardPath = Literal["functional", "hf"]
 
 log = logging.getLogger("streamrl.engine.rollout")
+# tensor types the foreach install copies into and from; others (DTensor) take load_state_dict
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 class GenerateArgumentError(ValueError):
@@ -391,7 +393,22 @@ class TorchRolloutEngine(BatchedRolloutEngine):
     startup_s = 0.0  # the model is built by the caller; nothing else starts
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Take new policy weights (e.g. a published version from the trainer)."""
+        """Take new policy weights (e.g. a published version from the trainer), in place.
+
+        Where ``state`` names exactly the module's tensors with their shapes, one foreach copy
+        takes them all: ``nn.Module.load_state_dict`` walks the module and copies tensor by tensor
+        (0.25 against 0.08 ms for W1's model, paid at every version). Anything else (a name
+        missing or extra, another shape or device, a tensor subclass such as a DTensor) goes through
+        ``load_state_dict``, which says what does not match."""
+        targets = self.model.state_dict(keep_vars=True)  # the module's own tensors, looked up now: it may be shared
+        if state.keys() == targets.keys():
+            dst = [targets[k] for k in state]
+            src = list(state.values())
+            if all(type(d) in _PLAIN and type(t) in _PLAIN and d.shape == t.shape and d.device == t.device
+                   for d, t in zip(dst, src, strict=True)):
+                with torch.no_grad():
+                    torch._foreach_copy_(dst, src)
+                return
         self.model.load_state_dict(state, strict=True)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -415,6 +432,9 @@ class TorchRolloutEngine(BatchedRolloutEngine):
     @contextmanager
     def _generation_scope(self) -> Iterator[None]:
         was_training = self.model.training
+        if not was_training:  # the generator's own module stays in eval mode: no walk of it per call
+            yield
+            return
         self.model.eval()  # no dropout while sampling; the caller's mode comes back afterwards
         try:
             yield

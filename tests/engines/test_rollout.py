@@ -153,6 +153,29 @@ def test_weights_loaded_into_the_engine_are_used(model: torch.nn.Module, tok: Pr
     assert all(g.response_ids.tolist() == [tok.eos_token_id] for g in engine.generate(prompts, max_new_tokens=4))
 
 
+def test_an_install_copies_every_tensor_in_place_and_refuses_what_does_not_match(
+        model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
+    """The foreach install: the module's own tensors take the new values (the same objects, so a
+    shared module sees them); a missing or extra name, or another shape, is torch's strict error."""
+    engine = _engine(model, tok)
+    own = engine.model.state_dict(keep_vars=True)
+    new = {k: torch.randn_like(v) for k, v in own.items()}
+    engine.load_state_dict(new)
+    after = engine.model.state_dict(keep_vars=True)
+    for k, v in after.items():
+        assert v is own[k] and torch.equal(v, new[k]), k
+    missing = dict(new)
+    name = next(iter(missing))
+    del missing[name]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        engine.load_state_dict(missing)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        engine.load_state_dict({**new, "extra.weight": torch.zeros(1)})
+    reshaped = {**new, name: torch.zeros(3, 3)}
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        engine.load_state_dict(reshaped)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
