@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from functools import partial
 
-import anyio
 import zmq
 
+from streamrl import event_loop
 from streamrl.rewards.function import RewardFunction
 from streamrl.rewards.keys import generate_keypair, load_public_keys
 from streamrl.rewards.results import RewardConfigError, RewardFunctionLoadError
@@ -123,7 +123,7 @@ def run_reward_server(args: argparse.Namespace) -> int:
     except (RewardConfigError, RewardFunctionLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    anyio.run(partial(server.serve_until_signal, ready=_announce))
+    event_loop.run(partial(server.serve_until_signal, ready=_announce))
     # The replies of the batches drained at shutdown are queued in ZeroMQ's I/O thread; the socket's
     # linger only holds while the context lives, and pyzmq does not terminate it at interpreter
     # exit, so without this the process could exit before they are on the wire (seen: a drained

@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from streamrl import event_loop
 from streamrl.config import ConfigError, RunConfig, dump_config, load_config
 from streamrl.dock.controller import ConsumerView
 from streamrl.dock.limits import DockLimits
@@ -111,7 +112,7 @@ def _new_run_dir(cfg: RunConfig) -> Path:
 def run(config: str | Path | dict[str, Any] | RunConfig | None = None, overrides: list[str] | None = None,
         **kwargs: Any) -> RunResult:
     """Run a config to completion (blocking). See :func:`arun`."""
-    return anyio.run(lambda: arun(config, overrides, **kwargs))
+    return event_loop.run(lambda: arun(config, overrides, **kwargs))
 
 
 async def arun(config: str | Path | dict[str, Any] | RunConfig | None = None, overrides: list[str] | None = None,

@@ -31,6 +31,7 @@ import msgspec
 import torch
 import zmq.asyncio
 
+from streamrl import event_loop
 from streamrl.config import RunConfig
 from streamrl.dock.client import DockClient, Lease
 from streamrl.dock.errors import DockError, EndOfStream, RemoteError
@@ -560,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     # a crash in native code (SIGSEGV, SIGABRT...) leaves every thread's Python stack in the log too
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    code = anyio.run(run_worker, spec)
+    code = event_loop.run(run_worker, spec)
     # The process ends with os._exit (multiprocessing), which kills zmq's I/O thread at once: the
     # last Finished/Failed could still sit in its queue and never reach the launcher, which then
     # waits for it. Closing the context flushes what is queued (sockets linger at most 2 s).
