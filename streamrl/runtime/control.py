@@ -86,12 +86,15 @@ class StageBusy(_FromWorker, tag="busy"):
 
 class StageMetrics(_FromWorker, tag="stage_metrics"):
     metrics: dict[str, float]  # latest values; the launcher adds them to each step's row
+    measured_at: float = 0.0  # the worker's time.time() when it measured them (0: unknown): they join
+    # the rows of steps that ended after it (streamrl.metrics.stage_figures)
 
 
 class StepReport(_Msg, tag="step"):
     step: int
     metrics: dict[str, float]
-    measured_at: float = 0.0  # the trainer's time.time() when the step ended (0: unknown)
+    measured_at: float = 0.0  # the trainer's time.time() when the step ended, before its version was
+    # visible to generation (0: unknown)
     # answer with Recorded once the row is in metrics.jsonl (flushed to disk): the trainer commits
     # the checkpoint of this step only then, so no checkpoint is ever ahead of the run's metrics
     record: bool = False
@@ -265,13 +268,14 @@ class ControlClient:
         self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples, in_batch_s, measured_at))
 
     def stage_metrics(self, metrics: dict[str, float]) -> None:
-        self._send(StageMetrics(self.stage, self.worker, {k: float(v) for k, v in metrics.items()}))
+        self._send(StageMetrics(self.stage, self.worker, {k: float(v) for k, v in metrics.items()}, time.time()))
 
-    def step(self, step: int, metrics: dict[str, float], *, record: bool = False) -> None:
-        """One optimizer step's row; ``record``: ask for Recorded (:meth:`wait_recorded`)."""
+    def step(self, step: int, metrics: dict[str, float], *, record: bool = False, ended_at: float = 0.0) -> None:
+        """One optimizer step's row; ``record``: ask for Recorded (:meth:`wait_recorded`);
+        ``ended_at``: when the step ended (``time.time()``; 0: now)."""
         if self.before_step is not None:
             self.before_step()
-        self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}, time.time(), record))
+        self._send(StepReport(step, {k: float(v) for k, v in metrics.items()}, ended_at or time.time(), record))
 
     def eval_report(self, step: int, metrics: dict[str, float]) -> None:
         self._send(EvalReport(step, {k: float(v) for k, v in metrics.items()}))

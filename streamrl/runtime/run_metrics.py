@@ -14,6 +14,7 @@ import msgspec
 from streamrl.config import RunConfig
 from streamrl.metrics.busy import BusyTracker
 from streamrl.metrics.progress import Progress
+from streamrl.metrics.stage_figures import StageFigures
 from streamrl.metrics.writer import MetricsWriter
 from streamrl.runtime.pipeline import PipelineSpec
 
@@ -25,7 +26,7 @@ class RunMetrics:
     stage worker, from ``StageBusy``, for the status page's rates) and ``busy_tracker`` (the same
     reports with when they were measured, from which each row's ``busy/<stage>`` is computed),
     ``samples`` (samples processed, same source),
-    ``stage_metrics`` (``StageMetrics``), ``restarts``, and every ``StepReport`` / ``EvalReport``
+    ``stage_figures`` (``StageMetrics``, joined to the rows by when they were measured), ``restarts``, and every ``StepReport`` / ``EvalReport``
     through :meth:`on_step` / :meth:`on_eval`.
     """
 
@@ -42,7 +43,7 @@ class RunMetrics:
                                      purge_step=resumed_at + 1 if resumed_at is not None else None)
         self.busy: dict[tuple[str, int], float] = {}
         self.samples: dict[tuple[str, int], int] = {}
-        self.stage_metrics: dict[tuple[str, int], dict[str, float]] = {}
+        self.stage_figures = StageFigures()
         self.restarts: dict[str, int] = {}  # "<stage>-<worker>" process name -> times it was restarted
         self.busy_tracker = BusyTracker({s.name: s.workers for s in pipeline.stages})
         self.t_go = 0.0  # monotonic time of Go (training started)
@@ -71,7 +72,7 @@ class RunMetrics:
         elapsed = max(ended - self.t_go_wall, self._last_elapsed)
         self._last_elapsed = elapsed
         row: dict[str, Any] = {"step": step, **metrics, "elapsed_s": round(elapsed, 4), **busy}
-        for (stage, k), values in sorted(self.stage_metrics.items()):
+        for (stage, k), values in sorted(self.stage_figures.until(ended).items()):
             for name, v in values.items():
                 key = f"{stage}/{name}" if self.pipeline.stage(stage).workers == 1 else f"{stage}/{k}/{name}"
                 row[key] = v

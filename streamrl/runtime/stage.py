@@ -189,10 +189,13 @@ class StageContext:
         row in metrics.jsonl as ``<stage>/<name>`` (``<stage>/<worker>/<name>`` with several workers)."""
         self.control.stage_metrics(metrics)
 
-    def report_step(self, step: int, metrics: dict[str, float], *, record: bool = False) -> None:
+    def report_step(self, step: int, metrics: dict[str, float], *, record: bool = False,
+                    ended_at: float = 0.0) -> None:
         """Send one optimizer step's metrics to the launcher (metrics.jsonl, TensorBoard, progress).
-        ``record``: the launcher answers once the row is on disk (:meth:`wait_recorded`)."""
-        self.control.step(step, metrics, record=record)
+        ``record``: the launcher answers once the row is on disk (:meth:`wait_recorded`).
+        ``ended_at``: the ``time.time()`` the step ended (0: now); the row takes the stages' figures
+        measured before it, so a trainer gives the moment before its new version became visible."""
+        self.control.step(step, metrics, record=record, ended_at=ended_at)
 
     async def wait_recorded(self, step: int, timeout_s: float = RECORD_TIMEOUT_S) -> bool:
         """Until the launcher has the row of ``step`` (reported with ``record``) in metrics.jsonl:

@@ -129,10 +129,11 @@ class Supervisor:
                     self.metrics.samples[(s, k)] = n
                     w = by_key[(s, k)]
                     w.heartbeat, w.in_batch_s = time.monotonic(), in_batch
-                case c.StageMetrics(stage=s, worker=k, metrics=m):
+                case c.StageMetrics(stage=s, worker=k, metrics=m, measured_at=at):
                     # merged: a stage reports different figures at different times (engine start-up once,
-                    # each weight install later), and each stays in the rows until it reports it again
-                    self.metrics.stage_metrics.setdefault((s, k), {}).update(m)
+                    # each weight install later), and each stays in the rows until it reports it again;
+                    # a row takes those measured before its step ended (streamrl.metrics.stage_figures)
+                    self.metrics.stage_figures.report(s, k, m, at)
                 case c.StepReport(step=step, metrics=m, measured_at=at, record=record):
                     self.metrics.on_step(step, m, at, durable=record)
                     if record:  # the row is on disk: the trainer may commit this step's checkpoint

@@ -61,6 +61,13 @@ class HandOver(Protocol):
     # False: the trainer keeps its micro-batches until every rank has its share (colocated: the
     # devices still generate for the other ranks until then)
     trains_on_arrival: bool
+    channel: _VersionNumbers
+
+    @property
+    def visible_at(self) -> float:
+        """``time.time()`` just before the last published version became visible to generation (0:
+        none yet): when the step that made it ended, for its row (:meth:`StageContext.report_step`)."""
+        return self.channel.visible_at
 
     def world_size(self) -> int: ...
 
@@ -110,15 +117,21 @@ class _VersionNumbers:
 
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
+        self.visible_at = 0.0  # see HandOver.visible_at
         self.publisher: PolicyPublisher | None = None
         if ctx.worker == 0:
             # the generators of this host map each version from the run's shared memory
             self.publisher = PolicyPublisher(ctx.weights_endpoint, auth=ctx.server_auth, shm_dir=ctx.shm_dir)
             ctx.tasks.start_soon(self.publisher.serve)  # type: ignore[attr-defined]
 
-    async def announce(self, version: int) -> None:
+    async def announce(self, version: int, snapshot: PolicySnapshot | None = None) -> None:
+        """Make ``version`` current (with its weights where ``snapshot`` has them) on rank 0."""
+        self.visible_at = time.time()
         if self.publisher is not None:
-            await self.publisher.publish(version, {})
+            if snapshot is not None:
+                await self.publisher.publish(version, snapshot=snapshot)
+            else:
+                await self.publisher.publish(version, {})
 
     def close(self) -> None:
         if self.publisher is not None:
@@ -158,8 +171,7 @@ class PublishHandOver(HandOver):
 
         snapshot = await self.ctx.run_sync(gather)  # the compute thread: the copy needs no event loop
         t1 = time.perf_counter()
-        if publisher is not None:
-            await publisher.publish(version, snapshot=snapshot)
+        await self.channel.announce(version, snapshot)
         return {"gather_ms": (t1 - t0) * 1e3, "publish_ms": (time.perf_counter() - t1) * 1e3}
 
     async def close(self) -> None:

@@ -481,7 +481,9 @@ class TrainStage:
         if self.with_keys:
             metrics["repeated_samples"] = self.repeated_samples
         if self.rank == 0:
-            self.ctx.report_step(self.version, metrics, record=saves)
+            # the row takes the stages' figures measured before the version was visible: not the
+            # next step's, which may already be running (streamrl.metrics.stage_figures)
+            self.ctx.report_step(self.version, metrics, record=saves, ended_at=self.hand_over.visible_at)
             if saves:
                 await self._commit()
         self._reset()
