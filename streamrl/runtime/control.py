@@ -76,12 +76,15 @@ class Ready(_FromWorker, tag="ready"):
     pid: int
 
 
-class StageBusy(_FromWorker, tag="busy"):
+class StageBusy(_FromWorker, tag="busy", omit_defaults=True):
     busy_s: float  # cumulative seconds inside process()/produce()
     batches: int
     samples: int
     in_batch_s: float = 0.0  # seconds the batch now in process() has run; 0 between batches
     measured_at: float = 0.0  # the worker's time.time() when it measured these (0: unknown)
+    # the stage's own figures reported in the batch this report ends (StageMetrics' metrics, one event
+    # fewer per batch); measured at ``measured_at``
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class StageMetrics(_FromWorker, tag="stage_metrics"):
@@ -178,6 +181,10 @@ class ControlClient:
         # called before each step row: the worker's busy meter reports a batch it has not reported
         # yet, so that the row never reaches the launcher ahead of the batch it comes from
         self.before_step: Callable[[], None] | None = None
+        # True while a batch runs (the busy meter sets it): stage figures wait for the busy report
+        # that ends or interrupts the batch, which comes before the batch's outputs are put
+        self.hold_figures = False
+        self._figures: dict[str, float] = {}
         self._send(Starting(stage, worker, os.getpid(), token))
 
     def _send(self, msg: _Msg) -> None:
@@ -265,10 +272,15 @@ class ControlClient:
 
     def busy(self, busy_s: float, batches: int, samples: int, in_batch_s: float = 0.0,
              measured_at: float = 0.0) -> None:
-        self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples, in_batch_s, measured_at))
+        figures, self._figures = self._figures, {}
+        self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples, in_batch_s, measured_at, figures))
 
     def stage_metrics(self, metrics: dict[str, float]) -> None:
-        self._send(StageMetrics(self.stage, self.worker, {k: float(v) for k, v in metrics.items()}, time.time()))
+        values = {k: float(v) for k, v in metrics.items()}
+        if self.hold_figures:  # the batch's next busy report carries them
+            self._figures.update(values)
+        else:
+            self._send(StageMetrics(self.stage, self.worker, values, time.time()))
 
     def step(self, step: int, metrics: dict[str, float], *, record: bool = False, ended_at: float = 0.0) -> None:
         """One optimizer step's row; ``record``: ask for Recorded (:meth:`wait_recorded`);

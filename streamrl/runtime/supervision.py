@@ -123,7 +123,10 @@ class Supervisor:
                     ready.add((s, k))
                     if went:  # a restarted worker: the run is under way
                         await server.send_to((s, k), c.Go())
-                case c.StageBusy(stage=s, worker=k, busy_s=b, samples=n, in_batch_s=in_batch, measured_at=at):
+                case c.StageBusy(stage=s, worker=k, busy_s=b, samples=n, in_batch_s=in_batch, measured_at=at,
+                                 metrics=m):
+                    if m:  # figures the batch reported (as a StageMetrics would, below)
+                        self.metrics.stage_figures.report(s, k, m, at)
                     self.metrics.busy[(s, k)] = b
                     self.metrics.busy_tracker.report(s, k, b, in_batch, at)
                     self.metrics.samples[(s, k)] = n

@@ -107,6 +107,7 @@ class _Meter:
 
     def begin(self) -> None:
         self._started = time.perf_counter()
+        self.control.hold_figures = True  # the batch's figures ride its busy reports
         self._cancel_running_report()
         self._running_report = asyncio.get_running_loop().call_later(BEGIN_REPORT_S, self._report_running)
 
@@ -138,6 +139,7 @@ class _Meter:
             tracer().complete(name, "batch", self._started, ended, "batch", stage=self.stage, samples=samples,
                               **{k: v for k, v in args.items() if v != ""})
             self._started = None
+        self.control.hold_figures = False
         self.batches += 1
         self.samples += samples
         self.flush()

@@ -160,6 +160,16 @@ async def test_a_batch_is_reported_running_only_once_it_has_run_a_while(tmp_path
     assert code == 0 and {e.batches for e in running} == {0, 1, 2}  # each of the 3 batches, while it ran
 
 
+async def test_a_batchs_own_figures_ride_the_busy_report_that_ends_it(tmp_path: Path) -> None:
+    """Figures a stage reports in a batch (``ctx.report_metrics``) reach the launcher in the busy
+    report that ends the batch (sent before its outputs are put), not as an event of their own."""
+    code, events, _, batches, _ = await _run_one(tmp_path, {"figures": True}, lease_ttl_s=30.0)
+    assert code == 0 and not [e for e in events if isinstance(e, c.StageMetrics)]
+    carried = [(e.batches, e.metrics) for e in events if isinstance(e, c.StageBusy) and e.metrics]
+    assert carried == [(k + 1, {"max_x": float(max(b["x"]))}) for k, b in enumerate(batches)]
+    assert all(e.in_batch_s == 0 for e in events if isinstance(e, c.StageBusy) and e.metrics)
+
+
 async def test_a_failing_source_leaves_no_report_to_a_closed_channel(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A produce() that raises leaves its batch unended, and the batch's running report is still

@@ -146,7 +146,7 @@ class Doubler:
     """Writes ``y`` = 2 * ``x``; fails on samples whose ``x`` is in ``options.fail_on`` (a
     ValueError) and kills its own process on those in ``options.die_on`` (``options.how``:
     "exit" = os._exit(3), "kill" = SIGKILL, "segv" = a segmentation fault); sleeps ``options.sleep_s`` per batch. Records each batch
-    it got before acting.
+    it got before acting. ``options.figures``: reports the batch's largest ``x`` (``ctx.report_metrics``).
 
     ``options.crash_worker`` = k: as two ranks of a collective when one dies in native code. Worker k
     crashes (SIGSEGV) in its first batch; every other worker, in its first batch, waits (at most 30 s)
@@ -159,6 +159,7 @@ class Doubler:
         self.how = str(ctx.options.get("how", "exit"))
         self.sleep_s = float(ctx.options.get("sleep_s", 0.0))  # per batch: a slow stage
         self.crash_worker = ctx.options.get("crash_worker")
+        self.figures = bool(ctx.options.get("figures", False))
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
         xs = [int(x) for x in batch.columns["x"]]
@@ -166,6 +167,8 @@ class Doubler:
             await self.ctx.run_sync(time.sleep, self.sleep_s)
         _record(self.ctx, f"{self.ctx.spec.name}-batches",
                 {"worker": self.ctx.worker, "pid": os.getpid(), "indices": batch.indices, "x": xs})
+        if self.figures:
+            self.ctx.report_metrics({"max_x": max(xs)})
         if self.crash_worker is not None:
             crashed = self.ctx.run_dir / "crashed-worker.pid"
             if self.ctx.worker == self.crash_worker:
