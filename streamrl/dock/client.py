@@ -173,6 +173,9 @@ class DockClient:
         # claims this client stopped waiting for (cancelled, timed out): if the controller grants
         # one anyway, the late reply is released at once instead of holding samples until the TTL
         self._abandoned_claims: set[int] = set()
+        # how long aclose waits for those replies, to release what they were granted: a worker that
+        # stops with the run sets 0 (nobody claims after it; the controller goes with the run)
+        self.abandoned_claims_wait_s = 1.0
         self._counters = dict.fromkeys(("requests", "timeouts", "errors", "bytes_sent", "bytes_received",
                                         "reconnects", "resent"), 0)
 
@@ -201,9 +204,9 @@ class DockClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._tg is not None and self._abandoned_claims:
+        if self._tg is not None and self._abandoned_claims and self.abandoned_claims_wait_s > 0:
             # give granted-but-abandoned claims a moment to come back, so they are released now
-            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.abandoned_claims_wait_s):
                 while self._abandoned_claims:
                     await anyio.sleep(0.005)
         if self._tg is not None:

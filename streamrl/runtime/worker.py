@@ -278,6 +278,10 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
                         control.stop_request(stop.reason)
                 meter.flush()
                 log.info("%s[%d]: stage loop ended", sspec.name, spec.worker)
+                if control.stop_reason is not None:
+                    # the run ends: a claim the Stop cut short is not waited for (the controller holds
+                    # it until its timeout, and no other worker wants what it could still be granted)
+                    dock.abandoned_claims_wait_s = 0.0
             log.info("%s[%d]: dock client closed", sspec.name, spec.worker)
             tg.cancel_scope.cancel()
         await stage.close()

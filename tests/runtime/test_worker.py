@@ -170,6 +170,41 @@ async def test_a_batchs_own_figures_ride_the_busy_report_that_ends_it(tmp_path: 
     assert all(e.in_batch_s == 0 for e in events if isinstance(e, c.StageBusy) and e.metrics)
 
 
+async def test_a_stop_ends_a_worker_at_once_though_its_claim_waits_for_samples(tmp_path: Path) -> None:
+    """A run that stops (its stop reward reached) finds its stages waiting for samples that will not
+    come: the Stop cuts their claims short, and the worker finishes without waiting for the
+    controller's answer to them (it held the claim for up to a second more at every run's end)."""
+    dock = ThreadDock(["double"], capacity=64).start()  # no samples: the worker's claim waits
+    server = c.ControlServer("tcp://127.0.0.1:0")
+    try:
+        cfg = load_config({"resources": {"launch": "inprocess"}})
+        stage = StageSpec(name="double", cls="tests.runtime.user_stages:Doubler", reads=["x"], writes=["y"],
+                          micro_batch=4)
+        spec = WorkerSpec(config=cfg, stage=stage, worker=0, dock_endpoint=dock.controller_endpoint,
+                          control_endpoint=server.endpoint, weights_endpoint=f"ipc://{tmp_path}/no-publisher",
+                          run_dir=str(tmp_path))
+        codes: list[int] = []
+        async with anyio.create_task_group() as tg:
+            async def worker() -> None:
+                codes.append(await run_worker(spec))
+
+            tg.start_soon(worker)
+            with anyio.fail_after(30):
+                while not isinstance(await server.recv(), c.Ready):
+                    pass
+                await server.broadcast(c.Go())
+                await anyio.sleep(0.3)  # the stage loop is in its claim by now
+                stopped = anyio.current_time()
+                await server.broadcast(c.Stop("stop reward reached"))
+                while not isinstance(await server.recv(), c.Finished | c.Failed):
+                    pass
+                took = anyio.current_time() - stopped
+        assert codes == [0] and took < 0.5, took
+    finally:
+        server.close()
+        dock.stop()
+
+
 async def test_a_failing_source_leaves_no_report_to_a_closed_channel(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A produce() that raises leaves its batch unended, and the batch's running report is still
