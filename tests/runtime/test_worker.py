@@ -26,13 +26,20 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 N = 12
 
 
-async def _drive(spec: WorkerSpec, server: c.ControlServer) -> tuple[int, list[Any]]:
-    """Run the worker as a task, answer its Ready with Go, collect its events until it returns."""
+async def _drive(spec: WorkerSpec, server: c.ControlServer, stop_after_s: float | None = None
+                 ) -> tuple[int, list[Any]]:
+    """Run the worker as a task, answer its Ready with Go, collect its events until it returns.
+    ``stop_after_s``: send Stop that long after Go (noted among the events as ``("stop", time)``)."""
     events: list[Any] = []
     codes: list[int] = []
     async with anyio.create_task_group() as tg:
         async def worker() -> None:
             codes.append(await run_worker(spec))
+
+        async def stop_later() -> None:
+            await anyio.sleep(stop_after_s or 0.0)
+            events.append(("stop", anyio.current_time()))
+            await server.broadcast(c.Stop("stop reward reached"))
 
         tg.start_soon(worker)
         with anyio.fail_after(30):
@@ -41,6 +48,8 @@ async def _drive(spec: WorkerSpec, server: c.ControlServer) -> tuple[int, list[A
                 events.append(event)
                 if isinstance(event, c.Ready):
                     await server.broadcast(c.Go())
+                    if stop_after_s is not None:
+                        tg.start_soon(stop_later)
                 if isinstance(event, (c.Failed, c.Finished)):
                     break
     return codes[0], events
@@ -183,23 +192,9 @@ async def test_a_stop_ends_a_worker_at_once_though_its_claim_waits_for_samples(t
         spec = WorkerSpec(config=cfg, stage=stage, worker=0, dock_endpoint=dock.controller_endpoint,
                           control_endpoint=server.endpoint, weights_endpoint=f"ipc://{tmp_path}/no-publisher",
                           run_dir=str(tmp_path))
-        codes: list[int] = []
-        async with anyio.create_task_group() as tg:
-            async def worker() -> None:
-                codes.append(await run_worker(spec))
-
-            tg.start_soon(worker)
-            with anyio.fail_after(30):
-                while not isinstance(await server.recv(), c.Ready):
-                    pass
-                await server.broadcast(c.Go())
-                await anyio.sleep(0.3)  # the stage loop is in its claim by now
-                stopped = anyio.current_time()
-                await server.broadcast(c.Stop("stop reward reached"))
-                while not isinstance(await server.recv(), c.Finished | c.Failed):
-                    pass
-                took = anyio.current_time() - stopped
-        assert codes == [0] and took < 0.5, took
+        code, events = await _drive(spec, server, stop_after_s=0.3)  # the stage loop is in its claim by then
+        took = anyio.current_time() - next(e[1] for e in events if isinstance(e, tuple))
+        assert code == 0 and took < 0.5, took
     finally:
         server.close()
         dock.stop()
