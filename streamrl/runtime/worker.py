@@ -553,6 +553,17 @@ def pin_event_loop_thread(threads: int) -> None:
     helper.join()
 
 
+def quiet_progress_bars() -> None:
+    """No Hugging Face progress bars in this worker: its output is a log file, where a bar (a
+    checkpoint export's "Writing model shards") is a line of carriage-return debris. Unless the
+    user's environment asks for them (``HF_HUB_DISABLE_PROGRESS_BARS=0``)."""
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") != "1":
+        return
+    transformers = sys.modules.get("transformers")  # imported already (the forkserver's preload): it read
+    if transformers is not None:  # the variable then; one imported later reads it itself
+        transformers.utils.logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -561,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = msgspec.json.decode(Path(args[0]).read_bytes(), type=WorkerSpec)
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "INFO"),  # the worker's own log file
                         format=f"%(asctime)s {spec.stage.name}[{spec.worker}] %(name)s: %(message)s")
+    quiet_progress_bars()
     pin_event_loop_thread(max(s.threads for s in [spec.stage, *spec.colocated]))
     # `kill -USR1 <pid>` (the launcher does it for a stalled run) writes every thread's Python
     # stack to this worker's log: works while a thread blocks in C or the event loop is stuck

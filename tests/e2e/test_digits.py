@@ -107,6 +107,8 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     # real processes, one log each, all gone afterwards with their ipc dirs
     assert set(result.worker_logs) == {f"{s}-0" for s in STAGES}
     assert all(p.is_file() for p in result.worker_logs.values())
+    # the checkpoint's export wrote no progress bar into the trainer's log
+    assert "Writing model shards" not in result.worker_logs["train-0"].read_text()
     assert_run_cleaned(run_dir, os.getpid(), before)
 
 
