@@ -43,6 +43,7 @@ import zmq.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_spread, print_json_line, print_table, spread
+from dock import _cpu_seconds
 
 from streamrl.dock.client import DockClient
 from streamrl.dock.launch import LocalDock
@@ -66,9 +67,7 @@ def _cpu_s(pid: int | None = None) -> float:
     if pid is None:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _cpu_seconds(pid)
 
 
 async def _dock_ops(iters: int) -> dict[str, dict[str, float]]:

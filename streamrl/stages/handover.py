@@ -127,11 +127,8 @@ class _VersionNumbers:
     async def announce(self, version: int, snapshot: PolicySnapshot | None = None) -> None:
         """Make ``version`` current (with its weights where ``snapshot`` has them) on rank 0."""
         self.visible_at = time.time()
-        if self.publisher is not None:
-            if snapshot is not None:
-                await self.publisher.publish(version, snapshot=snapshot)
-            else:
-                await self.publisher.publish(version, {})
+        if self.publisher is not None:  # (no snapshot: the version's number only)
+            await self.publisher.publish(version, snapshot=snapshot)
 
     def close(self) -> None:
         if self.publisher is not None:
