@@ -653,6 +653,10 @@ class ControllerState:
         view = self.views[lease.consumer]
         assert view is not None
         self.claimed_count[lease.consumer] -= len(lease.indices)
+        back: list[_Sample] = []
+        # first every sample's new state, then the queue: a whole group is queued only once none of
+        # its members is CLAIMED, so a member still to be marked (here DONE, as discarded) must not
+        # be seen CLAIMED by the enqueue of the others
         for i in sorted(lease.indices, reverse=True):
             s = self.samples[i]
             if s.discarded:  # another consumer discarded it meanwhile: nothing to deliver again
@@ -662,6 +666,8 @@ class ControllerState:
             if s.returned is None:
                 s.returned = bytearray(len(s.state))
             s.returned[lease.consumer] = min(s.returned[lease.consumer] + 1, 255)  # a count that saturates
+            back.append(s)
+        for s in back:
             if (s.ready & view.reads_mask) == view.reads_mask:
                 self._enqueue(view, s, front=True)
         self.counters["samples_released"] += len(lease.indices)

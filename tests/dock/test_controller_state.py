@@ -457,6 +457,23 @@ def test_discard_of_part_of_a_queued_group_keeps_the_rest_claimable() -> None:
     assert not state.samples and state.counters["samples_discarded"] == 4
 
 
+def test_a_whole_group_given_back_after_one_member_was_discarded_is_claimable_again() -> None:
+    """The group's lease is released after another consumer discarded one of its members: the rest
+    of the group goes back to the queue (found by the interleavings test: the discarded member, still
+    CLAIMED while the others were queued, kept the group out of the queue for good)."""
+    state = ControllerState(["gen", "train"], capacity=8, n_warehouses=1)
+    idx, _ = state.reserve(2, 2)
+    state.columns_ready(idx, ["x"], None, None)
+    train = claim(state, "train", 2, whole_groups=True)
+    assert train is not None and [s.index for s in train.samples] == idx
+    gen = claim(state, "gen", 1)
+    assert gen is not None and [s.index for s in gen.samples] == idx[:1]
+    state.ack("c1", gen.lease_id, None, discard=True)  # train holds it CLAIMED: it keeps its lease
+    state.release("c1", train.lease_id)
+    again = claim(state, "train", 2, whole_groups=True)
+    assert again is not None and [s.index for s in again.samples] == idx[1:]
+
+
 def test_a_sample_given_back_says_how_often_it_was_returned_to_that_consumer_only() -> None:
     """``SampleInfo.returned``: 0 on a first delivery; one more per release or lease expiry of that
     consumer (what lets an agent stage drop the samples of a dead worker's sessions); another
