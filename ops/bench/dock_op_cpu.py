@@ -19,8 +19,12 @@ number; the baseline's likewise per round trip.
     python ops/bench/dock_op_cpu.py                  # about 15 seconds
     python ops/bench/dock_op_cpu.py --reps 5 --iters 2000
 
-Last line: one JSON object. Its ratio is the client's mean CPU per operation over the raw round
-trip's client CPU: what the dock client adds to each request (a breakdown: no target).
+A second floor: the same round trip on a plain socket served by the event loop
+(``streamrl.loop_socket.LoopSocket``, what the dock client's sockets are).
+
+Last line: one JSON object. Its ratio is the client's mean CPU per operation over the raw
+``zmq.asyncio`` round trip's client CPU, and over the LoopSocket round trip's: what the dock client
+adds to each request (a breakdown: no target).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from dock import _cpu_seconds
 from streamrl.dock.client import DockClient
 from streamrl.dock.launch import LocalDock
 from streamrl.event_loop import backend_options
+from streamrl.loop_socket import LoopSocket
 
 OPS = ("reserve", "put", "claim", "fetch", "ack")
 WARMUP = 50
@@ -111,25 +116,38 @@ async def _dock_ops(iters: int) -> dict[str, dict[str, float]]:
     return out
 
 
-async def _raw_round_trip(iters: int) -> dict[str, float]:
-    """µs of CPU per zmq.asyncio round trip to an echo server: {"client", "server"}."""
+async def _raw_round_trip(iters: int, served_by_loop: bool = False) -> dict[str, float]:
+    """µs of CPU per round trip to an echo server: {"client", "server"}. The client is a
+    ``zmq.asyncio`` DEALER, or (``served_by_loop``) a plain one served by the loop as the dock
+    client's sockets are (``streamrl.loop_socket.LoopSocket``)."""
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as d:
         endpoint = f"ipc://{d}/echo"
         server = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, endpoint], stdout=subprocess.PIPE, text=True)
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.DEALER, socket_class=zmq.Socket) if served_by_loop else ctx.socket(zmq.DEALER)
+        link = LoopSocket(sock, copy=True) if served_by_loop else None
+        payload = b"x" * 64
+
+        async def round_trip() -> None:
+            if link is not None:
+                link.send([payload])
+                await link.recv()
+            else:
+                await sock.send(payload)
+                await sock.recv()
+
         try:
             assert server.stdout is not None and server.stdout.readline().strip() == "ready"
             sock.connect(endpoint)
-            payload = b"x" * 64
             for _ in range(WARMUP):
-                await sock.send(payload)
-                await sock.recv()
+                await round_trip()
             before = (_cpu_s(), _cpu_s(server.pid))
             for _ in range(iters):
-                await sock.send(payload)
-                await sock.recv()
+                await round_trip()
             after = (_cpu_s(), _cpu_s(server.pid))
         finally:
+            if link is not None:
+                link.close(linger=0)
             sock.close(linger=0)
             server.kill()
             server.wait(timeout=10)
@@ -144,9 +162,12 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} at the start", file=sys.stderr)
     dock_runs: list[dict[str, dict[str, float]]] = []
     raw_runs: list[dict[str, float]] = []
+    loop_runs: list[dict[str, float]] = []
     for rep in range(args.reps):  # alternating: the host's speed drifts (§27)
         dock_runs.append(anyio.run(_dock_ops, args.iters, backend="asyncio", backend_options=backend_options()))
         raw_runs.append(anyio.run(_raw_round_trip, args.iters, backend="asyncio", backend_options=backend_options()))
+        loop_runs.append(anyio.run(_raw_round_trip, args.iters, True, backend="asyncio",
+                                   backend_options=backend_options()))
         print(f"repetition {rep + 1}/{args.reps} done (load average {os.getloadavg()[0]:.2f})", file=sys.stderr)
 
     figures: dict[str, Any] = {}
@@ -161,13 +182,20 @@ def main() -> None:
     mean_client = [statistics.fmean(r[op]["client"] for op in OPS) for r in dock_runs]
     figures["client_mean_us"] = spread(mean_client)
     baseline = {"raw_client_us": spread(r["client"] for r in raw_runs),
-                "raw_server_us": spread(r["server"] for r in raw_runs)}
-    rows.append(["raw round trip", fmt_spread(baseline["raw_client_us"], 0), fmt_spread(baseline["raw_server_us"], 0),
-                 "-"])
-    print_table(["µs of CPU per operation", "client", "controller", "warehouse (raw: server)"], rows)
+                "raw_server_us": spread(r["server"] for r in raw_runs),
+                "loop_socket_client_us": spread(r["client"] for r in loop_runs),
+                "loop_socket_server_us": spread(r["server"] for r in loop_runs)}
+    rows.append(["raw round trip (zmq.asyncio)", fmt_spread(baseline["raw_client_us"], 0),
+                 fmt_spread(baseline["raw_server_us"], 0), "-"])
+    rows.append(["raw round trip (LoopSocket)", fmt_spread(baseline["loop_socket_client_us"], 0),
+                 fmt_spread(baseline["loop_socket_server_us"], 0), "-"])
+    print_table(["µs of CPU per operation", "client", "controller (raw: echo server)", "warehouse"], rows)
     ratio = figures["client_mean_us"]["median"] / baseline["raw_client_us"]["median"]
-    print(f"the client's mean CPU per operation ÷ a raw zmq.asyncio round trip's: {ratio:.2f}")
-    print_json_line("dock_op_cpu", figures, baseline, {"client_per_op_over_raw_round_trip": ratio}, {},
+    over_loop = figures["client_mean_us"]["median"] / baseline["loop_socket_client_us"]["median"]
+    print(f"the client's mean CPU per operation ÷ a raw zmq.asyncio round trip's: {ratio:.2f} "
+          f"(÷ the same round trip on a LoopSocket: {over_loop:.2f})")
+    print_json_line("dock_op_cpu", figures, baseline, {"client_per_op_over_raw_round_trip": ratio,
+                                                       "client_per_op_over_loop_socket_round_trip": over_loop}, {},
                     reps=args.reps, iters=args.iters)
 
 

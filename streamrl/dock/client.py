@@ -1,8 +1,9 @@
-"""The dock's async client (anyio on the asyncio backend, pyzmq's asyncio sockets).
+"""The dock's async client (anyio on the asyncio backend; its sockets served by the event loop).
 
-One DEALER to the controller and one per warehouse; a reader task per socket routes replies to
-waiting requests by request id, so any number of tasks can share one client. Every request has
-a timeout (:class:`DockTimeout`), and each socket has a bound on requests in flight.
+One DEALER to the controller and one per warehouse, each a :class:`~streamrl.loop_socket.LoopSocket`
+whose loop callback routes replies to the waiting requests by request id, so any number of tasks
+can share one client. Every request has a timeout (:class:`DockTimeout`), and each socket has a
+bound on requests in flight.
 
 Usage::
 
@@ -49,6 +50,7 @@ from streamrl.dock.errors import (
     WireFormatError,
 )
 from streamrl.dock.limits import DockLimits
+from streamrl.loop_socket import LoopSocket
 from streamrl.metrics.trace import tracer
 from streamrl.security import ClientAuth, secure_client
 
@@ -116,7 +118,7 @@ class MicroBatch:
 @dataclass
 class _Conn:
     name: str
-    sock: zmq.asyncio.Socket
+    link: LoopSocket
     limit: anyio.Semaphore
     pending: dict[int, asyncio.Future[tuple[Any, list[zmq.Frame]]]] = field(default_factory=dict)
     # each request in flight and its tensor frames, by req_id: resent (marked ``again``) after a link
@@ -220,11 +222,12 @@ class DockClient:
             _stop_monitor(conn)  # before the close: a lingering socket must not report to a closed reader
             # a short linger: the last messages queued (a release of an abandoned claim) still leave;
             # the close itself never blocks (libzmq flushes in its I/O thread)
-            conn.sock.close(linger=500)
+            conn.link.close(linger=500)
         self._conns.clear()
 
     def _open(self, name: str, endpoint: str) -> _Conn:
-        sock = self._ctx.socket(zmq.DEALER)
+        # a plain socket of the (asyncio) context, so that the context's destroy still closes it
+        sock = self._ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 1000)  # finite; requests in flight are bounded well below this
         sock.setsockopt(zmq.RCVHWM, 1000)
@@ -236,13 +239,15 @@ class DockClient:
         wire.fixed_routing_id(sock, b"dc-")
         wire.watch_link(sock)
         # a unique address: pyzmq's default names it by fd, which a socket closed (lingering) may still hold
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
-                                          f"inproc://dock-link-{uuid.uuid4().hex}")
+        address = f"inproc://dock-link-{uuid.uuid4().hex}"
+        sock.monitor(address, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = self._ctx.socket(zmq.PAIR)  # rare events: pyzmq's asyncio socket serves them
+        monitor.connect(address)
         sock.connect(endpoint)
-        conn = _Conn(name, sock, anyio.Semaphore(self.max_in_flight), monitor=monitor)
+        conn = _Conn(name, LoopSocket(sock), anyio.Semaphore(self.max_in_flight), monitor=monitor)
+        conn.link.on_message = lambda frames: self._on_reply(conn, frames)
         self._conns.append(conn)
         assert self._tg is not None
-        self._tg.start_soon(self._reader, conn)
         self._tg.start_soon(self._watch_link, conn, monitor)
         return conn
 
@@ -261,38 +266,37 @@ class DockClient:
                     for msg, frames in list(conn.sent.values()):
                         self._counters["resent"] += 1
                         again = msgspec.structs.replace(msg, again=True)
-                        await conn.sock.send_multipart([p.encoder.encode(again), *frames], copy=False)
+                        conn.link.send([p.encoder.encode(again), *frames])
         finally:
             _stop_monitor(conn)
 
-    async def _reader(self, conn: _Conn) -> None:
-        while True:
-            frames = await conn.sock.recv_multipart(copy=False)
-            msg = p.decode_reply(frames[0].bytes) if len(frames) <= p.MAX_FRAMES + 1 else None
-            if msg is None:
-                self._counters["errors"] += 1
-                continue  # not a reply we can route: drop it, the request will time out
-            self._counters["bytes_received"] += sum(len(f) for f in frames)
-            fut = conn.pending.pop(msg.req_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result((msg, frames[1:]))
-                continue
-            # nobody waits for this reply any more: the request timed out or was cancelled, or this
-            # is the second answer to a request resent after a link reset (its lease is in use)
-            if msg.req_id not in self._abandoned_claims:
-                continue
-            self._abandoned_claims.discard(msg.req_id)
-            if isinstance(msg, p.Claimed) and msg.samples:
-                # granted after its requester gave up: give the samples back now, not at the TTL
-                release = p.Release(self._next_id(), self.client_id, msg.lease_id)
-                await conn.sock.send(p.encoder.encode(release))  # its own reply is dropped here too
+    def _on_reply(self, conn: _Conn, frames: list[zmq.Frame]) -> None:
+        """A message on ``conn`` (the loop's callback): the reply goes to the request waiting for it."""
+        msg = p.decode_reply(frames[0].bytes) if len(frames) <= p.MAX_FRAMES + 1 else None
+        if msg is None:
+            self._counters["errors"] += 1
+            return  # not a reply we can route: drop it, the request will time out
+        self._counters["bytes_received"] += sum(len(f) for f in frames)
+        fut = conn.pending.pop(msg.req_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result((msg, frames[1:]))
+            return
+        # nobody waits for this reply any more: the request timed out or was cancelled, or this
+        # is the second answer to a request resent after a link reset (its lease is in use)
+        if msg.req_id not in self._abandoned_claims:
+            return
+        self._abandoned_claims.discard(msg.req_id)
+        if isinstance(msg, p.Claimed) and msg.samples:
+            # granted after its requester gave up: give the samples back now, not at the TTL
+            release = p.Release(self._next_id(), self.client_id, msg.lease_id)
+            conn.link.send([p.encoder.encode(release)])  # its own reply is dropped here too
 
     async def _heartbeat(self) -> None:
         assert self._ctl is not None
         while True:
             await anyio.sleep(self.lease_ttl_s / 4)
             if self._leases:
-                await self._ctl.sock.send(p.encoder.encode(p.Heartbeat(self.client_id)))
+                self._ctl.link.send([p.encoder.encode(p.Heartbeat(self.client_id))])
 
     def _next_id(self) -> int:
         return next(self._req_ids)
@@ -301,38 +305,48 @@ class DockClient:
         self, conn: _Conn, msg: Any, frames: Sequence[Any] = (), timeout: float | None = None
     ) -> tuple[Any, list[zmq.Frame]]:
         timeout = self.request_timeout_s if timeout is None else timeout
-        fut: asyncio.Future[tuple[Any, list[zmq.Frame]]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[Any, list[zmq.Frame]]] = loop.create_future()
         rid = msg.req_id
-        async with conn.limit:
+        # the bound on requests in flight: a free slot is taken without a checkpoint (most requests)
+        try:
+            conn.limit.acquire_nowait()
+        except anyio.WouldBlock:
+            await conn.limit.acquire()
+        # the deadline is a timer on the reply's future rather than a cancel scope around the wait:
+        # the same TimeoutError, a fraction of the CPU (every dock request has one)
+        timer = loop.call_later(timeout, _expire, fut) if timeout < math.inf else None
+        try:
             conn.pending[rid] = fut
             conn.sent[rid] = (msg, frames)
             self._counters["requests"] += 1
-            try:
-                with anyio.fail_after(timeout):
-                    # zero-copy frames: pyzmq holds the memoryviews until libzmq has sent them
-                    await conn.sock.send_multipart([p.encoder.encode(msg), *frames], copy=False)
-                    self._counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
-                    reply, data = await fut
-            except BaseException as exc:
-                if isinstance(msg, p.Claim):
-                    if fut.done() and not fut.cancelled() and fut.exception() is None:
-                        # granted, but this task was cancelled before it could take the lease
-                        granted = fut.result()[0]
-                        if isinstance(granted, p.Claimed) and granted.samples:
-                            release = p.Release(self._next_id(), self.client_id, granted.lease_id)
-                            conn.sock.send(p.encoder.encode(release))  # non-blocking; reply dropped
-                    elif rid in conn.pending:
-                        self._abandoned_claims.add(rid)  # reply still to come: the reader releases it
-                if not isinstance(exc, TimeoutError):
-                    raise
-                self._counters["timeouts"] += 1
-                raise DockTimeout(
-                    f"{conn.name} did not answer {type(msg).__name__} within {timeout:.1f} s "
-                    "(is the dock running? is the endpoint right?)"
-                ) from None
-            finally:
-                conn.pending.pop(rid, None)
-                conn.sent.pop(rid, None)
+            # zero-copy frames: libzmq holds the buffers until they have left
+            conn.link.send([p.encoder.encode(msg), *frames])
+            self._counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
+            reply, data = await fut
+        except BaseException as exc:
+            if isinstance(msg, p.Claim):
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    # granted, but this task was cancelled before it could take the lease
+                    granted = fut.result()[0]
+                    if isinstance(granted, p.Claimed) and granted.samples:
+                        release = p.Release(self._next_id(), self.client_id, granted.lease_id)
+                        conn.link.send([p.encoder.encode(release)])  # reply dropped
+                elif rid in conn.pending:
+                    self._abandoned_claims.add(rid)  # reply still to come: _on_reply releases it
+            if not isinstance(exc, TimeoutError):
+                raise
+            self._counters["timeouts"] += 1
+            raise DockTimeout(
+                f"{conn.name} did not answer {type(msg).__name__} within {timeout:.1f} s "
+                "(is the dock running? is the endpoint right?)"
+            ) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            conn.pending.pop(rid, None)
+            conn.sent.pop(rid, None)
+            conn.limit.release()
         if isinstance(reply, p.ErrorReply):
             self._counters["errors"] += 1
             if reply.code == "full":
@@ -639,6 +653,12 @@ class DockClient:
         }
 
 
+def _expire(fut: asyncio.Future[Any]) -> None:
+    """A request's deadline passed: its wait ends in TimeoutError (unless the reply just came)."""
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 def _stop_monitor(conn: _Conn) -> None:
     """Stop ``conn``'s link monitor, then close its reading end (idempotent).
 
@@ -649,9 +669,9 @@ def _stop_monitor(conn: _Conn) -> None:
     (``zmq.asyncio.Context.instance()``, shared by all clients of a process) would never connect."""
     if conn.monitor is None:
         return
-    if not conn.sock.closed:
+    if not conn.link.closed:
         try:
-            conn.sock.disable_monitor()
+            conn.link.socket.disable_monitor()
         except zmq.ZMQError:
             pass
     conn.monitor.close(linger=0)

@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from streamrl import wire
+from streamrl.loop_socket import LoopSocket
 from streamrl.security import ClientAuth, ServerAuth, release_context, secure_client, secure_server
 
 log = logging.getLogger("streamrl.control")
@@ -161,7 +162,8 @@ class ControlClient:
         self.stage = stage
         self.worker = worker
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
+        # a plain socket served by the event loop (streamrl.loop_socket): a few events every step
+        self.sock = self.ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
         self.sock.setsockopt(zmq.LINGER, 2000)  # let the final Failed/Finished reach the launcher
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)  # commands are tiny; the limit keeps it so
         secure_client(self.sock, auth)  # the worker's role (streamrl.security), before the token is even read
@@ -171,6 +173,7 @@ class ControlClient:
         wire.fixed_routing_id(self.sock, b"wk-")
         wire.watch_link(self.sock)
         self.sock.connect(endpoint)
+        self.link = LoopSocket(self.sock, copy=True)
         self.stop_reason: str | None = None
         self.save_reason: str | None = None  # a Save arrived: checkpoint after this step, then stop
         self.recorded = -1  # the newest step whose row the launcher said is in metrics.jsonl
@@ -188,15 +191,19 @@ class ControlClient:
         self._send(Starting(stage, worker, os.getpid(), token))
 
     def _send(self, msg: _Msg) -> None:
-        self.sock.send(encoder.encode(msg))
+        self.link.send([encoder.encode(msg)])
 
     def ready(self) -> None:
         self._send(Ready(self.stage, self.worker, os.getpid()))
 
     async def _command(self) -> LauncherCommand | None:
         """The next command; Save and Recorded are noted here, whichever wait reads them."""
+        frames = await self.link.recv()
+        if len(frames) != 1:
+            log.warning("dropping a control command of %d frames", len(frames))
+            return None
         try:
-            cmd = wire.decode(command_decoder, await self.sock.recv())
+            cmd = wire.decode(command_decoder, frames[0])
         except wire.WireError as exc:  # only the launcher is connected; still, never die of bytes
             log.warning("dropping an undecodable control command: %s", exc)
             return None
@@ -308,7 +315,7 @@ class ControlClient:
         return self.sock.closed
 
     def close(self) -> None:
-        self.sock.close()
+        self.link.close()
 
 
 class ControlServer:
@@ -320,7 +327,8 @@ class ControlServer:
         pairs that may register; None accepts any (tests that drive the channel by hand)."""
         wire.raise_fd_limit()  # one fd per connection: held connections must not lock clients out
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        # a plain socket served by the event loop (streamrl.loop_socket): every worker's events
+        self.sock = self.ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.limit_socket(self.sock, MAX_EVENT_BYTES)
         # only the run's roles complete a handshake (the token is checked too, inside it)
@@ -329,6 +337,7 @@ class ControlServer:
         wire.watch_link(self.sock)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.link = LoopSocket(self.sock, copy=True)
         self.token = token
         self.workers = workers
         self.identities: dict[tuple[str, int], bytes] = {}
@@ -338,7 +347,7 @@ class ControlServer:
 
     async def recv(self) -> WorkerEvent | None:
         """The next event; None for a message that is not a trusted, valid event (counted)."""
-        frames = await self.sock.recv_multipart()
+        frames = await self.link.recv()
         if len(frames) != 2:
             return self._drop("frames", "a message of %d frames", len(frames))
         identity, payload = frames
@@ -376,7 +385,7 @@ class ControlServer:
         data = encoder.encode(msg)
         for identity in self.identities.values():
             try:
-                await self.sock.send_multipart([identity, data], flags=zmq.NOBLOCK)
+                self.link.try_send([identity, data])
             except zmq.ZMQError:
                 pass  # a worker that is gone does not need the message
 
@@ -385,19 +394,19 @@ class ControlServer:
         identity = self.identities.get(who)
         if identity is not None:
             try:
-                await self.sock.send_multipart([identity, encoder.encode(msg)], flags=zmq.NOBLOCK)
+                self.link.try_send([identity, encoder.encode(msg)])
             except zmq.ZMQError:
                 pass  # gone again: its death is noticed by the launcher
 
     def pending(self, queue: anyio.abc.ObjectReceiveStream[Any] | None = None) -> bool:
         """Events wait to be read: on the socket, or in ``queue`` (where a reader task moves them).
         A worker that exited cleanly may have sent its last events (a StopRequest) just before."""
-        if self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+        if self.link.message_waiting():
             return True
         stats = getattr(queue, "statistics", None)
         return bool(stats is not None and stats().current_buffer_used)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.link.close(linger=0)
         if self.allow_list is not None:  # the context's ZAP handler served this run: stop it
             release_context(self.ctx)

@@ -52,6 +52,7 @@ import zmq.asyncio
 from streamrl import wire
 from streamrl.dock.codec import decode_columns, encode_columns
 from streamrl.dock.protocol import TensorColumn
+from streamrl.loop_socket import LoopSocket
 from streamrl.metrics.trace import tracer
 from streamrl.runtime import policy_file
 from streamrl.runtime.policy_file import PolicyFileError, WeightSlot
@@ -128,13 +129,15 @@ class PolicyPublisher:
         """``shm_dir``: the run's shared-memory scratch directory; each version is written into a
         file there for the subscribers of this host (None: weights go over the socket only)."""
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+        # a plain socket served by the event loop (streamrl.loop_socket): a request a version per generator
+        self.sock = self.ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         self.sock.setsockopt(zmq.LINGER, 0)
         wire.limit_socket(self.sock, MAX_REQUEST_BYTES)
         # the weights go only to processes that prove one of the run's roles
         self.allow_list = secure_server(self.sock, auth)
         self.sock.bind(bind)
         self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.link = LoopSocket(self.sock, copy=True)
         self.version = 0
         self._names: list[str] = []
         self._tensors: list[torch.Tensor] = []
@@ -242,7 +245,7 @@ class PolicyPublisher:
         """Answer requests forever (run it as a background task)."""
         while True:
             with anyio.move_on_after(self._next_timeout()):
-                frames = await self.sock.recv_multipart()
+                frames = await self.link.recv()
                 if len(frames) != 2:
                     self._drop(f"a weights request of {len(frames)} frames")
                     continue
@@ -300,13 +303,13 @@ class PolicyPublisher:
             reply = WeightsReply(req.req_id, self.version, names, cols)
             self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
         try:
-            await self.sock.send_multipart([identity, _encoder.encode(reply), *frames], copy=False,
-                                           flags=zmq.NOBLOCK)
+            if not self.link.try_send([identity, _encoder.encode(reply), *frames]):
+                log.warning("could not answer a weights request: the subscriber takes no more messages now")
         except zmq.ZMQError as exc:
             log.warning("could not answer a weights request: %s", exc)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.link.close(linger=0)
         if self.files_dir is not None:
             if self._spare_maker is not None:
                 self._spare_maker.join(timeout=30)
@@ -331,7 +334,7 @@ class PolicySubscriber:
         self.endpoint = endpoint
         self.auth = auth
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.sock: zmq.asyncio.Socket | None = None
+        self.link: LoopSocket | None = None
         self.poll_s = poll_s
         self.known_version = 0
         self._quiet_until = 0.0  # no opportunistic version checks before this (monotonic s)
@@ -345,26 +348,27 @@ class PolicySubscriber:
     def asks_for_files(self) -> bool:
         return self.files_dir is not None and self._file_misses < FILE_MISSES_BEFORE_FRAMES
 
-    def _socket(self) -> zmq.asyncio.Socket:
-        if self.sock is None:
-            self.sock = self.ctx.socket(zmq.DEALER)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            secure_client(self.sock, self.auth)
-            self.sock.connect(self.endpoint)
-        return self.sock
+    def _socket(self) -> LoopSocket:
+        if self.link is None:
+            sock = self.ctx.socket(zmq.DEALER, socket_class=zmq.Socket)
+            sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self.auth)
+            sock.connect(self.endpoint)
+            self.link = LoopSocket(sock)  # zero-copy frames: the weights, when they come over the socket
+        return self.link
 
     async def _ask(self, have: int, need: int, want: bool, wait_s: float, reply_timeout_s: float = 30.0
                    ) -> tuple[WeightsReply, list[zmq.Frame]]:
-        sock = self._socket()
+        link = self._socket()
         rid = next(self._ids)
         files = want and self.asks_for_files
         try:
             with anyio.fail_after(wait_s + reply_timeout_s):
                 # inside the deadline too: a DEALER whose connection was refused (after a failed
                 # handshake libzmq does not reconnect) has no peer, and its send waits for one
-                await sock.send(_encoder.encode(WeightsRequest(rid, have, need, want, wait_s, files)))
+                link.send([_encoder.encode(WeightsRequest(rid, have, need, want, wait_s, files))])
                 while True:
-                    frames = await sock.recv_multipart(copy=False)
+                    frames = await link.recv()
                     try:
                         reply = wire.decode(_reply_decoder, frames[0].bytes)
                     except wire.WireError as exc:
@@ -456,9 +460,9 @@ class PolicySubscriber:
         return reply.version, state
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
+        if self.link is not None:
+            self.link.close(linger=0)
+            self.link = None
 
 
 def _nbytes(state: dict[str, torch.Tensor] | None) -> int:

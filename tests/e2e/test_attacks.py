@@ -118,7 +118,7 @@ class Attacker:
         insider = spec.auth["score"]
         async with DockClient(spec.dock_endpoint, auth=insider, request_timeout_s=10, connect_timeout_s=10,
                               client_id="attacker-0") as dock:
-            warehouses = [c.sock.getsockopt_string(zmq.LAST_ENDPOINT) for c in dock._warehouses]
+            warehouses = [c.link.socket.getsockopt_string(zmq.LAST_ENDPOINT) for c in dock._warehouses]
             before = await dock.server_statistics()
             self.findings["strangers"] = await anyio.to_thread.run_sync(self._strangers, spec, insider, warehouses)
             self.findings["insider"] = await self._insider(dock)
