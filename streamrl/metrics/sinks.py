@@ -58,20 +58,27 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """TensorBoard event files under ``<run dir>/tensorboard`` (``tensorboard --logdir runs``)."""
+    """TensorBoard event files under ``<run dir>/tensorboard`` (``tensorboard --logdir runs``).
+
+    A row is one event holding all its scalars (a ``Summary`` of many values, as TensorBoard reads
+    them), not an event per scalar: each event is a hand-off to the writer's thread and a record
+    written, and a row has a few dozen scalars (per scalar, TensorBoard writing was about two fifths
+    of the launcher's CPU in a small model's run, docs/benchmarks.md §33)."""
 
     def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise SinkUnavailable(f"TensorBoard logging needs tensorboard ({exc}): pip install tensorboard, or set "
                                   "output.tensorboard: false") from None
         self._tb = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        self._summary = Summary
 
     def write(self, row: dict[str, Any]) -> None:
-        step = int(row["step"])
-        for k, v in _scalars(row).items():
-            self._tb.add_scalar(k, v, step)
+        values = [self._summary.Value(tag=k, simple_value=v) for k, v in _scalars(row).items()]
+        if values:
+            self._tb._get_file_writer().add_summary(self._summary(value=values), int(row["step"]))
 
     def close(self) -> None:
         self._tb.close()
