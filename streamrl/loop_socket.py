@@ -68,8 +68,9 @@ class LoopSocket:
         self._fd = sock.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued: deque[Sequence[Any]] = deque()  # sends the socket could not take yet, in order
-        self._waiters: deque[asyncio.Future[list[Any]]] = deque()  # recv() calls waiting, in order
-        self._kept: deque[list[Any]] = deque()  # messages whose recv() was cancelled as they came
+        # recv() calls waiting, in order, each with its frame cap; a result is (frames, frame count)
+        self._waiters: deque[tuple[asyncio.Future[tuple[list[Any], int]], int | None]] = deque()
+        self._kept: deque[tuple[list[Any], int]] = deque()  # messages whose recv() was cancelled as they came
         self._turn_scheduled = False
         self.messages_sent = 0
         self.messages_received = 0
@@ -136,19 +137,34 @@ class LoopSocket:
 
     async def recv(self) -> list[Any]:
         """The next message's frames (only without ``on_message``)."""
+        return (await self._receive(None))[0]
+
+    async def recv_capped(self, max_frames: int) -> tuple[list[Any], int]:
+        """The next message's first ``max_frames`` frames, and how many it had in all.
+
+        ``ZMQ_MAXMSGSIZE`` bounds each frame, not their number: a peer may send a message of
+        millions of small frames. libzmq hands a multipart message over only once its last frame is
+        in, holding every frame until then (no socket option bounds their number or total:
+        docs/reliability.md, "Multipart floods"); reading the frames past ``max_frames`` without
+        keeping them spares only the Python objects for them."""
+        return await self._receive(max_frames)
+
+    def recv_capped_nowait(self, max_frames: int) -> tuple[list[Any], int] | None:
+        """:meth:`recv_capped` without waiting: None when no message is here."""
+        if self.on_message is not None:
+            raise RuntimeError("this LoopSocket hands every message to on_message")
+        return self._take_now(max_frames) if self._next_waiter() is None else None
+
+    async def _receive(self, max_frames: int | None) -> tuple[list[Any], int]:
         if self.on_message is not None:
             raise RuntimeError("this LoopSocket hands every message to on_message; recv() would never return")
         loop = self._running_loop()
         assert loop is not None
-        if not self._waiters:
-            if self._kept:
-                return self._kept.popleft()
-            if self.socket.getsockopt(_EVENTS) & _POLLIN:  # a message is here already: no wait, no Future
-                frames = self._recv_one()
-                self._look_again(self.socket.getsockopt(_EVENTS))
-                return frames
-        fut: asyncio.Future[list[Any]] = loop.create_future()
-        self._waiters.append(fut)
+        if self._next_waiter() is None and (got := self._take_now(max_frames)) is not None:
+            return got  # a message is here already: no wait, no Future
+        fut: asyncio.Future[tuple[list[Any], int]] = loop.create_future()
+        entry = (fut, max_frames)
+        self._waiters.append(entry)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -156,16 +172,36 @@ class LoopSocket:
                 self._kept.append(fut.result())  # it came just as this task was cancelled: the next recv() has it
             raise
         finally:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+            if entry in self._waiters:
+                self._waiters.remove(entry)
 
-    def _recv_one(self) -> list[Any]:
-        frames = self.socket.recv_multipart(_NOBLOCK, copy=self.copy)
+    def _take_now(self, max_frames: int | None) -> tuple[list[Any], int] | None:
+        if self._kept:
+            return self._kept.popleft()
+        if self.socket.getsockopt(_EVENTS) & _POLLIN:
+            got = self._recv_one(max_frames)
+            self._look_again(self.socket.getsockopt(_EVENTS))
+            return got
+        return None
+
+    def _recv_one(self, max_frames: int | None) -> tuple[list[Any], int]:
+        """One message (its first ``max_frames`` frames; None: all) and its frame count."""
         self.messages_received += 1
-        return frames
+        if max_frames is None:
+            frames = self.socket.recv_multipart(_NOBLOCK, copy=self.copy)
+            return frames, len(frames)
+        # a multipart message arrives whole: once its first frame is here, so are the others
+        frames = [self.socket.recv(_NOBLOCK, copy=self.copy)]
+        count = 1
+        while self.socket.getsockopt(zmq.RCVMORE):
+            frame = self.socket.recv(_NOBLOCK, copy=self.copy)
+            count += 1
+            if len(frames) < max_frames:
+                frames.append(frame)
+        return frames, count
 
-    def _next_waiter(self) -> asyncio.Future[list[Any]] | None:
-        while self._waiters and self._waiters[0].done():  # cancelled while waiting
+    def _next_waiter(self) -> tuple[asyncio.Future[tuple[list[Any], int]], int | None] | None:
+        while self._waiters and self._waiters[0][0].done():  # cancelled while waiting
             self._waiters.popleft()
         return self._waiters[0] if self._waiters else None
 
@@ -192,7 +228,7 @@ class LoopSocket:
             self._flush()
             events = sock.getsockopt(_EVENTS)
         while self._kept and (waiter := self._next_waiter()) is not None:
-            waiter.set_result(self._kept.popleft())
+            waiter[0].set_result(self._kept.popleft())
         served = 0
         while events & _POLLIN and self._wants_messages():
             if served == MAX_MESSAGES_PER_TURN:
@@ -200,12 +236,12 @@ class LoopSocket:
                 assert self._loop is not None
                 self._loop.call_soon(self._serve)  # the rest at the loop's next turn
                 return
-            frames = self._recv_one()
             served += 1
             if self.on_message is None:
-                waiter = self._waiters.popleft()  # _wants_messages left a live one first
-                waiter.set_result(frames)
+                fut, max_frames = self._waiters.popleft()  # _wants_messages left a live one first
+                fut.set_result(self._recv_one(max_frames))
             else:
+                frames, _ = self._recv_one(None)
                 try:
                     self.on_message(frames)
                 except Exception:  # one bad message (or a handler's bug) must not stop the socket
@@ -237,7 +273,7 @@ class LoopSocket:
         if self._queued and self.socket.getsockopt(_EVENTS) & _POLLOUT:
             self._flush()  # a last chance for what waited here (a worker's final event)
         self._queued.clear()
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "the socket was closed"))
+        for fut, _ in self._waiters:
+            if not fut.done():
+                fut.set_exception(zmq.ZMQError(zmq.ENOTSOCK, "the socket was closed"))
         self.socket.close(linger=linger)

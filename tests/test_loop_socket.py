@@ -223,3 +223,13 @@ async def test_close_ends_a_waiting_recv_and_an_asyncio_socket_is_refused(tmp_pa
         link.close()
         router.close()
         ctx.term()
+
+
+async def test_a_capped_receive_keeps_the_first_frames_and_counts_them_all(tmp_path: Path) -> None:
+    async with _greeted(tmp_path, copy=True) as (link, router, identity):
+        assert link.recv_capped_nowait(2) is None  # nothing here yet
+        router.send_multipart([identity, *[b"f%d" % i for i in range(1000)]])  # a flood of small frames
+        router.send_multipart([identity, b"next"])
+        with anyio.fail_after(5):
+            assert await link.recv_capped(2) == ([b"f0", b"f1"], 1000)
+            assert await link.recv() == [b"next"]  # the flood's other frames were read and dropped

@@ -30,6 +30,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from streamrl import __version__
+from streamrl.loop_socket import LoopSocket
 from streamrl.rewards import keys
 from streamrl.rewards.latency import LatencyWindow
 from streamrl.rewards.protocol import (
@@ -63,7 +64,6 @@ from streamrl.rewards.results import (
     apply_sample_error_policy,
     validate_policies,
 )
-from streamrl.rewards.zmqio import AsyncSocket
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class _Job:
 
 
 class _Server:
-    def __init__(self, endpoint: RewardEndpoint, socket: AsyncSocket, monitor: AsyncSocket) -> None:
+    def __init__(self, endpoint: RewardEndpoint, socket: LoopSocket, monitor: LoopSocket) -> None:
         self.endpoint = endpoint.address
         self.socket = socket
         self.monitor = monitor
@@ -198,7 +198,7 @@ class _Server:
         )
 
     def send(self, message: Hello | Ping | ScoreRequest) -> bool:
-        return self.socket.send_nowait([encode(message)])
+        return self.socket.try_send([encode(message)])
 
     def statistics(self) -> ServerStatistics:
         return ServerStatistics(
@@ -411,8 +411,8 @@ class RewardClient:
             for server in self._servers:
                 self._fail_outstanding(server, "client closed")
                 server.socket.socket.disable_monitor()
-                server.monitor.close()
-                server.socket.close()
+                server.monitor.close(linger=0)
+                server.socket.close(linger=0)
             self._stopped.set()
 
     def _connect(self, endpoint: RewardEndpoint) -> _Server:
@@ -428,7 +428,7 @@ class RewardClient:
             keys.configure_client_socket(socket, *self._curve[endpoint.address])
         monitor = socket.get_monitor_socket(_MONITORED_EVENTS)
         socket.connect(endpoint.address)
-        return _Server(endpoint, AsyncSocket(socket), AsyncSocket(monitor))
+        return _Server(endpoint, LoopSocket(socket, copy=True), LoopSocket(monitor, copy=True))
 
     async def wait_servers_up(self, count: int | None = None, *, timeout_s: float = 30.0) -> None:
         """Wait until ``count`` servers (default: all) have answered ``hello``."""
@@ -559,8 +559,8 @@ class RewardClient:
 
     async def _read_replies(self, server: _Server) -> None:
         while True:
-            # Only the first frame is kept: a valid reply has exactly one (see receive_capped).
-            frames, count = await server.socket.receive_capped(1)
+            # Only the first frame is kept: a valid reply has exactly one (see LoopSocket.recv_capped).
+            frames, count = await server.socket.recv_capped(1)
             server.last_seen = time.monotonic()
             if count != 1:
                 self._unattributable_bad_reply(server, f"expected one frame per message, got {count}")
@@ -775,7 +775,7 @@ class RewardClient:
 
     async def _read_monitor(self, server: _Server) -> None:
         while True:
-            event = parse_monitor_message(await server.monitor.receive())["event"]
+            event = parse_monitor_message(await server.monitor.recv())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 server.last_seen = time.monotonic()
                 self._say_hello(server)

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from streamrl import __version__, wire
+from streamrl.loop_socket import LoopSocket
 from streamrl.rewards import keys
 from streamrl.rewards.function import RewardFunction
 from streamrl.rewards.latency import LatencyWindow
@@ -47,7 +48,6 @@ from streamrl.rewards.protocol import (
     peek_request_id,
 )
 from streamrl.rewards.results import RewardConfigError
-from streamrl.rewards.zmqio import AsyncSocket
 from streamrl.security import CurveAllowList
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class RewardServer:
         self._max_message_bytes = max_message_bytes
         self.max_request_samples = max_request_samples
         self._context = context or zmq.Context.instance()
-        self._socket: AsyncSocket | None = None
+        self._socket: LoopSocket | None = None
         self._allow_list: CurveAllowList | None = None
         self.endpoint: str | None = None
         self._in_flight = 0
@@ -210,7 +210,7 @@ class RewardServer:
             self._stop_allow_list()
             raise RewardConfigError(f"cannot bind reward server to {self.requested_endpoint}: {exc}") from exc
         self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._socket = AsyncSocket(socket)
+        self._socket = LoopSocket(socket, copy=True)
         return self.endpoint
 
     def request_shutdown(self) -> None:
@@ -260,7 +260,7 @@ class RewardServer:
         finally:
             self._refuse_queued()
             # Linger so the replies just queued still reach their clients.
-            self._socket.close(linger_ms=2000)
+            self._socket.close(linger=2000)
             self._stop_allow_list()
 
     async def serve_until_signal(self, ready: Callable[[str], None] | None = None) -> None:
@@ -306,7 +306,7 @@ class RewardServer:
     def _send(self, envelope: list[bytes], message: ServerMessage) -> None:
         assert self._socket is not None
         # ROUTER drops messages for clients that have gone away; nothing to do about those.
-        self._socket.send_nowait([*envelope, encode(message)])
+        self._socket.try_send([*envelope, encode(message)])
 
     def _bad_request(self, envelope: list[bytes], message: str, request_id: int | None = None) -> None:
         self._counts["bad_requests"] += 1
@@ -317,14 +317,14 @@ class RewardServer:
     async def _receive_loop(self, group: anyio.abc.TaskGroup) -> None:
         assert self._socket is not None
         while True:
-            frames, count = await self._socket.receive_capped(_MAX_FRAMES)
+            frames, count = await self._socket.recv_capped(_MAX_FRAMES)
             self._dispatch(frames, count, group)
 
     def _refuse_queued(self) -> None:
         """Answer what arrived during the last moments of a shutdown (score requests get
         ``shutting_down``), so those clients retry at once instead of waiting for the disconnect."""
         assert self._socket is not None and self._shutdown_requested
-        while (received := self._socket.receive_capped_nowait(_MAX_FRAMES)) is not None:
+        while (received := self._socket.recv_capped_nowait(_MAX_FRAMES)) is not None:
             self._dispatch(*received, None)
 
     def _dispatch(self, frames: list[bytes], count: int, group: anyio.abc.TaskGroup | None) -> None:
