@@ -197,9 +197,7 @@ def test_a_socket_made_before_the_loop_runs_joins_the_loop_that_uses_it(tmp_path
 
 
 async def test_close_ends_a_waiting_recv_and_an_asyncio_socket_is_refused(tmp_path: Path) -> None:
-    ctx, router, dealer, _ = _pair(tmp_path)
-    link = LoopSocket(dealer)
-    try:
+    async with _greeted(tmp_path) as (link, _, _):
         errors: list[BaseException] = []
 
         async def waiter() -> None:
@@ -213,16 +211,12 @@ async def test_close_ends_a_waiting_recv_and_an_asyncio_socket_is_refused(tmp_pa
             await anyio.sleep(0.02)
             link.close()
         assert link.closed and len(errors) == 1
-        actx = zmq.asyncio.Context()
-        asock = actx.socket(zmq.DEALER)
-        with pytest.raises(TypeError, match=r"plain zmq\.Socket"):
-            LoopSocket(asock)
-        asock.close()
-        actx.term()
-    finally:
-        link.close()
-        router.close()
-        ctx.term()
+    actx = zmq.asyncio.Context()
+    asock = actx.socket(zmq.DEALER)
+    with pytest.raises(TypeError, match=r"plain zmq\.Socket"):
+        LoopSocket(asock)
+    asock.close()
+    actx.term()
 
 
 async def test_a_capped_receive_keeps_the_first_frames_and_counts_them_all(tmp_path: Path) -> None:
