@@ -124,7 +124,7 @@ class _Conn:
     # each request in flight and its tensor frames, by req_id: resent (marked ``again``) after a link
     # reset; a server that already had it answers from the reply it kept, never applying it twice (docs §5.8)
     sent: dict[int, tuple[Any, Sequence[Any]]] = field(default_factory=dict)
-    monitor: zmq.asyncio.Socket | None = None  # the link monitor's reading end (_watch_link)
+    monitor: LoopSocket | None = None  # the link monitor's reading end (_watch_link)
 
 
 class DockClient:
@@ -241,8 +241,9 @@ class DockClient:
         # a unique address: pyzmq's default names it by fd, which a socket closed (lingering) may still hold
         address = f"inproc://dock-link-{uuid.uuid4().hex}"
         sock.monitor(address, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        monitor = self._ctx.socket(zmq.PAIR)  # rare events: pyzmq's asyncio socket serves them
-        monitor.connect(address)
+        monitor_sock = self._ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        monitor_sock.connect(address)
+        monitor = LoopSocket(monitor_sock, copy=True)
         sock.connect(endpoint)
         conn = _Conn(name, LoopSocket(sock), anyio.Semaphore(self.max_in_flight), monitor=monitor)
         conn.link.on_message = lambda frames: self._on_reply(conn, frames)
@@ -251,13 +252,13 @@ class DockClient:
         self._tg.start_soon(self._watch_link, conn, monitor)
         return conn
 
-    async def _watch_link(self, conn: _Conn, monitor: zmq.asyncio.Socket) -> None:
+    async def _watch_link(self, conn: _Conn, monitor: LoopSocket) -> None:
         """After a link reset, resend every request in flight on it: the request or its reply may
         have died with the connection, and the server answers one it already had from its kept reply."""
         lost = False
         try:
             while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                event = parse_monitor_message(await monitor.recv())["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     lost = True
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and lost:
