@@ -31,11 +31,16 @@ links wrote in one put (docs/benchmarks.md §27 measures it).
 Each link is checked as the stage it would be on its own (its ``Options``, ``check_options``,
 ``check_spec``), with the chain's workers, micro-batch, device, threads and whole groups; an
 error names ``options.links[k]``. A link is a processing stage (it reads columns): the chain
-refuses sources and side stages, trainers (``publishes_policy`` or ``claim_size``), generators
-(``generates``: they wait for policy versions and follow one another), and chains. A link may drop
-samples (``Output.discard``, the filter: pipelines/dapo_chained.yaml): the links after it get only
-the samples it kept, and the chain drops them from the run. The chain is restartable where each
-of its links is, and drops samples where one of them does (the source then makes more).
+refuses sources and side stages, trainers (``publishes_policy`` or ``claim_size``) and chains. A
+generator (``generates``) may be the first link, in placement ``separate``
+(pipelines/grpo_rollout.yaml: generate, score, advantage): the chain is then the run's rollout
+worker, which waits for its policy version as the generate stage does and scores what it made
+before the one put; the hops from generation to the trainer drop from three to one. Only first:
+a generator after another link would wait for a version while holding what the links before it
+made. A link may drop samples (``Output.discard``, the filter: pipelines/dapo_chained.yaml): the
+links after it get only the samples it kept, and the chain drops them from the run. The chain is
+restartable where each of its links is, and drops samples where one of them does (the source then
+makes more).
 
 A link reports its metrics as the chain's, named ``<link>/<name>`` (e.g. ``reward/score/latency_p50_ms``);
 the chain's busy time is ``busy/<chain>``; in the run's trace each link's call is a span named after
@@ -83,14 +88,13 @@ class ChainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The links, in the order they run: each {name, class: module:Class, reads, writes, options}, a processing "
         "stage checked as one of its own (with the chain's workers, micro_batch, device, threads, whole_groups). "
         "A link reads the chain's columns or an earlier link's; the chain reads and writes what its links need and "
-        "make. A link that drops samples leaves the links after it only those it kept. Not chainable: trainers, "
-        "generators, chains"))]
+        "make. A link that drops samples leaves the links after it only those it kept. A generator may be the first "
+        "link (placement separate). Not chainable: trainers, chains"))]
 
 
 # class attributes that make a stage something other than one batch in, columns out
 _REFUSED_FLAGS = {
     "publishes_policy": "it trains the policy (a trainer claims to fill its steps)",
-    "generates": "it generates (a generator waits for policy versions and sizes its own batches)",
 }
 
 
@@ -133,6 +137,11 @@ class ChainStage:
         """Where a link does: the pre-run checks then load the run's model and task."""
         return any(_links_say(spec, "uses_model_and_task"))
 
+    @staticmethod
+    def generates(spec: StageSpec) -> bool:
+        """Where its first link generates: the pre-run checks then fit prompt + completion to the model."""
+        return any(_links_say(spec, "generates"))
+
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
         """Before anything starts: each link is a stage the chain can run, checked as a stage of its
@@ -159,6 +168,15 @@ class ChainStage:
                 if class_says(link_cls, flag, link):
                     raise ConfigError(f"{where}.class: {link.cls!r} cannot be chained: {why}; make it a stage of "
                                       "its own")
+            if class_says(link_cls, "generates", link):
+                if k > 0:
+                    raise ConfigError(f"{where}.class: {link.cls!r} generates, so it can only be the chain's first "
+                                      "link (it waits for a policy version, which must not hold what earlier links "
+                                      "made); move it first or make it a stage of its own")
+                if pipeline.placement != "separate":
+                    raise ConfigError(f"{where}.class: a chain generates in placement separate only (its own "
+                                      f"engine, fed by the publisher); this pipeline's placement is "
+                                      f"{pipeline.placement!r}: make {link.name!r} a stage of its own")
             if callable(getattr(link_cls, "claim_size", None)):
                 raise ConfigError(f"{where}.class: {link.cls!r} cannot be chained: it sizes its own claims "
                                   "(claim_size); make it a stage of its own")

@@ -56,6 +56,28 @@ def test_the_shipped_chained_pipeline_is_valid() -> None:
     assert class_says(ChainStage, "uses_model_and_task", reward)  # the score link loads the task
 
 
+def test_the_shipped_rollout_pipeline_is_valid_and_generates() -> None:
+    """pipelines/grpo_rollout.yaml: generate, score and advantage on one claim, the chain a generator."""
+    spec = load_pipeline(load_config({"pipeline": str(REPO / "pipelines" / "grpo_rollout.yaml")}))
+    assert [s.name for s in spec.stages] == ["source", "rollout", "train"]
+    assert spec.consumers == ["rollout", "train"]
+    rollout = spec.stage("rollout")
+    assert rollout.restartable  # placement separate: the generate link fetches its weights itself
+    assert class_says(ChainStage, "generates", rollout)  # the pre-run checks fit prompt + completion
+    assert not class_says(ChainStage, "generates", spec.stage("train"))
+
+
+def test_a_chain_generates_only_in_placement_separate(tmp_path: Path) -> None:
+    p = yaml.safe_load((REPO / "pipelines" / "grpo_rollout.yaml").read_text())
+    p["placement"] = "colocated"
+    p["stages"][1]["colocate_with"] = "train"
+    path = tmp_path / "pipe.yaml"
+    path.write_text(yaml.safe_dump(p, sort_keys=False))
+    with pytest.raises(ConfigError, match=r"stage 'rollout' options.links\[0\] \('generate'\).class: a chain "
+                                          r"generates in placement separate only"):
+        load_pipeline(load_config({"pipeline": str(path)}))
+
+
 def _set(path: str, value: Any) -> Any:
     """A mutation that sets ``links[k].key`` (``path`` "k.key") or a field of the chain stage ("key")."""
     def mutate(p: dict[str, Any]) -> None:
@@ -74,7 +96,7 @@ def _set(path: str, value: Any) -> Any:
     (_set("1.options", {"x": 1}), "options.links[1] ('advantage') options: unknown option 'x'"),
     (_set("1.name", "score"), "options.links[1] ('score'): name must be letters, digits, '-' or '_', and unique"),
     (_set("1.class", "streamrl.stages.train:TrainStage"), "cannot be chained: it trains the policy"),
-    (_set("0.class", "streamrl.stages.generate:GenerateStage"), "cannot be chained: it generates"),
+    (_set("1.class", "streamrl.stages.generate:GenerateStage"), "generates, so it can only be the chain's first link"),
     (_set("1.class", "streamrl.stages.filter:FilterStage"), "set algo.dynamic_sampling.enabled: true"),
     (_set("1.class", "streamrl.stages.chain:ChainStage"), "a chain cannot be a link of a chain"),
     (_set("1.reads", []), "options.links[1] ('advantage').reads: a link processes claimed samples"),
@@ -277,28 +299,44 @@ def test_a_chain_is_restartable_where_every_link_is() -> None:
 
 # ------------------------------------------------------------------ a chained run
 
+def _span_names(run_dir: Path) -> set[tuple[str, str, str | None]]:
+    """(stage, span, category) of every span in a run's trace, which must nest (each link's span
+    inside the chain's batch)."""
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    assert_spans_nest(events)
+    stage_of = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    return {(stage_of[e["pid"]], e["name"], e.get("cat")) for e in events if e["ph"] == "X"}
+
+
+@pytest.mark.parametrize(("pipeline", "chain", "links", "figure"), [
+    # scoring and advantages on one claim
+    ("grpo_chained.yaml", "reward", ("score", "advantage"), "reward/score/latency_p50_ms"),
+    # generation too: the chain waits for its policy versions and installs them as the generate stage does
+    ("grpo_rollout.yaml", "rollout", ("generate", "score", "advantage"), "rollout/generate/weight_install_s"),
+])
 def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
-        tmp_path: Path, single_trainer_digits: streamrl.RunResult) -> None:
-    """Scoring and advantages on one claim change no number: every step's reward and loss are the
+        tmp_path: Path, single_trainer_digits: streamrl.RunResult, pipeline: str, chain: str, links: tuple[str, ...],
+        figure: str) -> None:
+    """Stages chained on one claim change no number: every step's reward, loss and staleness are the
     unchained run's (tests/conftest.py's single_trainer_digits, the same config and budget)."""
     from tests.conftest import SINGLE_BUDGET
 
     before = ipc_dirs()
     chained = streamrl.run(REPO / "configs" / "grpo_digits.yaml", [
         f"output.run_dir={tmp_path}", "output.progress=none", "output.tensorboard=false", "output.plot=false",
-        f"algo.steps={SINGLE_BUDGET}", f"pipeline={REPO / 'pipelines' / 'grpo_chained.yaml'}"])
+        f"algo.steps={SINGLE_BUDGET}", f"pipeline={REPO / 'pipelines' / pipeline}"])
     one = single_trainer_digits
     assert chained.steps == one.steps and chained.stop_reason == one.stop_reason
     for a, b in zip(chained.metrics, one.metrics, strict=True):
-        assert (a["step"], a["reward_mean"], a["loss"]) == (b["step"], b["reward_mean"], b["loss"])
+        assert (a["step"], a["reward_mean"], a["loss"], a["staleness_max"]) == (
+            b["step"], b["reward_mean"], b["loss"], b["staleness_max"])
     last = chained.metrics[-1]
-    assert "busy/reward" in last and "busy/score" not in last and "busy/advantage" not in last
-    assert "reward/score/latency_p50_ms" in last  # the score link's figures, under its name
-    events = json.loads((chained.run_dir / "trace.json").read_text())["traceEvents"]
-    assert_spans_nest(events)  # each link's span inside the chain's batch
-    stage_of = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    names = {(stage_of[e["pid"]], e["name"], e.get("cat")) for e in events if e["ph"] == "X"}
-    assert {("reward", "process", "batch"), ("reward", "score", "chain"), ("reward", "advantage", "chain")} <= names
+    assert f"busy/{chain}" in last and not any(f"busy/{link}" in last for link in links)
+    assert figure in last  # a link's figures, under its name
+    names = _span_names(chained.run_dir)
+    assert {(chain, "process", "batch")} | {(chain, link, "chain") for link in links} <= names
+    if "generate" in links:
+        assert (chain, "install weights", "policy") in names
     assert_run_cleaned(chained.run_dir, os.getpid(), before)
 
 
