@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Cheap stages chained on one claim against the same stages one per process: the W1 config
 (``configs/grpo_digits.yaml``) on ``pipelines/grpo_chained.yaml`` against ``pipelines/grpo.yaml``
-(``--family dapo``: preset dapo on ``pipelines/dapo_chained.yaml`` against ``pipelines/dapo.yaml``),
-alternating (the order reversed every other pair), at ``algo.max_staleness`` 0 and 1.
+(``--family dapo``: preset dapo on ``pipelines/dapo_chained.yaml`` against ``pipelines/dapo.yaml``;
+``--chain rollout``: ``pipelines/grpo_rollout.yaml``, generation chained too), alternating (the
+order reversed every other pair), at ``algo.max_staleness`` 0 and 1.
 
 Each run trains ``--steps`` steps with the stop reward off. Between steps ``--from`` and
 ``--to`` (the steady state: set-up and the first steps left out) it takes, from ``/proc``:
@@ -36,7 +37,8 @@ from _common import fmt_spread, print_json_line, print_table, spread
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "grpo_digits.yaml"
-FAMILIES = ("grpo", "dapo")  # pipelines/<family>.yaml against pipelines/<family>_chained.yaml
+FAMILIES = ("grpo", "dapo")  # pipelines/<family>.yaml against pipelines/<family>_<chain>.yaml
+CHAINS = {"chained": FAMILIES, "rollout": ("grpo",)}  # the chained pipelines there are, per family
 FIGURES = ("ms a step", "CPU ms a step", "CPU ms a step around the compute")
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 POLL_S = 0.02
@@ -155,9 +157,13 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="algo.max_staleness values")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     ap.add_argument("--family", choices=FAMILIES, default="grpo", help="the pipelines (and preset) compared")
+    ap.add_argument("--chain", choices=list(CHAINS), default="chained",
+                    help="the chained pipeline: chained (the cheap stages) or rollout (generation too; grpo only)")
     args = ap.parse_args()
+    if args.family not in CHAINS[args.chain]:
+        raise SystemExit(f"--chain {args.chain} has a pipeline for {list(CHAINS[args.chain])} only")
     pipelines = {"default": ROOT / "pipelines" / f"{args.family}.yaml",
-                 "chained": ROOT / "pipelines" / f"{args.family}_chained.yaml"}
+                 "chained": ROOT / "pipelines" / f"{args.family}_{args.chain}.yaml"}
     if args.pairs < 1 or not 0 < args.first < args.last <= args.steps:
         raise SystemExit("need --pairs >= 1 and 0 < --from < --to <= --steps")
     figures: dict[str, dict[str, dict[str, float]]] = {}
@@ -181,7 +187,8 @@ def main() -> None:
         print_table([f"k={k}, median [min, max]", "chained", "default", "chained ÷ default, per pair"],
                     [[f, fmt_spread(figures[key][f], 2), fmt_spread(baseline[key][f], 2),
                       fmt_spread(ratios[key][f], 3)] for f in FIGURES])
-    print_json_line(f"chained_stages_{args.family}", figures, baseline,
+    name = f"chained_stages_{args.family}" + ("" if args.chain == "chained" else f"_{args.chain}")
+    print_json_line(name, figures, baseline,
                     {key: {f: r[f]["median"] for f in FIGURES} for key, r in ratios.items()},
                     {"ms a step": "<= 1.0"}, pairs=args.pairs, window=[args.first, args.last],
                     met=all(r["ms a step"]["median"] <= 1.0 for r in ratios.values()))
