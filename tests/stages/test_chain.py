@@ -341,15 +341,21 @@ def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
 
 
 @pytest.mark.timeout(300)
-def test_a_chained_filter_drops_groups_and_the_source_makes_up_for_them(tmp_path: Path) -> None:
-    """pipelines/dapo_chained.yaml: the filter link drops uniform groups from the run (the dock's
-    discard), the advantage link sees only the kept ones, and every step still gets its quota."""
+@pytest.mark.parametrize(("pipeline", "chain", "stages"), [
+    ("dapo_chained.yaml", "reward", ("generate", "reward", "train")),
+    ("dapo_rollout.yaml", "rollout", ("rollout", "train")),  # the generator is the chain's first link
+])
+def test_a_chained_filter_drops_groups_and_the_source_makes_up_for_them(
+        tmp_path: Path, pipeline: str, chain: str, stages: tuple[str, ...]) -> None:
+    """pipelines/dapo_chained.yaml and dapo_rollout.yaml: the filter link drops uniform groups from
+    the run (the dock's discard), the advantage link sees only the kept ones, and every step still
+    gets its quota."""
     from tests.e2e.test_dynamic_sampling import STEPS, G, P, _config
 
     config = _config(tmp_path)
     raw = yaml.safe_load(config.read_text())
-    raw["pipeline"] = str(REPO / "pipelines" / "dapo_chained.yaml")
-    raw["stages"] = {s: {"micro_batch": 16} for s in ("generate", "reward", "train")}
+    raw["pipeline"] = str(REPO / "pipelines" / pipeline)
+    raw["stages"] = {s: {"micro_batch": 16} for s in stages}
     raw["output"]["checkpoint_every"] = 0
     config.write_text(yaml.safe_dump(raw))
     before = ipc_dirs()
@@ -359,6 +365,6 @@ def test_a_chained_filter_drops_groups_and_the_source_makes_up_for_them(tmp_path
     assert all(r["samples"] == P * G for r in rows), [r["samples"] for r in rows]
     assert all(r["uniform_groups"] == 0 for r in rows)  # the advantage link never saw a dropped group
     assert sum(r["dropped_samples"] for r in rows) > 0, "nothing dropped: dynamic sampling was not exercised"
-    assert 0 < rows[-1]["reward/filter/kept_fraction"] < 1
+    assert 0 < rows[-1][f"{chain}/filter/kept_fraction"] < 1
     assert result.dock_statistics["samples_discarded"] > 0
     assert_run_cleaned(result.run_dir, os.getpid(), before)
