@@ -32,12 +32,10 @@ Each link is checked as the stage it would be on its own (its ``Options``, ``che
 ``check_spec``), with the chain's workers, micro-batch, device, threads and whole groups; an
 error names ``options.links[k]``. A link is a processing stage (it reads columns): the chain
 refuses sources and side stages, trainers (``publishes_policy`` or ``claim_size``) and chains. A
-generator (``generates``) may be the first link, in placement ``separate``
-(pipelines/grpo_rollout.yaml: generate, score, advantage): the chain is then the run's rollout
-worker, which waits for its policy version as the generate stage does and scores what it made
-before the one put; the hops from generation to the trainer drop from three to one. Only first:
-a generator after another link would wait for a version while holding what the links before it
-made. A link may drop samples (``Output.discard``, the filter: pipelines/dapo_chained.yaml): the
+generator (``generates``) may be a link in placement ``separate`` (pipelines/grpo_rollout.yaml:
+generate, score, advantage): the chain is then the run's rollout worker, which waits for its
+policy version as the generate stage does and scores what it made before the one put; the hops
+from generation to the trainer drop from three to one. A link may drop samples (``Output.discard``, the filter: pipelines/dapo_chained.yaml): the
 links after it get only the samples it kept, and the chain drops them from the run. The chain is
 restartable where each of its links is, and drops samples where one of them does (the source then
 makes more).
@@ -88,8 +86,8 @@ class ChainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The links, in the order they run: each {name, class: module:Class, reads, writes, options}, a processing "
         "stage checked as one of its own (with the chain's workers, micro_batch, device, threads, whole_groups). "
         "A link reads the chain's columns or an earlier link's; the chain reads and writes what its links need and "
-        "make. A link that drops samples leaves the links after it only those it kept. A generator may be the first "
-        "link (placement separate). Not chainable: trainers, chains"))]
+        "make. A link that drops samples leaves the links after it only those it kept. A generator may be a link in "
+        "placement separate. Not chainable: trainers, chains"))]
 
 
 # class attributes that make a stage something other than one batch in, columns out
@@ -139,7 +137,7 @@ class ChainStage:
 
     @staticmethod
     def generates(spec: StageSpec) -> bool:
-        """Where its first link generates: the pre-run checks then fit prompt + completion to the model."""
+        """Where a link generates: the pre-run checks then fit prompt + completion to the model."""
         return any(_links_say(spec, "generates"))
 
     @classmethod
@@ -168,15 +166,10 @@ class ChainStage:
                 if class_says(link_cls, flag, link):
                     raise ConfigError(f"{where}.class: {link.cls!r} cannot be chained: {why}; make it a stage of "
                                       "its own")
-            if class_says(link_cls, "generates", link):
-                if k > 0:
-                    raise ConfigError(f"{where}.class: {link.cls!r} generates, so it can only be the chain's first "
-                                      "link (it waits for a policy version, which must not hold what earlier links "
-                                      "made); move it first or make it a stage of its own")
-                if pipeline.placement != "separate":
-                    raise ConfigError(f"{where}.class: a chain generates in placement separate only (its own "
-                                      f"engine, fed by the publisher); this pipeline's placement is "
-                                      f"{pipeline.placement!r}: make {link.name!r} a stage of its own")
+            if class_says(link_cls, "generates", link) and pipeline.placement != "separate":
+                raise ConfigError(f"{where}.class: a chain generates in placement separate only (its own engine, "
+                                  f"fed by the publisher); this pipeline's placement is {pipeline.placement!r}: make "
+                                  f"{link.name!r} a stage of its own")
             if callable(getattr(link_cls, "claim_size", None)):
                 raise ConfigError(f"{where}.class: {link.cls!r} cannot be chained: it sizes its own claims "
                                   "(claim_size); make it a stage of its own")

@@ -42,6 +42,8 @@ from streamrl.stages.weight_source import (
     weight_source_for,
 )
 
+GENERATED_COLUMNS = ("response_ids", "rollout_logprobs")  # what process() returns, per sample
+
 
 class GenerateStage:
     Options = GenerateOptions  # checked when the pipeline loads
@@ -61,10 +63,17 @@ class GenerateStage:
 
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
+        at = f"{pipeline.where}: stage {spec.name!r}"
+        if "prompt_ids" not in spec.reads:
+            raise ConfigError(f"{at} reads {spec.reads}: the generate stage samples from the prompts' tokens; add "
+                              "prompt_ids to its reads")
+        if sorted(spec.writes) != sorted(GENERATED_COLUMNS):
+            raise ConfigError(f"{at} writes {spec.writes}: the generate stage writes {list(GENERATED_COLUMNS)}, "
+                              "no more and no less")
         check_weight_links(spec, pipeline)
         T = msgspec.convert(spec.options, GenerateOptions).tensor_parallel
         if T > 1 and fetches_weights(spec):
-            raise ConfigError(f"{pipeline.where}: stage {spec.name!r} options.tensor_parallel={T} splits the model over "
+            raise ConfigError(f"{at} options.tensor_parallel={T} splits the model over "
                               "the workers of a reshard placement (colocate_with or weights_from a train stage); in "
                               "placement separate every worker holds the whole model: use workers: N instead")
 

@@ -96,7 +96,8 @@ def _set(path: str, value: Any) -> Any:
     (_set("1.options", {"x": 1}), "options.links[1] ('advantage') options: unknown option 'x'"),
     (_set("1.name", "score"), "options.links[1] ('score'): name must be letters, digits, '-' or '_', and unique"),
     (_set("1.class", "streamrl.stages.train:TrainStage"), "cannot be chained: it trains the policy"),
-    (_set("1.class", "streamrl.stages.generate:GenerateStage"), "generates, so it can only be the chain's first link"),
+    (_set("1.class", "streamrl.stages.generate:GenerateStage"),
+     "stage 'advantage' reads ['reward']: the generate stage samples from the prompts' tokens; add prompt_ids"),
     (_set("1.class", "streamrl.stages.filter:FilterStage"), "set algo.dynamic_sampling.enabled: true"),
     (_set("1.class", "streamrl.stages.chain:ChainStage"), "a chain cannot be a link of a chain"),
     (_set("1.reads", []), "options.links[1] ('advantage').reads: a link processes claimed samples"),
@@ -343,7 +344,7 @@ def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("pipeline", "chain", "stages"), [
     ("dapo_chained.yaml", "reward", ("generate", "reward", "train")),
-    ("dapo_rollout.yaml", "rollout", ("rollout", "train")),  # the generator is the chain's first link
+    ("dapo_rollout.yaml", "rollout", ("rollout", "train")),  # the generator a link of the chain
 ])
 def test_a_chained_filter_drops_groups_and_the_source_makes_up_for_them(
         tmp_path: Path, pipeline: str, chain: str, stages: tuple[str, ...]) -> None:
