@@ -252,7 +252,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _exit_without_teardown(code: int) -> None:
-    """Exit now, past the interpreter's teardown: logging and the standard streams flushed first."""
+    """Exit now, past the interpreter's teardown: logging and the standard streams flushed first, and
+    multiprocessing's exit finalizers run (they remove the temporary directory of the forkserver's
+    socket, a /tmp/pymp-* directory, which the skipped teardown would have removed)."""
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:
+        mp_util._run_finalizers()  # what its atexit hook does first; no public name
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

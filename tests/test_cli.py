@@ -102,13 +102,20 @@ def test_run_prints_a_result_and_ends_promptly(tmp_path: Path) -> None:
 
     No process of the run outlives the command: once it has exited, nothing holds its output open
     (a `streamrl run ... | tee log` ends with it). Bug found: the workers' forkserver exited only
-    after the command, once its own teardown of torch and transformers was done (about 1 s)."""
+    after the command, once its own teardown of torch and transformers was done (about 1 s).
+
+    multiprocessing leaves nothing in the temporary directory. Bug found: the command leaves without the
+    interpreter's teardown, which is where multiprocessing removes the directory of the
+    forkserver's socket (a /tmp/pymp-* directory per run)."""
     err_path = tmp_path / "stderr.txt"
+    temp = tmp_path / "temp"
+    temp.mkdir()
     with err_path.open("w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamrl.cli", "run", str(DIGITS), "algo.steps=3", "algo.stop_reward=null",
              f"output.run_dir={tmp_path}", "output.progress=none", "--print-result"],
-            stdout=subprocess.PIPE, stderr=err, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE, stderr=err, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp)},
         )
         try:
             returncode = proc.wait(timeout=170)  # its stdout is a few lines: no pipe fills up meanwhile
@@ -137,6 +144,7 @@ def test_run_prints_a_result_and_ends_promptly(tmp_path: Path) -> None:
     last_step_s = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["elapsed_s"]
     assert "did not finish" not in stderr, stderr
     assert summary["train_s"] - last_step_s < 10, summary
+    assert not list(temp.glob("pymp-*"))  # (torch keeps its compile cache there on purpose: torchinductor_*)
 
 
 def test_run_with_a_pipeline_error_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
