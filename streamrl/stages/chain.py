@@ -35,10 +35,10 @@ refuses sources and side stages, trainers (``publishes_policy`` or ``claim_size`
 generator (``generates``) may be a link in placement ``separate`` (pipelines/grpo_rollout.yaml:
 generate, score, advantage): the chain is then the run's rollout worker, which waits for its
 policy version as the generate stage does and scores what it made before the one put; the hops
-from generation to the trainer drop from three to one. A link may drop samples (``Output.discard``, the filter: pipelines/dapo_chained.yaml): the
-links after it get only the samples it kept, and the chain drops them from the run. The chain is
-restartable where each of its links is, and drops samples where one of them does (the source then
-makes more).
+from generation to the trainer drop from three to one. A link may drop samples
+(``Output.discard``, the filter: pipelines/dapo_chained.yaml): the links after it get only the
+samples it kept, and the chain drops them from the run. The chain is restartable where each of its
+links is, and drops samples where one of them does (the source then makes more).
 
 A link reports its metrics as the chain's, named ``<link>/<name>`` (e.g. ``reward/score/latency_p50_ms``);
 the chain's busy time is ``busy/<chain>``; in the run's trace each link's call is a span named after
