@@ -430,7 +430,7 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "config fields; null = the defaults"))] = None
     pipeline: Annotated[str, Meta(description=(
         "The pipeline file (the stage graph), relative to the config file, the cwd, or the package"))] = (
-        "pipelines/grpo.yaml")
+        "pipelines/grpo_rollout.yaml")
     seed: Annotated[int, Meta(description=(
         "Sampling seed of generation (each worker and batch derive their generator's seed from it)"))] = 0
     model: Annotated[ModelConfig, Meta(description="The policy model")] = msgspec.field(default_factory=ModelConfig)

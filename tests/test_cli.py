@@ -44,8 +44,8 @@ def test_validate_prints_the_resolved_config(capsys: pytest.CaptureFixture[str])
     # the printout is a complete config: loading it gives the same run config
     assert load_config(resolved) == load_config(DIGITS, ["algo.steps=12", "resources.launch=inprocess",
                                                         "algo.lr=0.0005"])
-    assert pipeline_line.startswith("# pipeline grpo (")
-    assert "source -> generate -> score -> advantage -> train" in pipeline_line
+    assert pipeline_line.startswith("# pipeline grpo_rollout (")
+    assert "source -> rollout -> train" in pipeline_line
 
 
 def test_validate_the_kl_pipeline(capsys: pytest.CaptureFixture[str]) -> None:

@@ -76,7 +76,7 @@ W2_TRL = ["--task", "reverse", "--n-digits", "24", "--min-digits", "2", "--max-c
 def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str,
                     engine: str = "builtin") -> dict[str, Any]:
     common: dict[str, Any] = {
-        "pipeline": str(ROOT / "pipelines" / "grpo.yaml"),
+        "pipeline": str(ROOT / "pipelines" / "grpo_rollout.yaml"),  # the default (RunConfig.pipeline)
         "seed": seed,
         "output": {"run_dir": run_dir, "name": f"{workload}-{engine}-k{staleness}-s{seed}", "tensorboard": False,
                    "plot": False, "checkpoint": False, "progress": "none"},

@@ -45,6 +45,7 @@ from tests.e2e import held_rewards
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
+PIPELINE = REPO / "pipelines" / "grpo.yaml"
 STEPS = 16  # the last one waits for the attacker (held_rewards): the attack can take any time
 SAMPLES_PER_STEP = 64  # configs/grpo_digits.yaml: 8 prompts x 8 completions
 # what the attacker must not change: every learning figure of every step
@@ -54,8 +55,10 @@ NO_ANSWER_S = 0.7  # a stranger's request is never answered; this long is the wa
 
 
 def _run(tmp: Path) -> list[dict[str, Any]]:
+    # pipelines/grpo.yaml, not the quickstart's rollout chain: the insider holds a score worker's
+    # credentials, and the advantage stage's column is one it must not write
     overrides = [f"algo.steps={STEPS}", "algo.stop_reward=null", f"output.run_dir={tmp}", "output.progress=none",
-                 "stages.score.options={reward: 'tests.e2e.held_rewards:digits_max_held'}"]
+                 f"pipeline={PIPELINE}", "stages.score.options={reward: 'tests.e2e.held_rewards:digits_max_held'}"]
     result = streamrl.run(str(DIGITS), overrides)
     assert result.steps == STEPS, result.stop_reason
     return [{k: row[k] for k in LEARNING} for row in result.metrics]

@@ -2,7 +2,9 @@
 metrics whose keys are all in docs/observability.md's table, busy fractions within [0, 1], and a
 timeline trace that agrees with them.
 
-configs/grpo_digits.yaml unchanged but for the step count: a random-init tiny Qwen2 on a CPU.
+configs/grpo_digits.yaml unchanged but for the step count: a random-init tiny Qwen2 on a CPU, on its
+pipeline (pipelines/grpo_rollout.yaml: generation, scoring and advantages chained in one worker) and on
+pipelines/grpo.yaml (each stage a worker of its own).
 Chance is about 0.1 (the first steps' mean reward is 0.03-0.12). The run is deterministic here
 (same seeds -> the same curve, checked over several runs): at step 60 the mean reward of the
 last 5 steps is 0.67 (0.43 at step 50, 0.38 at step 40), so the bounds below leave a wide margin.
@@ -14,7 +16,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -30,14 +32,42 @@ from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
 STEPS = 60
-STAGES = ["source", "generate", "score", "advantage", "train"]
-DOCUMENTED = ["reward_mean", "reward_std", "kl", "loss", "clip_fraction", "entropy", "tokens_per_s", "samples_per_s",
-              "staleness_mean", *(f"busy/{s}" for s in STAGES)]
+LEARNING = ["reward_mean", "reward_std", "kl", "loss", "clip_fraction", "entropy", "tokens_per_s", "samples_per_s",
+            "staleness_mean"]
+
+
+class Shape(NamedTuple):
+    """What a pipeline's run must show: its stages, the one that generates, the spans of its trace."""
+
+    stages: list[str]
+    generator: str
+    spans: set[tuple[str, str]]
+    acking: int  # stages that ack their leases with their puts (docs/dock-protocol.md §5.7)
+
+
+SHAPES = {
+    "grpo_rollout": Shape(
+        ["source", "rollout", "train"], "rollout",
+        {("source", "produce"), ("rollout", "process"), ("rollout", "generate"), ("rollout", "score"),
+         ("rollout", "advantage"), ("train", "process"), ("train", "publish"), ("rollout", "fetch weights"),
+         ("rollout", "install weights"), ("source", "wait version"), ("source", "reserve"), ("train", "claim"),
+         ("rollout", "put")}, 1),
+    "grpo": Shape(
+        ["source", "generate", "score", "advantage", "train"], "generate",
+        {("source", "produce"), ("generate", "process"), ("score", "process"), ("advantage", "process"),
+         ("train", "process"), ("train", "publish"), ("generate", "fetch weights"), ("generate", "install weights"),
+         ("source", "wait version"), ("source", "reserve"), ("train", "claim"), ("score", "put")}, 3),
+}
 
 
 @pytest.mark.timeout(240)
-def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipeline", SHAPES)
+def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path, pipeline: str) -> None:
+    shape = SHAPES[pipeline]
+    stages = shape.stages
     overrides = [f"algo.steps={STEPS}", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none"]
+    if pipeline != "grpo_rollout":  # the config's own
+        overrides.append(f"pipeline={REPO / 'pipelines' / pipeline}.yaml")
     before = ipc_dirs()
     result = streamrl.run(str(DIGITS), overrides)
     run_dir = result.run_dir
@@ -54,26 +84,27 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     # config.yaml: the resolved config, loadable as is
     assert load_config(yaml.safe_load((run_dir / "config.yaml").read_text())) == load_config(DIGITS, overrides)
 
-    _check_credentials(result)
+    _check_credentials(result, shape)
 
     # metrics.jsonl: one line per step with the documented fields
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in lines] == list(range(1, STEPS + 1))
     for row in lines:
-        missing = [k for k in DOCUMENTED if k not in row]
+        documented = LEARNING + [f"busy/{s}" for s in stages]
+        missing = [k for k in documented if k not in row]
         assert not missing, missing
-        for k in DOCUMENTED:
+        for k in documented:
             assert isinstance(row[k], float | int) and math.isfinite(row[k]), (k, row[k])
         assert row["samples_per_s"] > 0 and row["tokens_per_s"] >= row["samples_per_s"]
         assert row["staleness_mean"] == 0  # max_staleness 0: on-policy
-        assert all(0 <= row[f"busy/{s}"] <= 1 for s in STAGES), row  # a fraction of the step's wall time
+        assert all(0 <= row[f"busy/{s}"] <= 1 for s in stages), row  # a fraction of the step's wall time
         assert row["reward_min"] <= row["reward_mean"] <= row["reward_max"]
-    assert sum(row["busy/train"] for row in lines) > 0 and sum(row["busy/generate"] for row in lines) > 0
+    assert sum(row["busy/train"] for row in lines) > 0 and sum(row[f"busy/{shape.generator}"] for row in lines) > 0
     assert lines == result.metrics
     # every key it wrote is in the metrics table of docs/observability.md
     assert not undocumented(k for row in lines for k in row)
 
-    _check_trace(run_dir, lines)
+    _check_trace(run_dir, lines, shape)
 
     # TensorBoard event files with the same scalars
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -82,7 +113,7 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward_mean")] == list(range(1, STEPS + 1))
-    assert {"loss", "kl", "entropy", "busy/generate"} <= set(acc.Tags()["scalars"])
+    assert {"loss", "kl", "entropy", f"busy/{shape.generator}"} <= set(acc.Tags()["scalars"])
 
     # the reward curve
     assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -105,14 +136,14 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path) -> None:
     assert accuracy >= 0.4, (accuracy, greedy[:5])
 
     # real processes, one log each, all gone afterwards with their ipc dirs
-    assert set(result.worker_logs) == {f"{s}-0" for s in STAGES}
+    assert set(result.worker_logs) == {f"{s}-0" for s in stages}
     assert all(p.is_file() for p in result.worker_logs.values())
     # the checkpoint's export wrote no progress bar into the trainer's log
     assert "Writing model shards" not in result.worker_logs["train-0"].read_text()
     assert_run_cleaned(run_dir, os.getpid(), before)
 
 
-def _check_trace(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+def _check_trace(run_dir: Path, rows: list[dict[str, Any]], shape: Shape) -> None:
     """trace.json: a Chrome trace with batch spans of every stage, whose durations add up to the
     busy time the metrics rows say each stage worked (within 5% + 100 ms)."""
     trace = json.loads((run_dir / "trace.json").read_text())
@@ -120,45 +151,43 @@ def _check_trace(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     events = trace["traceEvents"]
     assert_spans_nest(events)
     stage_of = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert sorted(stage_of.values()) == sorted(STAGES)
+    assert sorted(stage_of.values()) == sorted(shape.stages)
     spans = [e for e in events if e["ph"] == "X"]
     steps = [e for e in spans if e["name"] == "optimizer step"]
     assert [e["args"]["version"] for e in steps] == list(range(1, STEPS + 1))
     names = {(stage_of[e["pid"]], e["name"]) for e in spans}
-    assert {("source", "produce"), ("generate", "process"), ("score", "process"), ("advantage", "process"),
-            ("train", "process"), ("train", "publish"), ("generate", "fetch weights"), ("generate", "install weights"),
-            ("source", "wait version"), ("source", "reserve"), ("train", "claim"), ("score", "put")} <= names
+    assert shape.spans <= names, shape.spans - names
     versions = [e["args"]["value"] for e in events if e["ph"] == "C" and stage_of[e["pid"]] == "train"]
     assert versions == list(range(1, STEPS + 1))
 
     end = steps[-1]["ts"] + steps[-1]["dur"]  # the rows end with the last step
-    in_spans = {s: 0.0 for s in STAGES}
+    in_spans = {s: 0.0 for s in shape.stages}
     for e in spans:
         if e.get("cat") == "batch" and e["ts"] < end:
             in_spans[stage_of[e["pid"]]] += (min(e["ts"] + e["dur"], end) - e["ts"]) / 1e6
-    in_rows = dict.fromkeys(STAGES, 0.0)
+    in_rows = dict.fromkeys(shape.stages, 0.0)
     before = 0.0
     for row in rows:
         wall, before = row["elapsed_s"] - before, row["elapsed_s"]
-        for s in STAGES:
+        for s in shape.stages:
             in_rows[s] += row[f"busy/{s}"] * wall
     # A row's window is the gap in elapsed_s: from the trainer's end of the previous step to its end
     # of this one (not the launcher's receipt, which lags under load). What still differs is a
     # batch whose end report was in flight when the launcher wrote a row (counted to the step's
     # end) and the moments between the trace's span end and the trainer's report. Hence 100 ms on
     # top of the 5 %.
-    for s in STAGES:
+    for s in shape.stages:
         assert abs(in_spans[s] - in_rows[s]) <= 0.05 * in_spans[s] + 0.1, (s, in_spans, in_rows)
-    assert in_spans["train"] > 0.1 and in_spans["generate"] > 0.1
+    assert in_spans["train"] > 0.1 and in_spans[shape.generator] > 0.1
 
 
-def _check_credentials(result: RunResult) -> None:
+def _check_credentials(result: RunResult, shape: Shape) -> None:
     """Every socket authenticated (auth-only on one host): each worker's spec file is 0600 and
     holds its own stage's role only, the trainer's worker 0 alone what verifies the roles, and
     no log shows a password."""
     logs = result.run_dir / "logs"
     specs = sorted(logs.glob("*.spec.json"))
-    assert len(specs) == len(STAGES)
+    assert len(specs) == len(shape.stages)
     passwords = []
     for path in specs:
         assert path.stat().st_mode & 0o777 == 0o600, path
@@ -173,9 +202,10 @@ def _check_credentials(result: RunResult) -> None:
         text = log.read_text(errors="replace")
         assert not any(pw in text for pw in passwords), log
     # the launcher's statistics client got through as role launcher; no handshake was refused
-    assert result.dock_statistics["auth"]["accepted"] >= len(STAGES) + 1
+    assert result.dock_statistics["auth"]["accepted"] >= len(shape.stages) + 1
     assert result.dock_statistics["auth"]["refused"] == 0
-    # generate, score and advantage ack their leases with their puts (docs/dock-protocol.md §5.7),
-    # each at least once a step and authorized as the lease's consumer; none came twice
-    assert result.dock_statistics["put_acks"] >= 3 * result.steps
+    # the stages between source and train (generate, score and advantage; or the rollout chain) ack
+    # their leases with their puts (docs/dock-protocol.md §5.7), each at least once a step and
+    # authorized as the lease's consumer; none came twice
+    assert result.dock_statistics["put_acks"] >= shape.acking * result.steps
     assert result.dock_statistics["put_acks_skipped"] == 0

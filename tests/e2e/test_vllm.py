@@ -40,7 +40,8 @@ def _learns(rewards: list[float]) -> None:
 @pytest.mark.parametrize("config", ["grpo_digits.yaml", "grpo_digits_disaggregated.yaml", "grpo_digits_colocated.yaml"],
                          ids=["separate", "disaggregated", "colocated"])
 def test_grpo_with_vllm_learns(tmp_path: Path, config: str) -> None:
-    """Separate: the trainer's published snapshots go into one in-process engine. Disaggregated: 2 train
+    """Separate (the quickstart's pipelines/grpo_rollout.yaml, the engine in its rollout chain's generate
+    link): the trainer's published snapshots go into one in-process engine. Disaggregated: 2 train
     ranks stream each version's buckets into 2 generate workers' engines (each in its own process).
     Colocated: each of the 2 train ranks streams its all-gathered buckets into the vLLM engine of its
     own process (the engine core a child process)."""
@@ -49,8 +50,10 @@ def test_grpo_with_vllm_learns(tmp_path: Path, config: str) -> None:
                            "output.progress=none", VLLM])
     assert result.steps == 60
     _learns([m["reward_mean"] for m in result.metrics])
-    # generate/engine_startup_s with one worker, generate/<k>/engine_startup_s with several
-    startup = [v for k, v in result.metrics[-1].items() if k.startswith("generate/") and k.endswith("/engine_startup_s")]
+    # generate/engine_startup_s with one worker, generate/<k>/engine_startup_s with several, and
+    # rollout/generate/engine_startup_s from the rollout chain's generate link
+    startup = [v for k, v in result.metrics[-1].items()
+               if "generate" in k.split("/")[:2] and k.endswith("/engine_startup_s")]
     assert startup and all(v > 0 for v in startup)
     _assert_nothing_left(result.run_dir)
 
@@ -81,7 +84,8 @@ def _assert_nothing_left(run_dir: Path) -> None:
 
 def _kill_at_step(tmp_path: Path, steps: int, victim: Callable[[int], int | None]) -> list[tuple[Path, int]]:
     """Once the run under ``tmp_path`` has logged ``steps`` steps, SIGKILL ``victim(pid of
-    generate-0)``, from a thread; the returned list gets (run dir, killed pid)."""
+    generate-0, or of rollout-0 whose chain generates)``, from a thread; the returned list gets (run
+    dir, killed pid)."""
     killed: list[tuple[Path, int]] = []
 
     def killer() -> None:
@@ -90,7 +94,8 @@ def _kill_at_step(tmp_path: Path, steps: int, victim: Callable[[int], int | None
             done = [p for p in tmp_path.glob("*/metrics.jsonl") if p.read_text().count("reward_mean") >= steps]
             if done:
                 run_dir = done[0].parent
-                pid = victim(int(json.loads((run_dir / "logs" / "pids.json").read_text())["generate-0"]))
+                pids = json.loads((run_dir / "logs" / "pids.json").read_text())
+                pid = victim(int(pids["generate-0"] if "generate-0" in pids else pids["rollout-0"]))
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed.append((run_dir, pid))
@@ -107,9 +112,10 @@ def _engine_core_of(worker: int) -> int | None:
 
 @pytest.mark.timeout(300)
 def test_a_killed_engine_stops_the_run_naming_the_stage_and_leaves_no_process(tmp_path: Path) -> None:
-    """The separate placement's engine runs inside the generate worker: SIGKILL it mid-run."""
+    """The separate placement's engine runs inside the worker that generates (the quickstart's
+    rollout chain): SIGKILL it mid-run."""
     killed = _kill_at_step(tmp_path, 3, lambda worker: worker)
-    with pytest.raises(RunFailed, match=r"stage 'generate' worker 0 was killed by signal 9"):
+    with pytest.raises(RunFailed, match=r"stage 'rollout' worker 0 was killed by signal 9"):
         streamrl.run(str(REPO / "configs" / "grpo_digits.yaml"),
                      ["algo.steps=300", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none",
                       "resources.max_restarts=0", VLLM])

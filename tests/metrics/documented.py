@@ -29,11 +29,13 @@ def documented_patterns(doc: Path = DOC) -> list[re.Pattern[str]]:
 
 def undocumented(keys: Iterable[str]) -> list[str]:
     """The keys no pattern of the table matches. A stage figure of a stage with several workers,
-    ``<stage>/<worker>/<name>``, is looked up as ``<stage>/<name>``."""
+    ``<stage>/<worker>/<name>``, is looked up as ``<stage>/<name>``, and so is a chain link's,
+    ``<stage>/<link>/<name>``."""
     patterns = documented_patterns()
     missing = []
     for key in sorted(set(keys)):
         plain = re.sub(r"^([^/]+)/\d+/", r"\1/", key)
-        if not any(p.fullmatch(key) or p.fullmatch(plain) for p in patterns):
+        unlinked = re.sub(r"^([^/]+)/[^/]+/", r"\1/", plain)
+        if not any(p.fullmatch(k) for p in patterns for k in (key, plain, unlinked)):
             missing.append(key)
     return missing

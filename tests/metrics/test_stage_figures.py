@@ -60,7 +60,8 @@ def test_a_figure_without_a_time_counts_as_measured_when_it_arrives() -> None:
 
 
 def test_a_rows_stage_figures_are_those_measured_before_its_step_ended(tmp_path: Path) -> None:
-    cfg = load_config({}, ["algo.steps=3", "output.progress=none", "output.tensorboard=false"])
+    cfg = load_config({}, ["algo.steps=3", "output.progress=none", "output.tensorboard=false",
+                           "pipeline=pipelines/grpo.yaml"])  # an advantage stage of its own
     pipeline = load_pipeline(cfg)
     metrics = RunMetrics(cfg, pipeline, tmp_path, Progress(3, "none", io.StringIO()), [], [], None)
     metrics.t_go_wall = T0

@@ -21,7 +21,7 @@ def test_process_names_match_the_launchers() -> None:
 
 
 def test_bundles_carry_threads_devices_and_stage_resources() -> None:
-    pipeline = load_pipeline(load_config(REPO / "configs" / "grpo_digits.yaml"))
+    pipeline = load_pipeline(load_config(REPO / "configs" / "grpo_digits.yaml", ["pipeline=../pipelines/grpo.yaml"]))
     generate, train = pipeline.stage("generate"), pipeline.stage("train")
     cfg = RayConfig(stage_resources={"generate": {"node_b": 1}})
     assert bundle_for([generate], "cpu", cfg) == {"CPU": float(generate.threads), "node_b": 1.0}

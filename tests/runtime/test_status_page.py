@@ -32,6 +32,8 @@ from tests.runtime.hygiene import descendants, live_processes, processes_with_fi
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
+# pipelines/grpo.yaml rather than the quickstart's rollout chain: each stage apart, the graph has more to draw
+PIPELINE = REPO / "pipelines" / "grpo.yaml"
 STAGES = ["source", "generate", "score", "advantage", "train"]
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary on PATH to load the status page "
@@ -44,7 +46,7 @@ class LiveRun:
         self.log = root / "out.txt"
         with self.log.open("w") as sink:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "streamrl.cli", "run", str(DIGITS), "algo.steps=100000",
+                [sys.executable, "-m", "streamrl.cli", "run", str(DIGITS), f"pipeline={PIPELINE}", "algo.steps=100000",
                  "algo.stop_reward=null", f"output.run_dir={root / 'runs'}", "output.progress=lines",
                  "output.tensorboard=false", "output.plot=false", "output.checkpoint=false"],
                 stdout=sink, stderr=subprocess.STDOUT, cwd=root, env={**os.environ, "PYTHONPATH": str(REPO)})

