@@ -1,6 +1,6 @@
 """The workers' forkserver (``resources.launch: processes``): started first, stopped if the run's
-checks fail. Its own imports are the standard library's only, so ``streamrl run`` can start it
-before the launcher imports anything heavy (:mod:`streamrl.cli`)."""
+checks fail. Its own imports are the standard library's (and runtime/orphans'), so ``streamrl run``
+can start it before the launcher imports anything heavy (:mod:`streamrl.cli`)."""
 
 from __future__ import annotations
 
@@ -47,12 +47,32 @@ context.set_forkserver_preload(PRELOAD)
 _started_helpers: list[str] = []  # what start_forkserver started: its stop_forkserver stops those only
 
 
+def use_private_temp_dir() -> None:
+    """multiprocessing's temporary directory in this process (where the forkserver's socket lives)
+    made as a launcher's private directory, ``/tmp/srl-*`` with an owner file (runtime/orphans.py),
+    in place of multiprocessing's own ``/tmp/pymp-*``. Removed at exit as multiprocessing removes
+    its own; a launcher killed with SIGKILL cannot, and the next run's start-up sweep then does
+    (nothing could tell whose a ``pymp-*`` directory was). Idempotent; a process that used
+    multiprocessing's directory already keeps it."""
+    from multiprocessing import process, util
+    from pathlib import Path
+
+    from streamrl.runtime.orphans import make_private_dir, remove_private_dir
+
+    config = process.current_process()._config  # CPython's own record of it (multiprocessing.util.get_temp_dir)
+    if config.get("tempdir") is None:
+        d = make_private_dir("/tmp")
+        util.Finalize(None, remove_private_dir, args=(Path(d),), exitpriority=-100)  # as get_temp_dir's own
+        config["tempdir"] = d
+
+
 def start_forkserver() -> None:
     """Start the workers' forkserver now (idempotent): its imports (torch, transformers, the
     built-in stages: seconds of CPU) then run while the launcher checks the run and starts the dock,
     instead of after, when the first worker is forked. The server exits with the launcher."""
     from multiprocessing import forkserver, resource_tracker
 
+    use_private_temp_dir()
     if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
         _started_helpers.append("forkserver")
     if getattr(resource_tracker._resource_tracker, "_pid", None) is None:

@@ -37,7 +37,7 @@ from streamrl.dock.controller import ConsumerView
 from streamrl.dock.launch import LocalDock, ThreadDock
 from streamrl.dock.limits import DockLimits
 from streamrl.metrics.progress import Progress
-from streamrl.runtime.forkserver import context, openmp_waits
+from streamrl.runtime.forkserver import context, openmp_waits, use_private_temp_dir
 from streamrl.runtime.orphans import claim_dir
 from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
 from streamrl.runtime.ray_cluster import RayDock, RayPlacement, RemoteProcess, free_port
@@ -217,6 +217,7 @@ class LocalProcesses(LaunchBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.parent_pid = os.getpid()
+        use_private_temp_dir()  # before the forkserver starts (streamrl.run starts it with the first worker)
 
     def start_dock(self, views: dict[str, ConsumerView], limits: DockLimits) -> Dock:
         dc = self.cfg.resources.dock

@@ -84,6 +84,8 @@ def _run_leftovers() -> list[str]:
 def _overrides(tmp_path: Path, address: str, steps: int) -> list[str]:
     pins = "{source: {node_a: 1}, score: {node_a: 1}, advantage: {node_b: 1}, train: {node_b: 1}}"
     return [
+        # each stage a worker of its own (not the default rollout chain): stages pinned to either node
+        f"pipeline={REPO / 'pipelines' / 'grpo.yaml'}",
         f"algo.steps={steps}", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none",
         "resources.launch=ray", f"resources.ray.address={address}", f"resources.ray.stage_resources={pins}",
         "resources.ray.strategy=SPREAD", "stages.generate.workers=2", "stages.generate.threads=1",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing.process
 import os
 import re
 import tempfile
@@ -178,8 +179,11 @@ def ipc_dirs() -> set[Path]:
 
 def own_run_dirs(*run_dirs: Path) -> set[Path]:
     """The ``srl-`` dirs that are this test's: made in this process, or named by the worker specs
-    of ``run_dirs`` (runs whose launcher is a child process)."""
-    own = {d for d in _MADE_HERE if _RUN_IPC_DIR.match(d.name)}
+    of ``run_dirs`` (runs whose launcher is a child process). Not this process's multiprocessing
+    temporary directory (the forkserver's socket, streamrl.runtime.forkserver.use_private_temp_dir):
+    it outlives every run, until the process exits."""
+    process_own = multiprocessing.process.current_process()._config.get("tempdir")
+    own = {d for d in _MADE_HERE if _RUN_IPC_DIR.match(d.name) and str(d) != process_own}
     for run_dir in run_dirs:
         own |= run_ipc_dirs(run_dir)
     return own

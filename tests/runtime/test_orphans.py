@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.runtime.orphans import owner, remove_dead_owners
 from streamrl.runtime.worker import ORPHAN_EXIT_S
 from tests.runtime.hygiene import descendants, run_ipc_dirs, wait_gone
 from tests.runtime.user_stages import grpo_with_stage
@@ -30,14 +31,16 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_worker_blocked_in_a_thread_exits_once_the_launcher_is_killed(tmp_path: Path) -> None:
     pipe = grpo_with_stage(tmp_path, "score", "tests.runtime.user_stages:BlocksInAThread")
     runs = tmp_path / "runs"
+    own_tmp = tmp_path / "tmp"  # the launcher's TMPDIR: what multiprocessing would leave lands here
+    own_tmp.mkdir()
     started: dict[int, str] = {}
     with (tmp_path / "out.txt").open("w") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamrl.cli", "run", str(REPO / "configs" / "grpo_digits.yaml"),
              f"pipeline={pipe}", f"output.run_dir={runs}", "output.progress=none",
              "resources.exit_grace_s=2"],  # the blocked worker's orphan timer: 2 s, not 10
-            stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-            start_new_session=True,
+            stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(own_tmp)}, start_new_session=True,
         )
     try:
         deadline = time.monotonic() + 120
@@ -50,6 +53,14 @@ def test_a_worker_blocked_in_a_thread_exits_once_the_launcher_is_killed(tmp_path
         proc.wait(timeout=10)
         left = wait_gone(started, ORPHAN_EXIT_S + 15)
         assert not left, {p: started[p] for p in left}
+        # the forkserver's socket was in a private directory of the launcher's, not multiprocessing's
+        # own /tmp/pymp-* (no owner to tell whose it was): the next run's start-up sweep removes it
+        assert not list(own_tmp.glob("pymp-*"))
+        forkserver_dirs = [d for d in Path("/tmp").glob("srl-*") if owner(d) == proc.pid
+                           and any(f.name.startswith("listener-") for f in d.iterdir())]
+        assert forkserver_dirs
+        removed = remove_dead_owners()
+        assert all(d in removed and not d.exists() for d in forkserver_dirs), (forkserver_dirs, removed)
     finally:
         if proc.poll() is None:
             proc.kill()
