@@ -578,7 +578,9 @@ _AUDITED_RUN = textwrap.dedent("""
                     for c in open(f"/proc/{os.getpid()}/task/{t}/children").read().split()]
         cmdlines = [open(f"/proc/{c}/cmdline").read().replace("\\0", " ")[:200] for c in children]
         with open(sys.argv[1], "w") as f:
-            json.dump({"elapsed_s": elapsed, "events": events, "children": cmdlines}, f)
+            json.dump({"elapsed_s": elapsed, "events": events, "children": cmdlines,
+                       # multiprocessing's temporary directory: the forkserver's socket's
+                       "mp_tempdir": multiprocessing.process.current_process()._config.get("tempdir")}, f)
     sys.exit(code)
 """)
 
@@ -599,12 +601,14 @@ def test_run_on_a_bad_config_exits_2_and_starts_nothing(tmp_path: Path) -> None:
     audit = json.loads(report.read_text())
     # `streamrl run` starts the workers' forkserver while it checks the pipeline (its imports overlap
     # the checks); a failed check stops it again: no process left, its socket dir removed
-    forkserver_dirs = [e for e in audit["events"] if e[0] == "tempfile.mkdtemp" and "/pymp-" in e[1]]
-    assert all(not Path(e[1].split("'")[1]).exists() for e in forkserver_dirs), forkserver_dirs
+    # (streamrl.runtime.forkserver.use_private_temp_dir: a /tmp/srl-* dir of the launcher's)
+    mp_tempdir = audit["mp_tempdir"]
+    forkserver_dirs = [e for e in audit["events"] if e[0] == "tempfile.mkdtemp" and mp_tempdir and mp_tempdir in e[1]]
+    assert forkserver_dirs and all(not Path(e[1].split("'")[1]).exists() for e in forkserver_dirs), forkserver_dirs
     assert audit["children"] == [], audit["children"]  # no process started by the failed run is left
     started = [e for e in audit["events"] if e[0] != "os.mkdir" and e not in forkserver_dirs]
     assert started == [], started  # no worker, dock server or /tmp/srl-* control dir was made
-    made = [e for e in audit["events"] if e[0] == "os.mkdir" and "/pymp-" not in e[1]]  # (the forkserver's: above)
+    made = [e for e in audit["events"] if e[0] == "os.mkdir" and mp_tempdir not in e[1]]  # (the forkserver's: above)
     assert made == [], made
     assert not (tmp_path / "runs").exists()  # no run dir, so no worker logs
     assert audit["elapsed_s"] < VALIDATION_BUDGET_S, audit["elapsed_s"]
