@@ -146,8 +146,8 @@ class DynamicSamplingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
 
     enabled: Annotated[bool, Meta(description=(
         "Generate more prompts whenever a stage drops samples, until each optimizer step has "
-        "prompts_per_step x group_size samples; needs a stage that drops: the filter stage of "
-        "pipelines/dapo.yaml (groups whose rewards are all equal), or an agent stage with "
+        "prompts_per_step x group_size samples; needs a stage that drops: the filter of "
+        "pipelines/dapo_rollout.yaml or pipelines/dapo.yaml (groups whose rewards are all equal), or an agent stage with "
         "options.lost_sessions: drop (sessions lost with a worker)"))] = False
     max_rounds: Annotated[int, Meta(description=(
         "Cap on over-generation: the source makes at most this many rounds of prompts_per_step prompts per "

@@ -110,8 +110,9 @@ class SourceStage:
         if cfg.algo.dynamic_sampling.enabled and not discarding_stages(pipeline):
             raise ConfigError(f"{pipeline.where}: algo.dynamic_sampling.enabled needs a stage that drops "
                               "uninformative groups (streamrl.stages.filter:FilterStage between score and advantage, "
-                              "as pipelines/dapo.yaml has, or an agent stage with options.lost_sessions: drop); use "
-                              "that pipeline or set enabled: false")
+                              "as a stage or a chain's link: pipelines/dapo_rollout.yaml, pipelines/dapo.yaml; or an "
+                              "agent stage with options.lost_sessions: drop); use such a pipeline (e.g. "
+                              "pipeline=pipelines/dapo_rollout.yaml) or set enabled: false")
         if cfg.algo.dynamic_sampling.enabled and "sample_key" not in spec.writes:
             raise ConfigError(f"{pipeline.where}: stage {spec.name!r}: algo.dynamic_sampling needs sample keys (which "
                               "samples a step trained, which a checkpoint covers): add sample_key to the source's "
