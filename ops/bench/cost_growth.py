@@ -2,10 +2,11 @@
 """How cost grows with the model and the batch: streamrl and TRL's GRPOTrainer side by side on one
 grid, in one run.
 
-The pipeline of ops/bench/grpo_vs_trl.py's W2 (synchronous GRPO, pipelines/grpo.yaml; the same
-optimizer, sampling and loss on both sides) on digits-reverse (2-12 digits, up to 16 tokens), at
-four model sizes (tiny Qwen2, intermediate 2 x hidden, head size 64 or 4 heads) and three batch
-sizes (4, 8, 16 prompts x 8 completions), STEPS steps each, seed 0. Figures per cell:
+The pipeline of ops/bench/grpo_vs_trl.py's W2 (synchronous GRPO on the default pipeline,
+pipelines/grpo_rollout.yaml; the same optimizer, sampling and loss on both sides) on digits-reverse
+(2-12 digits, up to 16 tokens), at four model sizes (tiny Qwen2, intermediate 2 x hidden, head
+size 64 or 4 heads) and three batch sizes (4, 8, 16 prompts x 8 completions), STEPS steps each,
+seed 0. Figures per cell:
 
 - completions/s over steps 2..STEPS (the first carries warm-up on both sides; TRL's
   ``steady_completions_per_s``);
