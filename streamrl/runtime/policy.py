@@ -20,7 +20,9 @@ given the same directory asks for it (``WeightsRequest.files``); the reply then 
 and its layout instead of carrying frames, and the subscriber maps it. A subscriber that cannot
 open the file (it was replaced meanwhile, or the publisher is on another host) asks again for
 frames; after two such misses in a row it asks for frames only. The file is the snapshot: the
-publisher serves frames from the same bytes.
+publisher serves frames from the same bytes. Each request says up to which version the subscriber
+maps no file any more (``WeightsRequest.done``), so the publisher can write a later version into a
+file its readers are done with instead of allocating a new one (policy_file's lifetime).
 
 Limits (the publisher serves every generator from the trainer's process, so no request may hurt
 it): requests are at most ``MAX_REQUEST_BYTES`` (ZMQ_MAXMSGSIZE: a request is ~50 bytes), decoded
@@ -38,8 +40,9 @@ import math
 import mmap
 import threading
 import time
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -72,6 +75,9 @@ class WeightsRequest(_Msg, tag="weights_request"):
     want_weights: bool
     timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)]  # long-poll wait; NaN/inf refused
     files: bool = False  # the subscriber shares the publisher's shm directory: name the version's file
+    # the subscriber maps no policy file of a version <= done (every one it was named, it unmapped):
+    # the publisher may write a later version into those files (policy_file's lifetime)
+    done: int = -1
 
 
 class WeightsReply(_Msg, tag="weights_reply"):
@@ -112,6 +118,22 @@ class PolicySnapshot:
     names: list[str]
     tensors: list[torch.Tensor]
     file: tuple[str, int, list[WeightSlot]] | None  # (name in the shm directory, bytes, slots)
+    mapping: mmap.mmap | None = None  # the publisher's writable mapping of the file
+
+
+@dataclass
+class _VersionFile:
+    """A version's file as the publisher holds it: the current version's, or the one before it
+    (retired: renamed to a spare's name) until a later version is written into it or it is removed."""
+
+    name: str
+    size: int
+    slots: list[WeightSlot]
+    mapping: mmap.mmap
+    version: int
+    # peers a reply named it to that have not said they are done with it (WeightsRequest.done)
+    readers: set[bytes] = field(default_factory=set)
+    framed: bool = False  # its bytes went out as frames too (a zero-copy send may read them): never rewritten
 
 
 @dataclass
@@ -150,7 +172,10 @@ class PolicyPublisher:
             self.files_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.writes_files = self.files_dir is not None  # false once the directory could not hold a version
         self._token = policy_file.new_token()
-        self._file: tuple[str, int, list[WeightSlot]] | None = None  # the current version's (name, bytes, slots)
+        self._file: _VersionFile | None = None  # the current version's file
+        # the previous version's, renamed to a spare's name: written again once no reader maps it
+        self._retired: _VersionFile | None = None
+        self.files_reused = 0  # versions written into a retired version's file instead of a new one
         # a file allocated ahead for the next version (name, bytes, mapping), made by a thread of its own
         # while training goes on: a fresh file's pages cost as much to zero as to fill
         self._spare: tuple[str, int, mmap.mmap] | None = None
@@ -175,16 +200,15 @@ class PolicyPublisher:
         if self.files_dir is not None and self.writes_files and state:
             # the file is the snapshot; frames for another host's subscribers are views of it
             name = policy_file.file_name(self._token, version)
-            with self._spare_lock:
-                spare, self._spare = self._spare, None
+            spare = self._take_spare(policy_file.layout(state)[0])
             try:
-                size, slots, views = policy_file.write_snapshot(self.files_dir, name, state, spare)
+                size, slots, views, mapped = policy_file.write_snapshot(self.files_dir, name, state, spare)
             except OSError as exc:  # the shared memory cannot hold it: the socket can, from now on
                 log.warning("cannot write policy version %d into %s (%s): its weights go over the socket, "
                             "as every later version's", version, self.files_dir, exc)
                 self.writes_files = False
             else:
-                return PolicySnapshot(version, names, list(views.values()), (name, size, slots))
+                return PolicySnapshot(version, names, list(views.values()), (name, size, slots), mapped)
         if owned and all(t.device.type == "cpu" for t in state.values()):
             return PolicySnapshot(version, names, [t.detach() for t in state.values()], None)
         return PolicySnapshot(version, names, [t.detach().to("cpu", copy=True) for t in state.values()], None)
@@ -208,22 +232,69 @@ class PolicyPublisher:
                     policy_file.remove(self.files_dir, snapshot.file[0])  # never served: nothing maps it
                 raise
         previous = self._file
-        self._names, self._tensors, self._file = snapshot.names, snapshot.tensors, snapshot.file
+        self._names, self._tensors = snapshot.names, snapshot.tensors
+        self._file = None
+        if snapshot.file is not None and snapshot.mapping is not None:
+            name, size, slots = snapshot.file
+            self._file = _VersionFile(name, size, slots, snapshot.mapping, version)
         self.version = version
-        if previous is not None and self.files_dir is not None:
-            policy_file.remove(self.files_dir, previous[0])  # its readers keep their mappings
+        if previous is not None:
+            self._retire(previous)
         await self._answer()
-        if snapshot.file is not None and self.writes_files:
-            self._make_spare(snapshot.file[1])
+        if self._file is not None and self.writes_files:
+            self._make_spare(self._file.size)
 
     def _check_newer(self, version: int) -> None:
         if version <= self.version and self._tensors:
             raise ValueError(f"policy versions must increase: {version} after {self.version}")
 
+    def _retire(self, previous: _VersionFile) -> None:
+        """The previous version's file once the next is current: kept under a spare's name for a
+        later version while its readers may still map it, unless its bytes went out as frames;
+        the one retired before it is removed (its readers keep their mappings)."""
+        assert self.files_dir is not None
+        with self._spare_lock:
+            older, self._retired = self._retired, None
+        if older is not None:
+            policy_file.remove(self.files_dir, older.name)
+        if previous.framed:
+            policy_file.remove(self.files_dir, previous.name)
+            return
+        spare = policy_file.spare_name(self._token, next(self._spares))
+        if policy_file.retire(self.files_dir, previous.name, spare):
+            previous.name = spare
+            with self._spare_lock:
+                self._retired = previous
+
+    def _take_spare(self, size: int) -> tuple[str, int, mmap.mmap] | None:
+        """The file the next version is written into: the retired version's where no reader maps
+        it any more and its size fits, else the spare allocated ahead (None: a new file)."""
+        with self._spare_lock:
+            retired = self._retired
+            if retired is not None and not retired.readers and retired.size == size:
+                self._retired = None
+                self.files_reused += 1
+                return retired.name, retired.size, retired.mapping
+            spare, self._spare = self._spare, None
+            return spare
+
+    def _release(self, peer: bytes, done: int) -> None:
+        """``peer`` maps no file of a version <= ``done`` any more."""
+        with self._spare_lock:
+            for f in (self._file, self._retired):
+                if f is not None and f.version <= done:
+                    f.readers.discard(peer)
+
     def _make_spare(self, size: int) -> None:
-        """Allocate the next version's file in a thread of its own (unless one is being made)."""
+        """Allocate the next version's file in a thread of its own (unless one is being made, one of
+        that size is ready, or the version just retired is free to be written again)."""
         if self._spare_maker is not None and self._spare_maker.is_alive():
             return
+        with self._spare_lock:
+            retired, spare = self._retired, self._spare
+            if (retired is not None and not retired.readers and retired.size == size) or (
+                    spare is not None and spare[1] == size):
+                return
         assert self.files_dir is not None
         directory, name = self.files_dir, policy_file.spare_name(self._token, next(self._spares))
 
@@ -255,6 +326,8 @@ class PolicyPublisher:
                 except wire.WireError as exc:
                     self._drop(f"a malformed weights request: {exc}")
                     continue
+                if req.done >= 0 and self.files_dir is not None:
+                    self._release(identity, req.done)
                 self._pending.pop(identity, None)  # its older request is abandoned: keep the newest
                 self._pending[identity] = _Pending(identity, req, time.monotonic() + req.timeout_s)
                 if len(self._pending) > MAX_WAITING:
@@ -284,8 +357,10 @@ class PolicyPublisher:
         reply = WeightsReply(req.req_id, self.version)
         if (req.want_weights and req.files and self._file is not None and self.version > req.have
                 and self.version >= req.need):
-            name, size, slots = self._file
-            reply = WeightsReply(req.req_id, self.version, file=name, file_bytes=size, slots=slots)
+            f = self._file
+            with self._spare_lock:
+                f.readers.add(identity)  # until it says it is done with this version (req.done)
+            reply = WeightsReply(req.req_id, self.version, file=f.name, file_bytes=f.size, slots=f.slots)
             self.files_served += 1
         elif req.want_weights and self.version > req.have and self.version >= req.need and self._tensors:
             by_dtype: dict[str, list[int]] = {}
@@ -302,6 +377,8 @@ class PolicyPublisher:
                 names.append([self._names[i] for i in positions])
             reply = WeightsReply(req.req_id, self.version, names, cols)
             self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+            if self._file is not None:  # the frames are views of the file: never write into it again
+                self._file.framed = True
         try:
             if not self.link.try_send([identity, _encoder.encode(reply), *frames]):
                 log.warning("could not answer a weights request: the subscriber takes no more messages now")
@@ -315,9 +392,10 @@ class PolicyPublisher:
                 self._spare_maker.join(timeout=30)
             with self._spare_lock:
                 spare, self._spare = self._spare, None
-            for held in (self._file, spare):
-                if held is not None:
-                    policy_file.remove(self.files_dir, held[0])
+                retired, self._retired = self._retired, None
+            names = [f.name for f in (self._file, retired) if f is not None] + ([spare[0]] if spare else [])
+            for name in names:
+                policy_file.remove(self.files_dir, name)
             self._file = None
         if self.allow_list is not None:  # the context's ZAP handler served this run: stop it
             release_context(self.ctx)
@@ -341,6 +419,10 @@ class PolicySubscriber:
         self._ids = itertools.count(1)
         self.files_dir = shm_dir / policy_file.DIRECTORY if shm_dir is not None else None
         self._file_misses = 0  # files named by replies that this process could not map, in a row
+        # the files this subscriber mapped, by version, as weak references: a mapping is gone once the
+        # last tensor viewing it is (its storage holds the one reference), and WeightsRequest.done says so
+        self._mapped: list[tuple[int, weakref.ref[mmap.mmap]]] = []
+        self._named = -1  # the newest version whose file a reply named to this subscriber
         self.bytes_received = 0  # weights over the socket
         self.files_mapped = 0  # versions taken from the publisher's file
 
@@ -362,11 +444,12 @@ class PolicySubscriber:
         link = self._socket()
         rid = next(self._ids)
         files = want and self.asks_for_files
+        request = WeightsRequest(rid, have, need, want, wait_s, files, self._done())
         try:
             with anyio.fail_after(wait_s + reply_timeout_s):
                 # inside the deadline too: a DEALER whose connection was refused (after a failed
                 # handshake libzmq does not reconnect) has no peer, and its send waits for one
-                link.send([_encoder.encode(WeightsRequest(rid, have, need, want, wait_s, files))])
+                link.send([_encoder.encode(request)])
                 while True:
                     frames = await link.recv()
                     try:
@@ -380,6 +463,14 @@ class PolicySubscriber:
         except TimeoutError:
             raise PolicyTimeout(f"the policy publisher at {self.endpoint} did not answer within "
                                 f"{wait_s + reply_timeout_s:.0f} s (is the trainer running?)") from None
+
+    def _done(self) -> int:
+        """The newest version v such that this subscriber maps no policy file of a version <= v
+        (-1: it has none to report)."""
+        self._mapped = [(v, ref) for v, ref in self._mapped if ref() is not None]
+        if self._mapped:
+            return min(v for v, _ in self._mapped) - 1
+        return self._named
 
     async def wait_version(self, need: int, timeout_s: float | None = None) -> int:
         """Wait until version >= ``need`` exists; returns the newest version known."""
@@ -438,9 +529,12 @@ class PolicySubscriber:
     async def _unpack(self, have: int, reply: WeightsReply, frames: list[zmq.Frame]
                       ) -> tuple[int, dict[str, torch.Tensor] | None]:
         if reply.file is not None:
+            self._named = max(self._named, reply.version)
             try:
                 assert self.files_dir is not None  # the request asked for files only with a directory
-                mapped = policy_file.map_snapshot(self.files_dir, reply.file, reply.file_bytes, reply.slots or [])
+                mapped, mapping = policy_file.map_file(self.files_dir, reply.file, reply.file_bytes, reply.slots or [])
+                self._mapped.append((reply.version, weakref.ref(mapping)))
+                del mapping  # the views hold it: it goes with the last of them
             except PolicyFileError as exc:
                 # replaced since the reply (a newer version is out), or the publisher's host is not ours
                 self._file_misses += 1

@@ -13,11 +13,16 @@ Format: ``policy-<publisher token>-v<version>.bin``, every tensor's bytes contig
 each starting at a multiple of :data:`ALIGN` bytes; :class:`WeightSlot` says where. Nothing
 else is in the file: the reply carries the layout.
 
-Lifetime: a version's file is written once and never changed. The publisher removes the previous
-version's file when it has written the next one; a generator that has mapped it keeps reading
-its pages (an unlinked file lives until its last mapping goes), and one that has not yet opened
-it finds it gone and asks again (it gets the newer version). The readers map it copy-on-write, so
-a stray write into a received tensor changes that process's copy only.
+Lifetime: a version's file is not changed while a reader may map it. When the next version is out,
+the publisher renames the previous version's file to a spare's name (:func:`spare_name`): a
+generator that has mapped it keeps reading its pages, and one that has not yet opened it finds it
+gone and asks again (it gets the newer version). Once every reader it was named to has said it no
+longer maps it (``WeightsRequest.done``), the publisher writes a later version into it instead of
+allocating a new file (a fresh file's pages cost as much to zero as to fill, every version);
+otherwise it removes it, and the readers' mappings keep the unlinked file alive until they go. A
+file whose bytes were also sent as frames is never rewritten (a zero-copy send may still read it).
+The readers map it copy-on-write, so a stray write into a received tensor changes that process's
+copy only.
 
 The reader checks every name, dtype, shape and offset against the file before it maps anything
 (:func:`map_snapshot`), the same rule as every reply on a socket: bytes from elsewhere are decoded,
@@ -107,10 +112,11 @@ def allocate(directory: Path, name: str, size: int, *, populate: bool = False) -
 
 def write_snapshot(directory: Path, name: str, state: Mapping[str, torch.Tensor],
                    spare: tuple[str, int, mmap.mmap] | None = None
-                   ) -> tuple[int, list[WeightSlot], dict[str, torch.Tensor]]:
+                   ) -> tuple[int, list[WeightSlot], dict[str, torch.Tensor], mmap.mmap]:
     """Write ``state`` into the file ``directory/name``: a new one, or ``spare`` (name, size,
-    mapping: an :func:`allocate` d file of the same size) renamed; returns its size, its slots and
-    the written tensors as views of the writer's mapping (the same bytes, to serve over a socket)."""
+    mapping: an :func:`allocate` d file of the same size, or a retired version's that no reader
+    maps) renamed; returns its size, its slots, the written tensors as views of the writer's
+    mapping (the same bytes, to serve over a socket) and that mapping."""
     size, slots = layout(state)
     if spare is not None and spare[1] == size:
         os.rename(directory / spare[0], directory / name)
@@ -122,7 +128,17 @@ def write_snapshot(directory: Path, name: str, state: Mapping[str, torch.Tensor]
     views = _views(torch.frombuffer(mapped, dtype=torch.uint8), slots)
     for key, t in state.items():
         views[key].copy_(t.detach())  # from any device; a non-contiguous tensor lands contiguous
-    return size, slots, views
+    return size, slots, views, mapped
+
+
+def retire(directory: Path, name: str, spare: str) -> bool:
+    """Rename the file ``name`` to the spare name ``spare``: no reader opens it by its version's
+    name from now on. False where it is gone already."""
+    try:
+        os.rename(directory / name, directory / spare)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def map_snapshot(directory: Path, name: str, size: int, slots: list[WeightSlot]) -> dict[str, torch.Tensor]:
@@ -130,6 +146,14 @@ def map_snapshot(directory: Path, name: str, size: int, slots: list[WeightSlot])
 
     Raises :class:`PolicyFileError` for a name that is not a policy file's, a file that is gone
     or of another size, or a slot that does not fit it."""
+    return map_file(directory, name, size, slots)[0]
+
+
+def map_file(directory: Path, name: str, size: int, slots: list[WeightSlot]
+             ) -> tuple[dict[str, torch.Tensor], mmap.mmap]:
+    """:func:`map_snapshot`, and the mapping itself: the views hold it (one reference, from
+    their storage), so it is unmapped once the last view is gone, which a weak reference to it
+    tells."""
     if not _NAME.fullmatch(name):
         raise PolicyFileError(f"{name!r} is not a policy file's name")
     if size < 0:
@@ -157,7 +181,7 @@ def map_snapshot(directory: Path, name: str, size: int, slots: list[WeightSlot])
         mapped = mmap.mmap(fd, found, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return _views(torch.frombuffer(mapped, dtype=torch.uint8), slots)
+    return _views(torch.frombuffer(mapped, dtype=torch.uint8), slots), mapped
 
 
 def remove(directory: Path, name: str) -> None:

@@ -127,6 +127,7 @@ class EvalStage:
             if state is not None:
                 await self.ctx.run_sync(self.engine.load_state_dict, state)
                 self.version = version
+            state = None  # copied into the engine: its file's mapping goes now (WeightsRequest.done)
             await self._evaluate_and_report(self.version)
 
     async def _evaluate_and_report(self, version: int) -> None:

@@ -247,6 +247,9 @@ class FetchedWeights:
                         version, state = await policy.fetch(self.version, self.version + 1)
                         if state is not None and version > self.version:
                             await self._install(version, state)
+                        # installed (copied into the engine): unmapped now, so the next request
+                        # tells the publisher it may write a later version into the file
+                        state = None
                     self._wake()
             except PolicyTimeout as exc:  # no publisher answers: hold() asks for itself from now on
                 self.ctx.log.info("%s[%d]: no weights prefetch (%s: %s); each batch asks the publisher itself",
@@ -272,6 +275,7 @@ class FetchedWeights:
                 version, state = await self.ctx.policy.fetch(self.version, need)
                 if state is not None:
                     await self._install(version, state)
+                state = None  # not held across the generation: its file's mapping goes now
             yield EngineRollout(self.engine, self.version)
 
     async def follow(self) -> None:

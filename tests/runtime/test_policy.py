@@ -261,6 +261,77 @@ async def test_a_version_file_outlives_its_replacement_for_its_readers(file_publ
         sub.close()
 
 
+async def test_a_file_its_readers_are_done_with_takes_the_version_after_next(file_publisher: PolicyPublisher) -> None:
+    """A subscriber that installs each version and lets go of it says so with its next request
+    (``WeightsRequest.done``): the publisher writes the version after next into that file instead
+    of a new one (two files take turns), and every version still arrives bit for bit."""
+    pub = file_publisher
+    assert pub.files_dir is not None
+    sub = _subscriber(pub)
+    inode: dict[int, int] = {}
+    try:
+        for v in range(1, 7):
+            await pub.publish(v, _state(v))
+            inode[v] = (pub.files_dir / _version_files(pub)[0]).stat().st_ino
+            _, got = await sub.fetch(have=v - 1, need=v, timeout_s=10)
+            assert got is not None
+            _assert_bitwise_equal(got, _state(v))
+            del got  # installed: the mapping goes with the last view of it
+    finally:
+        sub.close()
+    assert [inode[v] == inode[v - 2] for v in range(3, 7)] == [True] * 4, inode
+    assert inode[1] != inode[2] and pub.files_reused == 4
+    assert len(list(pub.files_dir.iterdir())) <= 3  # the current version's, the retired one, a spare
+
+
+async def test_a_file_a_reader_still_maps_is_never_written_again(file_publisher: PolicyPublisher) -> None:
+    """A subscriber that keeps version 1's tensors reports nothing done (``done`` covers every
+    version up to the oldest it maps), so no file of its is rewritten: its tensors stay version
+    1's however many versions follow."""
+    pub = file_publisher
+    sub = _subscriber(pub)
+    try:
+        await pub.publish(1, _state(1))
+        _, kept = await sub.fetch(have=0, need=1, timeout_s=10)
+        assert kept is not None
+        for v in range(2, 6):
+            await pub.publish(v, _state(v))
+            _, got = await sub.fetch(have=v - 1, need=v, timeout_s=10)
+            assert got is not None
+            _assert_bitwise_equal(got, _state(v))
+            del got
+        _assert_bitwise_equal(kept, _state(1))
+        assert pub.files_reused == 0
+    finally:
+        sub.close()
+
+
+async def test_a_file_whose_bytes_went_out_as_frames_is_never_written_again(file_publisher: PolicyPublisher,
+                                                                              tmp_path: Path) -> None:
+    """The frames of a reply over the socket are views of the version's file, sent zero-copy: that
+    file is removed when its version is replaced, never written again, though every file reader
+    is done with it."""
+    pub = file_publisher
+    local = _subscriber(pub)
+    remote = PolicySubscriber(pub.endpoint, poll_s=0.5)  # no shared directory: frames
+    try:
+        for v in range(1, 5):
+            await pub.publish(v, _state(v))
+            _, got = await local.fetch(have=v - 1, need=v, timeout_s=10)
+            assert got is not None
+            del got
+            if v == 2:  # version 2 goes out as frames too
+                _, framed = await remote.fetch(have=0, need=2, timeout_s=10)
+                assert framed is not None and remote.files_mapped == 0
+                del framed
+        # version 1's file (its reader done with it) took version 3; version 2's (framed) was
+        # removed when version 3 came out, so version 4 got a file of its own
+        assert pub.files_reused == 1
+    finally:
+        local.close()
+        remote.close()
+
+
 async def test_the_next_versions_file_is_allocated_ahead_and_close_removes_every_file(tmp_path: Path) -> None:
     """After a publish a thread allocates the next version's file (a spare, never named in a
     reply); the next snapshot of the same size becomes that file; close() removes them all."""

@@ -34,7 +34,7 @@ def _state() -> dict[str, torch.Tensor]:
 @pytest.fixture
 def written(tmp_path: Path) -> tuple[Path, str, int, list[WeightSlot]]:
     name = file_name(new_token(), 7)
-    size, slots, _ = write_snapshot(tmp_path, name, _state())
+    size, slots, _, _ = write_snapshot(tmp_path, name, _state())
     return tmp_path, name, size, slots
 
 

@@ -23,9 +23,12 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 NUMPY = {"float32": np.float32, "int64": np.int64}  # the page's dtype names this test reads
 
 
-async def _ask(sock: zmq.asyncio.Socket, req_id: int, need: int, *, files: bool) -> list[bytes]:
+async def _ask(sock: zmq.asyncio.Socket, req_id: int, need: int, *, files: bool, done: int | None = None
+               ) -> list[bytes]:
     request = {"type": "weights_request", "req_id": req_id, "have": 0, "need": need, "want_weights": True,
                "timeout_s": 5.0, "files": files}
+    if done is not None:
+        request["done"] = done
     await sock.send(msgpack.packb(request))
     with anyio.fail_after(10):
         return await sock.recv_multipart()
@@ -63,6 +66,45 @@ async def test_a_subscriber_from_the_page_maps_the_version_file(file_publisher: 
         frames = await _ask(sock, 42, 1, files=False)
         reply = msgpack.unpackb(frames[0])
         assert reply["file"] is None and reply["names"] == [["w"], ["steps"]] and len(frames) > 1
+    finally:
+        sock.close()
+
+
+async def test_a_subscriber_from_the_page_that_says_done_gets_its_file_reused(file_publisher: PolicyPublisher,
+                                                                             tmp_path: Path) -> None:
+    """§2 ``done`` and §4's lifetime: a file stays as written while a subscriber it was named to
+    may map it; once that subscriber says it maps no file of a version <= v, the publisher may write
+    a later version into version v's file (streamrl's keeps the file of the version before the
+    current one for that, and writes the version after next into it)."""
+    directory = tmp_path / "shm" / "policy"
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(file_publisher.endpoint)
+    try:
+        await file_publisher.publish(1, {"w": torch.full((300,), 1.0)})
+        reply = msgpack.unpackb((await _ask(sock, 1, 1, files=True))[0])
+        fd = os.open(directory / reply["file"], os.O_RDONLY)
+        view = mmap.mmap(fd, reply["file_bytes"], flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        await file_publisher.publish(2, {"w": torch.full((300,), 2.0)})
+        # not said done: version 1's bytes stay as they are under this mapping, whatever comes next
+        reply = msgpack.unpackb((await _ask(sock, 2, 2, files=True))[0])
+        second_inode = os.stat(directory / reply["file"]).st_ino
+        await file_publisher.publish(3, {"w": torch.full((300,), 3.0)})
+        assert np.frombuffer(view, dtype=np.float32, count=300).tolist() == [1.0] * 300
+        view.close()
+        # unmapped, and said so (version 2's file it never mapped): version 2's file, retired when
+        # version 3 came out, takes version 4 (version 1's was removed then: still mapped)
+        reply = msgpack.unpackb((await _ask(sock, 3, 3, files=True, done=2))[0])
+        await file_publisher.publish(4, {"w": torch.full((300,), 4.0)})
+        reply = msgpack.unpackb((await _ask(sock, 4, 4, files=True, done=3))[0])
+        assert reply["version"] == 4
+        fd = os.open(directory / reply["file"], os.O_RDONLY)
+        try:
+            assert os.fstat(fd).st_ino == second_inode
+            assert np.frombuffer(os.read(fd, 1200), dtype=np.float32).tolist() == [4.0] * 300
+        finally:
+            os.close(fd)
     finally:
         sock.close()
 
