@@ -133,7 +133,9 @@ class _VersionFile:
     version: int
     # peers a reply named it to that have not said they are done with it (WeightsRequest.done)
     readers: set[bytes] = field(default_factory=set)
-    framed: bool = False  # its bytes went out as frames too (a zero-copy send may read them): never rewritten
+    # never written again: its bytes went out as frames too (a zero-copy send may still read them),
+    # or it was named to more peers than its readers keep
+    frozen: bool = False
 
 
 @dataclass
@@ -250,14 +252,14 @@ class PolicyPublisher:
 
     def _retire(self, previous: _VersionFile) -> None:
         """The previous version's file once the next is current: kept under a spare's name for a
-        later version while its readers may still map it, unless its bytes went out as frames;
-        the one retired before it is removed (its readers keep their mappings)."""
+        later version while its readers may still map it, unless it is frozen (removed then); the
+        one retired before it is removed (its readers keep their mappings)."""
         assert self.files_dir is not None
         with self._spare_lock:
             older, self._retired = self._retired, None
         if older is not None:
             policy_file.remove(self.files_dir, older.name)
-        if previous.framed:
+        if previous.frozen:
             policy_file.remove(self.files_dir, previous.name)
             return
         spare = policy_file.spare_name(self._token, next(self._spares))
@@ -359,7 +361,10 @@ class PolicyPublisher:
                 and self.version >= req.need):
             f = self._file
             with self._spare_lock:
-                f.readers.add(identity)  # until it says it is done with this version (req.done)
+                if len(f.readers) < MAX_WAITING:
+                    f.readers.add(identity)  # until it says it is done with this version (req.done)
+                else:  # more peers than a run has: keep no more state for them, never rewrite this file
+                    f.frozen = True
             reply = WeightsReply(req.req_id, self.version, file=f.name, file_bytes=f.size, slots=f.slots)
             self.files_served += 1
         elif req.want_weights and self.version > req.have and self.version >= req.need and self._tensors:
@@ -378,7 +383,7 @@ class PolicyPublisher:
             reply = WeightsReply(req.req_id, self.version, names, cols)
             self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
             if self._file is not None:  # the frames are views of the file: never write into it again
-                self._file.framed = True
+                self._file.frozen = True
         try:
             if not self.link.try_send([identity, _encoder.encode(reply), *frames]):
                 log.warning("could not answer a weights request: the subscriber takes no more messages now")
