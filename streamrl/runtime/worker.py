@@ -144,14 +144,17 @@ class _Meter:
         self.samples += samples
         self.flush()
 
-    def busy_now(self) -> float:
-        running = time.perf_counter() - self._started if self._started is not None else 0.0
-        return self.busy_s + running
-
     def flush(self) -> None:
+        # The busy total and the running batch's seconds from one clock reading: the launcher takes
+        # their difference as the finished batches' seconds, and one that shrinks as a restarted
+        # worker's (counting its whole history again). Two readings differed by however long this
+        # thread waited between them (for the GIL, while the compute thread runs): a later report
+        # with a shorter wait looked like a restart, and a step's row counted the worker busy all
+        # through it.
+        now = time.perf_counter()
         # a running batch reports a positive in_batch_s even at its first instant
-        in_batch = max(time.perf_counter() - self._started, 1e-9) if self._started is not None else 0.0
-        self.control.busy(self.busy_now(), self.batches, self.samples, in_batch, time.time())
+        in_batch = max(now - self._started, 1e-9) if self._started is not None else 0.0
+        self.control.busy(self.busy_s + in_batch, self.batches, self.samples, in_batch, time.time())
 
     async def report_every(self, interval_s: float) -> None:
         """Tell the launcher the busy time so far, in flight included, until cancelled. Sent even

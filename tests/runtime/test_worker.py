@@ -288,3 +288,43 @@ print(seen[0], torch.get_num_threads())
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["3", "1"], out.stdout + out.stderr
+
+
+def test_a_busy_report_never_shrinks_the_finished_seconds_the_launcher_derives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's busy report says its busy seconds (the running batch's included) and the running
+    batch's seconds; the launcher takes the difference as its finished batches' seconds, and one
+    that shrinks as a restarted worker's, counting its whole history again (a CI run's trainer
+    row counted busy all through a step that way). Both come from one clock reading, so a thread
+    that waits between two readings (for the GIL) changes neither the difference nor the row."""
+    import asyncio
+    import time
+
+    from streamrl.runtime.worker import _Meter
+
+    class Control:
+        closed = False
+        hold_figures = False
+        before_step = None
+
+        def __init__(self) -> None:
+            self.reports: list[tuple[float, float]] = []
+
+        def busy(self, busy_s: float, batches: int, samples: int, in_batch_s: float, measured_at: float) -> None:
+            self.reports.append((busy_s, in_batch_s))
+
+    # the batch begins at 10.0; the first report's thread waits 0.1 s between two readings (10.5,
+    # 10.6), the second's does not (11.0, 11.0000001)
+    readings = iter([10.0, 10.5, 10.6, 11.0, 11.0000001])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(readings))
+    control = Control()
+    meter = _Meter(control, "train")  # type: ignore[arg-type]
+
+    async def batch() -> None:
+        meter.begin()
+        meter.flush()
+        meter.flush()
+
+    asyncio.run(batch())
+    finished = [busy - in_batch for busy, in_batch in control.reports]
+    assert finished == [0.0, 0.0]  # before: 0.1, then 1e-7 (a "restart")
+    assert [in_batch for _, in_batch in control.reports] == [pytest.approx(0.5), pytest.approx(0.6)]
