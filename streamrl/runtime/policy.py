@@ -109,6 +109,27 @@ class PolicyTimeout(TimeoutError):
     """The version a stage needs did not appear in time (is the trainer alive?)."""
 
 
+@dataclass
+class VersionFile:
+    """A version's file as the publisher holds it: the current version's, or the one before it
+    (retired: renamed to a spare's name) until a later version is written into it or it is removed."""
+
+    name: str  # in the shm directory
+    size: int  # bytes
+    slots: list[WeightSlot]
+    mapping: mmap.mmap  # the publisher's writable mapping of it
+    version: int
+    # peers a reply named it to that have not said they are done with it (WeightsRequest.done)
+    readers: set[bytes] = field(default_factory=set)
+    # never written again: its bytes went out as frames too (a zero-copy send may still read them),
+    # or it was named to more peers than its readers keep
+    frozen: bool = False
+
+    def rewritable_as(self, size: int) -> bool:
+        """A later version of ``size`` bytes may be written into it: no reader maps it any more."""
+        return not self.frozen and not self.readers and self.size == size
+
+
 @dataclass(frozen=True)
 class PolicySnapshot:
     """One version's weights as the publisher serves them (:meth:`PolicyPublisher.snapshot`): host
@@ -117,25 +138,7 @@ class PolicySnapshot:
     version: int
     names: list[str]
     tensors: list[torch.Tensor]
-    file: tuple[str, int, list[WeightSlot]] | None  # (name in the shm directory, bytes, slots)
-    mapping: mmap.mmap | None = None  # the publisher's writable mapping of the file
-
-
-@dataclass
-class _VersionFile:
-    """A version's file as the publisher holds it: the current version's, or the one before it
-    (retired: renamed to a spare's name) until a later version is written into it or it is removed."""
-
-    name: str
-    size: int
-    slots: list[WeightSlot]
-    mapping: mmap.mmap
-    version: int
-    # peers a reply named it to that have not said they are done with it (WeightsRequest.done)
-    readers: set[bytes] = field(default_factory=set)
-    # never written again: its bytes went out as frames too (a zero-copy send may still read them),
-    # or it was named to more peers than its readers keep
-    frozen: bool = False
+    file: VersionFile | None
 
 
 @dataclass
@@ -174,14 +177,16 @@ class PolicyPublisher:
             self.files_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.writes_files = self.files_dir is not None  # false once the directory could not hold a version
         self._token = policy_file.new_token()
-        self._file: _VersionFile | None = None  # the current version's file
+        self._file: VersionFile | None = None  # the current version's file
         # the previous version's, renamed to a spare's name: written again once no reader maps it
-        self._retired: _VersionFile | None = None
+        self._retired: VersionFile | None = None
         self.files_reused = 0  # versions written into a retired version's file instead of a new one
         # a file allocated ahead for the next version (name, bytes, mapping), made by a thread of its own
         # while training goes on: a fresh file's pages cost as much to zero as to fill
         self._spare: tuple[str, int, mmap.mmap] | None = None
-        self._spare_lock = threading.Lock()
+        # _spare, _retired and the files' readers: the compute thread's snapshot, the spare's thread
+        # and the event loop all touch them
+        self._files_lock = threading.Lock()
         self._spare_maker: threading.Thread | None = None
         self._spares = itertools.count()
         self.bytes_sent = 0
@@ -210,7 +215,8 @@ class PolicyPublisher:
                             "as every later version's", version, self.files_dir, exc)
                 self.writes_files = False
             else:
-                return PolicySnapshot(version, names, list(views.values()), (name, size, slots), mapped)
+                return PolicySnapshot(version, names, list(views.values()),
+                                      VersionFile(name, size, slots, mapped, version))
         if owned and all(t.device.type == "cpu" for t in state.values()):
             return PolicySnapshot(version, names, [t.detach() for t in state.values()], None)
         return PolicySnapshot(version, names, [t.detach().to("cpu", copy=True) for t in state.values()], None)
@@ -231,14 +237,10 @@ class PolicyPublisher:
                                      + (" and a state" if state is not None else ""))
             except ValueError:
                 if snapshot.file is not None and self.files_dir is not None:
-                    policy_file.remove(self.files_dir, snapshot.file[0])  # never served: nothing maps it
+                    policy_file.remove(self.files_dir, snapshot.file.name)  # never served: nothing maps it
                 raise
         previous = self._file
-        self._names, self._tensors = snapshot.names, snapshot.tensors
-        self._file = None
-        if snapshot.file is not None and snapshot.mapping is not None:
-            name, size, slots = snapshot.file
-            self._file = _VersionFile(name, size, slots, snapshot.mapping, version)
+        self._names, self._tensors, self._file = snapshot.names, snapshot.tensors, snapshot.file
         self.version = version
         if previous is not None:
             self._retire(previous)
@@ -250,12 +252,12 @@ class PolicyPublisher:
         if version <= self.version and self._tensors:
             raise ValueError(f"policy versions must increase: {version} after {self.version}")
 
-    def _retire(self, previous: _VersionFile) -> None:
+    def _retire(self, previous: VersionFile) -> None:
         """The previous version's file once the next is current: kept under a spare's name for a
         later version while its readers may still map it, unless it is frozen (removed then); the
         one retired before it is removed (its readers keep their mappings)."""
         assert self.files_dir is not None
-        with self._spare_lock:
+        with self._files_lock:
             older, self._retired = self._retired, None
         if older is not None:
             policy_file.remove(self.files_dir, older.name)
@@ -265,15 +267,15 @@ class PolicyPublisher:
         spare = policy_file.spare_name(self._token, next(self._spares))
         if policy_file.retire(self.files_dir, previous.name, spare):
             previous.name = spare
-            with self._spare_lock:
+            with self._files_lock:
                 self._retired = previous
 
     def _take_spare(self, size: int) -> tuple[str, int, mmap.mmap] | None:
         """The file the next version is written into: the retired version's where no reader maps
         it any more and its size fits, else the spare allocated ahead (None: a new file)."""
-        with self._spare_lock:
+        with self._files_lock:
             retired = self._retired
-            if retired is not None and not retired.readers and retired.size == size:
+            if retired is not None and retired.rewritable_as(size):
                 self._retired = None
                 self.files_reused += 1
                 return retired.name, retired.size, retired.mapping
@@ -282,7 +284,7 @@ class PolicyPublisher:
 
     def _release(self, peer: bytes, done: int) -> None:
         """``peer`` maps no file of a version <= ``done`` any more."""
-        with self._spare_lock:
+        with self._files_lock:
             for f in (self._file, self._retired):
                 if f is not None and f.version <= done:
                     f.readers.discard(peer)
@@ -292,10 +294,9 @@ class PolicyPublisher:
         that size is ready, or the version just retired is free to be written again)."""
         if self._spare_maker is not None and self._spare_maker.is_alive():
             return
-        with self._spare_lock:
+        with self._files_lock:
             retired, spare = self._retired, self._spare
-            if (retired is not None and not retired.readers and retired.size == size) or (
-                    spare is not None and spare[1] == size):
+            if (retired is not None and retired.rewritable_as(size)) or (spare is not None and spare[1] == size):
                 return
         assert self.files_dir is not None
         directory, name = self.files_dir, policy_file.spare_name(self._token, next(self._spares))
@@ -306,7 +307,7 @@ class PolicyPublisher:
             except OSError as exc:  # out of shared memory: the next snapshot allocates its own file
                 log.warning("could not allocate the next policy version's file: %s", exc)
                 return
-            with self._spare_lock:
+            with self._files_lock:
                 old, self._spare = self._spare, (name, size, mapped)
             if old is not None:
                 policy_file.remove(directory, old[0])
@@ -360,7 +361,7 @@ class PolicyPublisher:
         if (req.want_weights and req.files and self._file is not None and self.version > req.have
                 and self.version >= req.need):
             f = self._file
-            with self._spare_lock:
+            with self._files_lock:
                 if len(f.readers) < MAX_WAITING:
                     f.readers.add(identity)  # until it says it is done with this version (req.done)
                 else:  # more peers than a run has: keep no more state for them, never rewrite this file
@@ -395,7 +396,7 @@ class PolicyPublisher:
         if self.files_dir is not None:
             if self._spare_maker is not None:
                 self._spare_maker.join(timeout=30)
-            with self._spare_lock:
+            with self._files_lock:
                 spare, self._spare = self._spare, None
                 retired, self._retired = self._retired, None
             names = [f.name for f in (self._file, retired) if f is not None] + ([spare[0]] if spare else [])
