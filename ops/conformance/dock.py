@@ -374,6 +374,17 @@ class Suite:
                f"a released sample comes back with returned 1 (SampleInfo's sixth element): {again}")
         expect(self.ack(again["lease_id"]).get("type") == "ok", "ack after release refused")
 
+    def c_e_one_reserve(self) -> None:
+        first = self.fresh_samples(2)
+        second = self.fresh_samples(2)
+        reply = self.claim(4, one_reserve=True)
+        expect(reply.get("type") == "claimed", f"claim answered with {reply}")
+        got = sorted(s[0] for s in reply["samples"])
+        expect(got == sorted(first), f"one_reserve claimed {got}: expected the first reserve's {sorted(first)} only")
+        expect(self.ack(reply["lease_id"]).get("type") == "ok", "ack refused")
+        rest = self.claim_exactly(second)
+        expect(self.ack(rest["lease_id"]).get("type") == "ok", "ack refused")
+
     def c_f_lease_expiry(self) -> None:
         idx = self.fresh_samples(2)
         short = Conn(self.ctx, self.args.controller, self.args.timeout)

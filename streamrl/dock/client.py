@@ -172,6 +172,11 @@ class DockClient:
         self.capacity = 0
         self._leases: dict[int, Lease] = {}
         self._partly_acked: dict[int, set[int]] = {}  # lease id -> indices acked so far, for a lease acked in parts
+        # one put, ack or release at a time: a worker that stops gives back its prefetched batch from
+        # one task while another may still put or give back the batch it ran, and the spans of the
+        # trace's reserve/put/ack track must nest (docs/observability.md). fast_acquire: an uncontended
+        # acquire does not yield to the event loop (the hot path: one put a batch)
+        self._out_lane = anyio.Lock(fast_acquire=True)
         # claims this client stopped waiting for (cancelled, timed out): if the controller grants
         # one anyway, the late reply is released at once instead of holding samples until the TTL
         self._abandoned_claims: set[int] = set()
@@ -423,8 +428,9 @@ class DockClient:
             )
             await self._request(self._warehouses[wid], req, frames)
 
-        with tracer().span("put", "dock_out", "dock", samples=n, **({"ack": True} if ack is not None else {})):
-            await self._fan_out(send, self._split(indices))
+        async with self._out_lane:
+            with tracer().span("put", "dock_out", "dock", samples=n, **({"ack": True} if ack is not None else {})):
+                await self._fan_out(send, self._split(indices))
         if ack is not None:
             self._acked(ack, indices)
 
@@ -460,13 +466,15 @@ class DockClient:
         balance_by_length: bool = False,
         min_version: int | None = None,
         timeout: float | None = None,
+        one_reserve: bool = False,
     ) -> Lease:
         """Lease up to ``n`` samples whose ``reads`` are ready and ``consumer`` has not had.
 
         Waits until ``min_n`` are claimable (or, at ``timeout``, takes any that are); raises
         :class:`DockTimeout` if none came in time, :class:`EndOfStream` if none ever will.
         ``whole_groups`` returns only complete groups; ``balance_by_length`` picks samples of
-        similar length; ``min_version`` drops (for this consumer) samples of older versions.
+        similar length; ``min_version`` drops (for this consumer) samples of older versions;
+        ``one_reserve`` takes samples of one producer's reserve (one :meth:`add`) only.
         """
         deadline = time.monotonic() + (timeout if timeout is not None else math.inf)
         dropped = 0
@@ -475,7 +483,8 @@ class DockClient:
                 left = deadline - time.monotonic()
                 last_poll = left <= LONG_POLL_S  # only the final poll may settle for fewer than min_n
                 lease = await self._claim_once(consumer, reads, n, min_n, whole_groups, balance_by_length,
-                                               min_version, max(0.0, min(LONG_POLL_S, left)), last_poll)
+                                               min_version, max(0.0, min(LONG_POLL_S, left)), last_poll,
+                                               one_reserve)
                 dropped += lease.dropped_stale
                 if lease.samples:
                     lease.dropped_stale = dropped
@@ -493,10 +502,11 @@ class DockClient:
         whole_groups: bool = False,
         balance_by_length: bool = False,
         min_version: int | None = None,
+        one_reserve: bool = False,
     ) -> Lease:
         """Claim what is ready now (one round trip); :class:`NothingToClaim` if nothing is."""
         lease = await self._claim_once(consumer, reads, n, 1, whole_groups, balance_by_length, min_version, 0.0,
-                                       True)
+                                       True, one_reserve)
         if not lease.samples:
             raise NothingToClaim(f"nothing ready for consumer {consumer!r}")
         return lease
@@ -512,10 +522,11 @@ class DockClient:
         min_version: int | None,
         wait_s: float,
         partial_at_timeout: bool,
+        one_reserve: bool = False,
     ) -> Lease:
         assert self._ctl is not None
         req = p.Claim(self._next_id(), self.client_id, consumer, list(reads), n, min_n, whole_groups, balance,
-                      min_version, wait_s, partial_at_timeout)
+                      min_version, wait_s, partial_at_timeout, one_reserve)
         reply, _ = await self._request(self._ctl, req, timeout=wait_s + self.request_timeout_s)
         reply = _expect(reply, p.Claimed, "controller")
         if reply.end and not reply.samples:
@@ -552,12 +563,13 @@ class DockClient:
         """Done with (some of) the lease's samples: they are never delivered to this consumer again.
         ``discard``: nor to any other consumer that has not claimed them yet (they leave the run)."""
         assert self._ctl is not None
-        with tracer().span("ack", "dock_out", "dock", samples=len(indices) if indices is not None else len(lease)):
-            await self._request(
-                self._ctl,
-                p.Ack(self._next_id(), self.client_id, lease.lease_id, list(indices) if indices is not None else None,
-                      discard=discard),
-            )
+        async with self._out_lane:
+            with tracer().span("ack", "dock_out", "dock", samples=len(indices) if indices is not None else len(lease)):
+                await self._request(
+                    self._ctl,
+                    p.Ack(self._next_id(), self.client_id, lease.lease_id,
+                          list(indices) if indices is not None else None, discard=discard),
+                )
         self._acked(lease, indices)
 
     def _acked(self, lease: Lease, indices: Sequence[int] | None) -> None:
@@ -575,8 +587,9 @@ class DockClient:
         assert self._ctl is not None
         self._leases.pop(lease.lease_id, None)
         self._partly_acked.pop(lease.lease_id, None)
-        with tracer().span("release", "dock_out", "dock", samples=len(lease)):
-            await self._request(self._ctl, p.Release(self._next_id(), self.client_id, lease.lease_id))
+        async with self._out_lane:
+            with tracer().span("release", "dock_out", "dock", samples=len(lease)):
+                await self._request(self._ctl, p.Release(self._next_id(), self.client_id, lease.lease_id))
 
     async def stream(
         self,

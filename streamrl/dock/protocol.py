@@ -153,6 +153,9 @@ class Claim(_Msg, tag="claim"):
     min_version: Id | None = None
     timeout_s: Seconds | None = 0.0  # how long the controller holds the claim open waiting for samples
     partial_at_timeout: bool = True  # at timeout, hand out fewer than min_n rather than none
+    # hand out samples of one reserve only (the first one picked's): e.g. one step's prompts, so a
+    # generator never holds prompts of a step whose policy version waits on its own batch
+    one_reserve: bool = False
 
 
 class Ack(_Msg, tag="ack"):

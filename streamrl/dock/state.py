@@ -46,10 +46,12 @@ class ProtocolViolation(Exception):
 
 class _Sample:
     __slots__ = ("discarded", "group", "group_size", "group_start", "index", "length", "n_done", "ready",
-                 "returned", "state", "version")
+                 "reserve", "returned", "state", "version")
 
-    def __init__(self, index: int, group: int, group_start: int, group_size: int, n_consumers: int) -> None:
+    def __init__(self, index: int, group: int, group_start: int, group_size: int, n_consumers: int,
+                 reserve: int = 0) -> None:
         self.index = index
+        self.reserve = reserve  # the serial number of the reserve that allocated it (claims with one_reserve)
         self.group = group
         self.group_start = group_start
         self.group_size = group_size
@@ -148,6 +150,7 @@ class ControllerState:
         self.n_reserved = 0  # samples reserved so far (indices may skip block tails when block > 1)
         self.client_home: dict[str, int] = {}  # client id -> the warehouse on its node (hello.home_warehouse)
         self.next_group = 0
+        self.reserves = 0  # reserve calls so far: a sample's ``reserve`` is the serial number of its own
         self.next_lease = itertools.count(1)
         self.leases: dict[int, _Lease] = {}
         self.client_leases: dict[str, set[int]] = {}
@@ -230,11 +233,13 @@ class ControllerState:
                 self.next_round_robin = (warehouse + 1) % self.n_warehouses
             starts = self._block_starts(warehouse, n // group_size, group_size)
             self.reserved_by_warehouse[warehouse] += n
+        self.reserves += 1
+        serial = self.reserves
         for start in starts:
             g = self.next_group
             self.next_group += 1
             for i in range(start, start + group_size):
-                self.samples[i] = _Sample(i, g, start, group_size, nc)
+                self.samples[i] = _Sample(i, g, start, group_size, nc, serial)
                 indices.append(i)
                 groups.append(g)
                 for view in self.views:  # a consumer that reads nothing may claim it at once
@@ -453,7 +458,7 @@ class ControllerState:
             if dropped or self.at_end(view.consumer):
                 return p.Claimed(req.req_id, 0, [], dropped, self.at_end(view.consumer))
             return None
-        picked = self._pop(view, req.n, req.balance_by_length)
+        picked = self._pop(view, req.n, req.balance_by_length, req.one_reserve)
         lease = _Lease(next(self.next_lease), req.client_id, view.consumer, set(picked))
         self.leases[lease.lease_id] = lease
         self.client_leases.setdefault(req.client_id, set()).add(lease.lease_id)
@@ -473,13 +478,21 @@ class ControllerState:
         self.counters["samples_claimed"] += len(picked)
         return p.Claimed(req.req_id, lease.lease_id, infos, dropped, False)
 
-    def _pop(self, view: _View, n: int, balance: bool) -> list[int]:
+    def _pop(self, view: _View, n: int, balance: bool, one_reserve: bool = False) -> list[int]:
+        """Take a claim's samples from the front of ``view``'s queue; ``one_reserve``: only those of
+        the reserve of the first one taken (the queue is FIFO, so they lead it)."""
+        queue = view.queue
         if not view.whole_groups:
-            if not balance or len(view.queue) <= n:
-                return [view.queue.popleft() for _ in range(min(n, len(view.queue)))]
-            # length balancing over a window of 4n: the n samples of closest lengths, so a
+            # length balancing looks at a window of 4n: the n samples of closest lengths, so a
             # micro-batch pads little; the others go back to the front in their old order
-            window = [view.queue.popleft() for _ in range(min(4 * n, len(view.queue)))]
+            width = min(4 * n if balance else n, len(queue))
+            if one_reserve and queue:
+                reserve = self.samples[queue[0]].reserve
+                width = next((k for k, i in enumerate(itertools.islice(queue, width))
+                              if self.samples[i].reserve != reserve), width)
+            if not balance or width <= n:
+                return [queue.popleft() for _ in range(min(n, width))]
+            window = [queue.popleft() for _ in range(width)]
             by_len = sorted(window, key=lambda i: self.samples[i].length)
             spread = [
                 self.samples[by_len[k + n - 1]].length - self.samples[by_len[k]].length
@@ -490,6 +503,7 @@ class ControllerState:
             view.queue.extendleft(reversed([i for i in window if i not in chosen]))
             return [i for i in window if i in chosen]
         picked: list[int] = []
+        reserve: int | None = None
         while view.queue:
             start = view.queue[0]
             members = [
@@ -499,6 +513,11 @@ class ControllerState:
             ]
             if picked and len(picked) + len(members) > n:
                 break  # whole groups only: the next group would overflow the micro-batch
+            if one_reserve and members:
+                if reserve is None:
+                    reserve = self.samples[members[0]].reserve
+                elif self.samples[members[0]].reserve != reserve:
+                    break  # the next group came from another reserve
             view.queue.popleft()
             del view.queued_groups[start]
             view.queued_pending -= len(members)

@@ -17,7 +17,9 @@ A *source* stage (no ``reads``) has ``async def produce(self) -> Output | None``
 call returns the columns of new samples (``Output.group_size`` consecutive samples form a group),
 None when it has no more. Optional ``async def wait_ready(self)``: what it waits for before the next
 ``produce`` (e.g. a policy version), awaited by the runtime apart, so waiting is not counted as
-the stage's busy time.
+the stage's busy time. A processing stage's optional ``async def wait_ready_for(self, batch)``
+is the same for a claimed batch, before its ``process`` (the generate stage: the batch's policy
+version installed).
 
 A *side* stage (no ``reads``, no ``writes``: e.g. evaluation) has ``async def run(self) -> None``
 instead: it works beside the dataflow until it returns or the run stops (Stop cancels it).
@@ -25,6 +27,9 @@ instead: it works beside the dataflow until it returns or the run stops (Stop ca
 Optional: a class attribute ``max_workers = N`` (the pipeline check refuses more workers),
 and ``def claim_size(self) -> ClaimSize`` to change how many samples the next claim asks
 for and the oldest policy version it accepts (the trainer uses it to fill exactly one step).
+``self.claims_one_reserve = True`` (set in ``setup``) makes each claim take samples of one
+source ``produce`` only (the dock's ``one_reserve``): a generator does so when its source may
+put a step's prompts before their policy version is out (:mod:`streamrl.stages.source`).
 Raise :class:`StopRun` from ``process`` to end the whole run successfully (e.g. target reached).
 
 A worker that computes together with another one instead of claiming (a tensor-parallel rank

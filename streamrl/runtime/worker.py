@@ -438,6 +438,9 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
     per hop when the pipeline streams). At most one lease waits; if the loop stops, the waiting
     lease is released so another worker gets its samples."""
     send, receive = anyio.create_memory_object_stream[tuple[Lease, dict[str, list[Any]]]](0)
+    # a stage may take one producer's reserve at a time (a generator when its source runs ahead:
+    # streamrl.stages.source)
+    one_reserve = bool(getattr(stage, "claims_one_reserve", False))
 
     async def fetcher() -> None:
         async with send:
@@ -445,7 +448,7 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
                 try:
                     lease = await dock.claim(spec.name, spec.reads, spec.micro_batch,
                                              whole_groups=spec.whole_groups,
-                                             balance_by_length=spec.balance_by_length)
+                                             balance_by_length=spec.balance_by_length, one_reserve=one_reserve)
                 except EndOfStream:
                     return
                 handed = False
@@ -491,10 +494,14 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
                          columns: dict[str, list[Any]] | None, meter: _Meter) -> None:
     if columns is None:
         columns = await dock.fetch(lease.indices, spec.reads)
+    batch = Batch(lease.samples, columns)
+    wait_ready = getattr(stage, "wait_ready_for", None)
+    if wait_ready is not None:  # waiting (e.g. for the batch's policy version) is not work: outside the meter
+        await wait_ready(batch)
     meter.begin()
     result: Any = None
     try:
-        result = await stage.process(Batch(lease.samples, columns))
+        result = await stage.process(batch)
     except StopRun:
         # the stage consumed these before deciding to stop. Shielded: every trainer rank raises StopRun
         # at the same step, and the Stop that the first one's request brings must not cancel another

@@ -140,6 +140,11 @@ class ChainStage:
         """Where a link generates: the pre-run checks then fit prompt + completion to the model."""
         return any(_links_say(spec, "generates"))
 
+    @staticmethod
+    def claims_one_step(spec: StageSpec) -> bool:
+        """Where a link does (a generate link): the chain's claims are its links' claims."""
+        return any(_links_say(spec, "claims_one_step"))
+
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
         """Before anything starts: each link is a stage the chain can run, checked as a stage of its
@@ -218,6 +223,15 @@ class ChainStage:
         except BaseException:
             await self.close()  # the links already set up, so nothing they opened is left behind
             raise
+        self.claims_one_reserve = any(getattr(stage, "claims_one_reserve", False) for _, stage in self.links)
+
+    async def wait_ready_for(self, batch: Batch) -> None:
+        """What the links wait for before a batch (a generate link: its policy version), outside
+        the chain's busy time."""
+        for _, stage in self.links:
+            wait_ready = getattr(stage, "wait_ready_for", None)
+            if wait_ready is not None:
+                await wait_ready(batch)
 
     async def process(self, batch: Batch) -> Output:
         n = len(batch.samples)

@@ -102,6 +102,12 @@ class WeightSource(Protocol):
         (waits for one) that no install replaces until the block ends."""
         ...
 
+    async def wait_installed(self, need: int) -> None:
+        """Until a version ``>= need`` is installed, where the source installs versions as they come
+        (placement separate); at once elsewhere (``hold`` waits). The generate stage awaits it before
+        its batch's busy time begins: waiting for the trainer is not work."""
+        ...
+
     async def follow(self) -> None: ...
 
     async def close(self) -> None: ...
@@ -187,8 +193,8 @@ class FetchedWeights:
     """Placement separate: the worker's own rollout engine, fed by the train stage's ``PolicyPublisher``.
 
     A background task, started by the first ``hold``, installs each version as soon as the trainer
-    publishes it (``_prefetch``), so that a synchronous run (``max_staleness: 0``) installs version
-    v while the source makes the step's prompts, not after this worker has claimed them. ``hold``
+    publishes it (``_prefetch``), so that a synchronous run (``max_staleness: 0``) starts generating
+    the step's prompts, claimed while the step before trained, once the install is done. ``hold``
     waits until a version ``>= need`` is installed; installs and generations exclude each other
     (one lock), so no install lands under a generation. Should no publisher answer (a pipeline
     without a trainer), the task stops and ``hold`` asks the publisher itself; a failed install
@@ -235,16 +241,17 @@ class FetchedWeights:
 
     async def _prefetch(self, scope: anyio.CancelScope) -> None:
         # The only user of the policy subscriber while it runs (one DEALER: concurrent requests
-        # would take each other's replies). It waits for the version number first and fetches the
-        # weights under the lock, so a mapped version is installed at once, never held across a
-        # generation while the publisher reuses its file.
+        # would take each other's replies). One long poll asks for the next version's weights, so
+        # a synchronous run's generators have them one round trip after the publish, not two (a
+        # wait for the number, then a fetch). A version that comes during a generation stays
+        # mapped until the lock is free: its file is not rewritten while this worker has not said
+        # it is done with it (WeightsRequest.done), so that costs the publisher a file, not bytes.
         policy = self.ctx.policy
         with scope:
             try:
                 while True:
-                    await policy.wait_version(self.version + 1)
+                    version, state = await policy.fetch(self.version, self.version + 1)
                     async with self._lock:
-                        version, state = await policy.fetch(self.version, self.version + 1)
                         if state is not None and version > self.version:
                             await self._install(version, state)
                         # installed (copied into the engine): unmapped now, so the next request
@@ -258,18 +265,21 @@ class FetchedWeights:
                 self._prefetching = False
                 self._wake()
 
-    @asynccontextmanager
-    async def hold(self, need: int) -> AsyncIterator[Rollout]:
-        assert self.engine is not None
+    async def wait_installed(self, need: int) -> None:
         tasks = getattr(self.ctx, "tasks", None)  # the worker's task group (absent: a stage driven by hand)
         if self._prefetch_scope is None and tasks is not None:
-            # started by the first hold, once the run has started: the publisher serves by then,
+            # started by the first batch, once the run has started: the publisher serves by then,
             # however long the trainer took to set up
             self._prefetch_scope = anyio.CancelScope()
             self._prefetching = True
             tasks.start_soon(self._prefetch, self._prefetch_scope)
         while self._prefetching and self.version < need:
             await self._installed.wait()
+
+    @asynccontextmanager
+    async def hold(self, need: int) -> AsyncIterator[Rollout]:
+        assert self.engine is not None
+        await self.wait_installed(need)
         async with self._lock:
             if not self._prefetching:
                 version, state = await self.ctx.policy.fetch(self.version, need)
@@ -330,6 +340,9 @@ class _LeasedWeights:
         ctx.log.info("%s[%d]: vllm rollout engine ready in %.1f s", ctx.spec.name, ctx.worker, engine.startup_s)
         ctx.report_metrics({"engine_startup_s": engine.startup_s})
         return engine
+
+    async def wait_installed(self, need: int) -> None:
+        return  # installed by another party: hold waits for it
 
     @asynccontextmanager
     async def hold(self, need: int) -> AsyncIterator[Rollout]:

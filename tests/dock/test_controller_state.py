@@ -35,11 +35,14 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
     acked: dict[str, list[int]] = {c: [] for c in CONSUMERS}
     leases: dict[int, tuple[str, str, set[int]]] = {}  # lease -> (consumer, client, indices)
     discarded: set[int] = set()
+    reserve_of: dict[int, int] = {}  # sample -> the reserve call that made it
 
-    def do_claim(consumer: str, client: str, n: int) -> None:
-        reply = claim(state, consumer, n, client, whole_groups=whole[consumer])
+    def do_claim(consumer: str, client: str, n: int, one_reserve: bool) -> None:
+        reply = claim(state, consumer, n, client, whole_groups=whole[consumer], one_reserve=one_reserve)
         if reply and reply.samples:
             got = {s.index for s in reply.samples}
+            if one_reserve:
+                assert len({reserve_of[i] for i in got}) == 1, "a one_reserve claim mixed reserves"
             for _, (c, _, held) in leases.items():
                 assert c != consumer or not (held & got), "a sample leased twice to one consumer"
             assert not (got & set(acked[consumer])), "an acked sample was delivered again"
@@ -55,7 +58,8 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
     for _ in range(data.draw(st.integers(5, 60), label="steps")):
         op = data.draw(st.sampled_from(["reserve", "ready", "claim", "ack", "discard", "release", "expire", "tick"]))
         if op == "reserve" and state.free_slots >= group_size * 2:
-            state.reserve(group_size * data.draw(st.integers(1, 2)), group_size, now=now)
+            made, _ = state.reserve(group_size * data.draw(st.integers(1, 2)), group_size, now=now)
+            reserve_of.update(dict.fromkeys(made, len(set(reserve_of.values()))))
         elif op == "tick":
             now += data.draw(st.floats(0.0, 3.0))
             expired.extend(state.expire_reservations(now))
@@ -65,7 +69,7 @@ def test_random_interleavings_deliver_each_sample_once_per_consumer_and_lose_non
             state.columns_ready(chosen, ["x"], None, None)
         elif op == "claim":
             do_claim(data.draw(st.sampled_from(CONSUMERS)), data.draw(st.sampled_from(["c1", "c2"])),
-                     data.draw(st.integers(1, 8)))
+                     data.draw(st.integers(1, 8)), data.draw(st.booleans(), label="one_reserve"))
         elif op == "ack" and leases:
             lid = data.draw(st.sampled_from(sorted(leases)))
             consumer, client, held = leases.pop(lid)
@@ -140,6 +144,40 @@ def test_balance_by_length_picks_samples_of_similar_length() -> None:
     assert sorted(s.length for s in reply.samples) == [1, 2, 3, 4]
     rest = claim(state, "train", 4)
     assert rest is not None and sorted(s.length for s in rest.samples) == [28, 29, 30, 31]
+
+
+@pytest.mark.parametrize("whole_groups", [False, True])
+def test_a_one_reserve_claim_takes_the_samples_of_one_reserve(whole_groups: bool) -> None:
+    """A source's step is one reserve: a generator claiming with one_reserve never holds two steps'
+    prompts, however many are ready, and samples given back come alone, ahead of the next step's."""
+    state = ControllerState(["gen"], capacity=16, n_warehouses=1)
+    first, _ = state.reserve(4, 2)
+    second, _ = state.reserve(4, 2)
+    state.columns_ready(first + second, ["x"], None, None)
+    reply = claim(state, "gen", 8, whole_groups=whole_groups, one_reserve=True)
+    assert reply is not None and [s.index for s in reply.samples] == first
+    state.release("c1", reply.lease_id)  # back to the front of the queue, ahead of the second reserve
+    reply = claim(state, "gen", 8, whole_groups=whole_groups, one_reserve=True)
+    assert reply is not None and [s.index for s in reply.samples] == first
+    state.ack("c1", reply.lease_id, None)
+    reply = claim(state, "gen", 8, whole_groups=whole_groups, one_reserve=True)
+    assert reply is not None and [s.index for s in reply.samples] == second
+    third, _ = state.reserve(4, 2)
+    fourth, _ = state.reserve(4, 2)
+    state.columns_ready(third + fourth, ["x"], None, None)
+    reply = claim(state, "gen", 8, whole_groups=whole_groups)  # without it: both
+    assert reply is not None and [s.index for s in reply.samples] == third + fourth
+
+
+def test_a_one_reserve_claim_balances_lengths_within_its_reserve() -> None:
+    state = ControllerState(["train"], capacity=16, n_warehouses=1)
+    first, _ = state.reserve(4, 1)
+    second, _ = state.reserve(4, 1)
+    state.columns_ready(first + second, ["x"], None, [30, 2, 29, 3, 1, 4, 2, 3])
+    reply = claim(state, "train", 2, balance_by_length=True, one_reserve=True)
+    assert reply is not None and sorted(s.length for s in reply.samples) == [2, 3]  # not the 1..4 of the second
+    reply = claim(state, "train", 4, balance_by_length=True, one_reserve=True)
+    assert reply is not None and [s.index for s in reply.samples] == [first[0], first[2]]
 
 
 def test_whole_groups_wait_for_the_last_member() -> None:
