@@ -79,25 +79,25 @@ class GenerateStage:
 
     @staticmethod
     def claims_one_step(spec: StageSpec) -> bool:
-        """Placement separate (the stage's own engine, fed by the publisher): synchronous
-        (``max_staleness: 0``), each claim takes one step's prompts, so the source may put a step's
-        prompts before their version is out (:mod:`streamrl.stages.source`)."""
+        """Placement separate (the stage's own engine, fed by the publisher): each claim takes one
+        step's prompts, so the source may put a step's prompts before their version is out
+        (:mod:`streamrl.stages.source`)."""
         return fetches_weights(spec)
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.weights: WeightSource = weight_source_for(ctx, msgspec.convert(ctx.options, GenerateOptions))
         await self.weights.setup()
-        # one step's prompts a claim: a claim of two steps' would wait for a version that needs the
-        # first step trained, which needs this claim's samples
-        self.claims_one_reserve = ctx.config.algo.max_staleness == 0 and fetches_weights(ctx.spec)
+        # one step's prompts a claim: with the source ahead, a claim of several steps' could wait for
+        # a version that needs the first of them trained, which needs this claim's samples
+        self.claims_one_reserve = fetches_weights(ctx.spec)
         self.follows = self.weights.follows  # a TP follower computes what its rank 0 claims
         self.generator = worker_generator(ctx, self.weights.generator_device)
         ctx.log.info("%s[%d]: %s rollout engine ready", ctx.spec.name, ctx.worker, self.weights.engine_name)
 
     async def wait_ready_for(self, batch: Batch) -> None:
-        """Before the batch's busy time: its policy version installed (synchronous, the prompts come
-        while the step before trains)."""
+        """Before the batch's busy time: its policy version installed (the prompts come before it is
+        out: synchronous, while the step before trains)."""
         await self.weights.wait_installed(version_needed(batch, self.ctx.config.algo.max_staleness))
 
     async def process(self, batch: Batch) -> Output:

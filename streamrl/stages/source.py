@@ -6,10 +6,10 @@ the prompt rendered through the chat template when ``task.chat_template`` is set
 across resumes, see :mod:`streamrl.runtime.checkpoints`). An agent pipeline leaves ``prompt_ids``
 out: its agent stage renders the conversation itself (:mod:`streamrl.stages.agent`). Before the prompts of step s
 it waits for policy version s - max_staleness: with 0 the whole pipeline is synchronous
-on-policy; with k >= 1 generation may run k versions ahead of training. Synchronous, it waits for
-s - 1 instead where every stage that reads ``step`` claims one step's prompts at a time
-(:func:`steps_claimed_one_at_a_time`): step s's prompts are then made, put and claimed while
-step s - 1 trains, and generation starts as soon as version s is installed.
+on-policy; with k >= 1 generation may run k versions ahead of training. It waits for one version
+less, s - max_staleness - 1, where every stage that reads ``step`` claims one step's prompts at a
+time (:func:`steps_claimed_one_at_a_time`): step s's prompts are then made, put and claimed
+before version s - max_staleness is out, and generation starts as soon as it is installed.
 
 With ``algo.dynamic_sampling.enabled`` (DAPO: a filter stage drops groups whose rewards are all
 equal, :mod:`streamrl.stages.filter`) it makes *waves* of groups instead of one batch per step,
@@ -86,8 +86,8 @@ def discarding_stages(pipeline: PipelineSpec) -> list[str]:
 
 
 def steps_claimed_one_at_a_time(pipeline: PipelineSpec) -> bool:
-    """Every stage that reads ``step`` takes one step's samples a claim at ``max_staleness: 0``
-    (its class says ``claims_one_step``: the generate stage in placement separate, a chain of one)."""
+    """Every stage that reads ``step`` takes one step's samples a claim (its class says
+    ``claims_one_step``: the generate stage in placement separate, a chain with such a link)."""
     readers = [s for s in pipeline.stages if "step" in s.reads]
     return bool(readers) and all(class_says(import_stage_class(s.cls), "claims_one_step", s) for s in readers)
 
@@ -102,9 +102,9 @@ class SourceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``options`` of the source stage (streamrl.stages.source:SourceStage)."""
 
     gate_on_policy: Annotated[bool, Meta(description=(
-        "Wait for policy version step - algo.max_staleness before making each step's prompts (step - 1 when "
-        "synchronous and every stage that reads step claims one step's prompts at a time, as the generate stage "
-        "of placement separate does: the next step's prompts wait in the dock while a step trains)"))] = True
+        "Wait for policy version step - algo.max_staleness before making each step's prompts (one version less "
+        "where every stage that reads step claims one step's prompts at a time, as the generate stage of "
+        "placement separate does: a step's prompts then wait in the dock for their version)"))] = True
 
 
 class SourceStage:
@@ -138,10 +138,10 @@ class SourceStage:
         self.rng = random.Random(cfg.task.seed)
         self.step = 0
         self.gate = msgspec.convert(ctx.options, SourceOptions).gate_on_policy
-        # synchronous, a step's prompts go out while the step before it trains (one step ahead of
-        # the gate), where every stage that reads their step takes one step's prompts a claim (one
+        # a step's prompts go out one version before theirs (synchronous: while the step before
+        # trains), where every stage that reads their step takes one step's prompts a claim (one
         # produce is one dock reserve): the generators then have them when the version comes out
-        self.ahead = int(cfg.algo.max_staleness == 0 and not cfg.algo.dynamic_sampling.enabled
+        self.ahead = int(not cfg.algo.dynamic_sampling.enabled
                          and ctx.pipeline is not None and steps_claimed_one_at_a_time(ctx.pipeline))
         self.columns = [c for c in SOURCE_COLUMNS if c in ctx.spec.writes]
         self.trained = TrainedKeys()
