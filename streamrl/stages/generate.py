@@ -80,8 +80,8 @@ class GenerateStage:
     @staticmethod
     def claims_one_step(spec: StageSpec) -> bool:
         """Placement separate (the stage's own engine, fed by the publisher): each claim takes one
-        step's prompts, so the source may put a step's prompts before their version is out
-        (:mod:`streamrl.stages.source`)."""
+        step's prompts (without dynamic sampling), so the source may put a step's prompts before
+        their version is out (:mod:`streamrl.stages.source`)."""
         return fetches_weights(spec)
 
     async def setup(self, ctx: StageContext) -> None:
@@ -89,8 +89,10 @@ class GenerateStage:
         self.weights: WeightSource = weight_source_for(ctx, msgspec.convert(ctx.options, GenerateOptions))
         await self.weights.setup()
         # one step's prompts a claim: with the source ahead, a claim of several steps' could wait for
-        # a version that needs the first of them trained, which needs this claim's samples
-        self.claims_one_reserve = fetches_weights(ctx.spec)
+        # a version that needs the first of them trained, which needs this claim's samples. Not with
+        # dynamic sampling: its source makes waves of a few groups, one reserve each, and stays
+        # behind its gate (streamrl.stages.source); claims then take several waves at once
+        self.claims_one_reserve = fetches_weights(ctx.spec) and not ctx.config.algo.dynamic_sampling.enabled
         self.follows = self.weights.follows  # a TP follower computes what its rank 0 claims
         self.generator = worker_generator(ctx, self.weights.generator_device)
         ctx.log.info("%s[%d]: %s rollout engine ready", ctx.spec.name, ctx.worker, self.weights.engine_name)
