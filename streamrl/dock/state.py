@@ -686,10 +686,39 @@ class ControllerState:
                 s.returned = bytearray(len(s.state))
             s.returned[lease.consumer] = min(s.returned[lease.consumer] + 1, 255)  # a count that saturates
             back.append(s)
+        queued = 0
         for s in back:
             if (s.ready & view.reads_mask) == view.reads_mask:
-                self._enqueue(view, s, front=True)
+                queued += self._enqueue(view, s, front=True)
+        self._behind_older_reserves(view, queued)
         self.counters["samples_released"] += len(lease.indices)
+
+    def _entry_reserve(self, view: _View, entry: int) -> int:
+        """The reserve serial of a queue entry (a sample, or a whole group's start)."""
+        size = view.queued_groups.get(entry, 1) if view.whole_groups else 1
+        for i in range(entry, entry + size):
+            s = self.samples.get(i)
+            if s is not None:
+                return s.reserve
+        return 0
+
+    def _behind_older_reserves(self, view: _View, returned: int) -> None:
+        """The ``returned`` entries just put back at the front of ``view``'s queue go behind the
+        queued entries of older reserves, which leases returned before them put there: the queue's
+        front stays in reserve order whatever order leases come back in, so a claim with
+        ``one_reserve`` takes the oldest step's samples first (a generator that took a newer step's
+        would wait for a version that needs the older one trained). Returns are rare (a released or
+        expired lease): this costs O(entries moved)."""
+        queue = view.queue
+        if not returned:
+            return
+        back = [queue.popleft() for _ in range(returned)]
+        newest = max(self._entry_reserve(view, e) for e in back)
+        older: list[int] = []
+        while queue and self._entry_reserve(view, queue[0]) < newest:
+            older.append(queue.popleft())
+        # stable: within one reserve the returned entries stay ahead, each list in its own order
+        queue.extendleft(reversed(sorted(back + older, key=lambda e: self._entry_reserve(view, e))))
 
     def _drop_lease(self, lease: _Lease) -> None:
         self.leases.pop(lease.lease_id, None)

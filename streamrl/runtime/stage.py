@@ -19,7 +19,7 @@ None when it has no more. Optional ``async def wait_ready(self)``: what it waits
 ``produce`` (e.g. a policy version), awaited by the runtime apart, so waiting is not counted as
 the stage's busy time. A processing stage's optional ``async def wait_ready_for(self, batch)``
 is the same for a claimed batch, before its ``process`` (the generate stage: the batch's policy
-version installed).
+version installed); raising :class:`GiveBack` there gives the batch back to the dock.
 
 A *side* stage (no ``reads``, no ``writes``: e.g. evaluation) has ``async def run(self) -> None``
 instead: it works beside the dataflow until it returns or the run stops (Stop cancels it).
@@ -66,6 +66,13 @@ T = TypeVar("T")
 # fails. The launcher writes a row in milliseconds, so this only ends a wait on a stuck launcher;
 # one that is gone stops its workers sooner (their parent watch).
 RECORD_TIMEOUT_S = 120.0
+
+
+class GiveBack(Exception):
+    """Raised by a stage's ``wait_ready_for``: the runtime gives the batch back to the dock (no
+    failure) and claims again. A generator whose batch's policy version has not come within a
+    lease TTL does so: the version may need older samples that a worker which died held, back in
+    the dock by now and ahead of this batch in the queue."""
 
 
 class StopRun(Exception):

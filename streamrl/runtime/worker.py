@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ from streamrl.runtime.control import ControlClient
 from streamrl.runtime.orphans import remove_if_owner_is, wait_gone
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
-from streamrl.runtime.stage import Batch, Output, StageContext, StageError, StopRun, as_output
+from streamrl.runtime.stage import Batch, GiveBack, Output, StageContext, StageError, StopRun, as_output
 from streamrl.security import ClientAuth, ServerAuth
 
 if TYPE_CHECKING:
@@ -436,15 +437,24 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
                             indices: list[int]) -> None:
     """Claim and fetch micro-batch i+1 while micro-batch i is processed (hides one round trip
     per hop when the pipeline streams). At most one lease waits; if the loop stops, the waiting
-    lease is released so another worker gets its samples."""
-    send, receive = anyio.create_memory_object_stream[tuple[Lease, dict[str, list[Any]]]](0)
+    lease is released so another worker gets its samples.
+
+    A stage with ``wait_ready_for`` (a generator waiting for its batch's policy version) claims
+    the next batch only once the batch in hand has what it waits for: a worker whose batch waits
+    for a version never holds older samples that version needs (given back by a worker that died),
+    which another worker can then take."""
+    send, receive = anyio.create_memory_object_stream[tuple[Lease, dict[str, list[Any]], anyio.Event]](0)
     # a stage may take one producer's reserve at a time (a generator when its source runs ahead:
     # streamrl.stages.source)
     one_reserve = bool(getattr(stage, "claims_one_reserve", False))
+    gated = getattr(stage, "wait_ready_for", None) is not None
 
     async def fetcher() -> None:
+        ready = anyio.Event()  # the batch handed over last has what it waits for (none yet: set)
+        ready.set()
         async with send:
             while True:
+                await ready.wait()
                 try:
                     lease = await dock.claim(spec.name, spec.reads, spec.micro_batch,
                                              whole_groups=spec.whole_groups,
@@ -454,7 +464,10 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
                 handed = False
                 try:
                     columns = await dock.fetch(lease.indices, spec.reads)
-                    await send.send((lease, columns))
+                    ready = anyio.Event()  # set by the processing side for this batch
+                    if not gated:
+                        ready.set()
+                    await send.send((lease, columns, ready))
                     handed = True
                 finally:
                     if not handed:
@@ -463,16 +476,20 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
     async with anyio.create_task_group() as tg:
         tg.start_soon(fetcher)
         async with receive:
-            async for lease, columns in receive:
+            async for lease, columns, ready in receive:
                 indices[:] = lease.indices
-                await _guarded(stage, spec, dock, lease, columns, meter)
+                try:
+                    await _guarded(stage, spec, dock, lease, columns, meter, ready=ready.set)
+                finally:
+                    ready.set()
                 indices.clear()
 
 
 async def _guarded(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease,
-                   columns: dict[str, list[Any]] | None, meter: _Meter) -> None:
+                   columns: dict[str, list[Any]] | None, meter: _Meter,
+                   ready: Callable[[], None] | None = None) -> None:
     try:
-        await _process_lease(stage, spec, dock, lease, columns, meter)
+        await _process_lease(stage, spec, dock, lease, columns, meter, ready)
     except StopRun:
         raise  # the lease was acked: the stage consumed its samples
     except BaseException:
@@ -491,13 +508,22 @@ async def _release_quietly(dock: DockClient, lease: Lease) -> None:
 
 
 async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease,
-                         columns: dict[str, list[Any]] | None, meter: _Meter) -> None:
+                         columns: dict[str, list[Any]] | None, meter: _Meter,
+                         ready: Callable[[], None] | None = None) -> None:
+    """``ready``: called once the batch has what ``wait_ready_for`` waits for."""
     if columns is None:
         columns = await dock.fetch(lease.indices, spec.reads)
     batch = Batch(lease.samples, columns)
     wait_ready = getattr(stage, "wait_ready_for", None)
     if wait_ready is not None:  # waiting (e.g. for the batch's policy version) is not work: outside the meter
-        await wait_ready(batch)
+        try:
+            await wait_ready(batch)
+        except GiveBack as exc:
+            log.info("%s: giving samples %s back to the dock: %s", spec.name, lease.indices[:8], exc)
+            await _release_quietly(dock, lease)
+            return
+    if ready is not None:
+        ready()
     meter.begin()
     result: Any = None
     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import msgspec
 from torch import Tensor
 
@@ -32,7 +33,7 @@ from streamrl.config import ConfigError, RunConfig
 from streamrl.engines.options import GenerateOptions, check_engine_available
 from streamrl.engines.rollout import Generation
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec
-from streamrl.runtime.stage import Batch, Output, StageContext
+from streamrl.runtime.stage import Batch, GiveBack, Output, StageContext
 from streamrl.stages.common import seed_for_batch, worker_generator
 from streamrl.stages.weight_source import (
     WeightSource,
@@ -99,8 +100,16 @@ class GenerateStage:
 
     async def wait_ready_for(self, batch: Batch) -> None:
         """Before the batch's busy time: its policy version installed (the prompts come before it is
-        out: synchronous, while the step before trains)."""
-        await self.weights.wait_installed(version_needed(batch, self.ctx.config.algo.max_staleness))
+        out: synchronous, while the step before trains). Where it has not come within a lease TTL
+        and a second, the batch goes back to the dock (:class:`GiveBack`): the version may wait on
+        an older step whose samples a worker that died held, back in the dock by then and ahead
+        of this batch (a restarted worker can claim a newer step before they come back)."""
+        need = version_needed(batch, self.ctx.config.algo.max_staleness)
+        give_back_s = self.ctx.config.resources.dock.lease_ttl_s + 1.0
+        with anyio.move_on_after(give_back_s):
+            await self.weights.wait_installed(need)
+            return
+        raise GiveBack(f"policy version {need} not installed within {give_back_s:.0f} s")
 
     async def process(self, batch: Batch) -> Output:
         a = self.ctx.config.algo

@@ -169,6 +169,28 @@ def test_a_one_reserve_claim_takes_the_samples_of_one_reserve(whole_groups: bool
     assert reply is not None and [s.index for s in reply.samples] == third + fourth
 
 
+@pytest.mark.parametrize("oldest_first", [True, False])
+@pytest.mark.parametrize("whole_groups", [False, True])
+def test_leases_returned_in_any_order_leave_the_oldest_reserve_at_the_front(whole_groups: bool,
+                                                                           oldest_first: bool) -> None:
+    """A generator that dies holding step s (being generated) and step s+1 (prefetched): whichever
+    lease comes back first, the restarted one claims step s first. Were step s+1 in front, it would
+    wait for a version that needs step s trained, and step s would wait behind it."""
+    state = ControllerState(["gen"], capacity=24, n_warehouses=1)
+    steps = [state.reserve(4, 2)[0] for _ in range(3)]
+    state.columns_ready([i for step in steps for i in step], ["x"], None, None)
+    held = [claim(state, "gen", 8, whole_groups=whole_groups, one_reserve=True) for _ in range(2)]
+    assert [[s.index for s in lease.samples] for lease in held if lease] == steps[:2]
+    for lease in (held if oldest_first else reversed(held)):
+        assert lease is not None
+        state.release("c1", lease.lease_id)
+    order = []
+    while (reply := claim(state, "gen", 8, whole_groups=whole_groups, one_reserve=True)) and reply.samples:
+        order.append([s.index for s in reply.samples])
+        state.ack("c1", reply.lease_id, None)
+    assert order == steps
+
+
 def test_a_one_reserve_claim_balances_lengths_within_its_reserve() -> None:
     state = ControllerState(["train"], capacity=16, n_warehouses=1)
     first, _ = state.reserve(4, 1)
