@@ -443,18 +443,18 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
     the next batch only once the batch in hand has what it waits for: a worker whose batch waits
     for a version never holds older samples that version needs (given back by a worker that died),
     which another worker can then take."""
-    send, receive = anyio.create_memory_object_stream[tuple[Lease, dict[str, list[Any]], anyio.Event]](0)
+    send, receive = anyio.create_memory_object_stream[tuple[Lease, dict[str, list[Any]], anyio.Event | None]](0)
     # a stage may take one producer's reserve at a time (a generator when its source runs ahead:
     # streamrl.stages.source)
     one_reserve = bool(getattr(stage, "claims_one_reserve", False))
     gated = getattr(stage, "wait_ready_for", None) is not None
 
     async def fetcher() -> None:
-        ready = anyio.Event()  # the batch handed over last has what it waits for (none yet: set)
-        ready.set()
+        ready: anyio.Event | None = None  # set once the batch handed over last has what it waits for
         async with send:
             while True:
-                await ready.wait()
+                if ready is not None:
+                    await ready.wait()
                 try:
                     lease = await dock.claim(spec.name, spec.reads, spec.micro_batch,
                                              whole_groups=spec.whole_groups,
@@ -464,9 +464,7 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
                 handed = False
                 try:
                     columns = await dock.fetch(lease.indices, spec.reads)
-                    ready = anyio.Event()  # set by the processing side for this batch
-                    if not gated:
-                        ready.set()
+                    ready = anyio.Event() if gated else None  # set by the processing side for this batch
                     await send.send((lease, columns, ready))
                     handed = True
                 finally:
@@ -478,10 +476,13 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
         async with receive:
             async for lease, columns, ready in receive:
                 indices[:] = lease.indices
-                try:
-                    await _guarded(stage, spec, dock, lease, columns, meter, ready=ready.set)
-                finally:
-                    ready.set()
+                if ready is None:
+                    await _guarded(stage, spec, dock, lease, columns, meter)
+                else:
+                    try:
+                        await _guarded(stage, spec, dock, lease, columns, meter, ready=ready.set)
+                    finally:
+                        ready.set()
                 indices.clear()
 
 
