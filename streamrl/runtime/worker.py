@@ -476,12 +476,11 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
         async with receive:
             async for lease, columns, ready in receive:
                 indices[:] = lease.indices
-                if ready is None:
-                    await _guarded(stage, spec, dock, lease, columns, meter)
-                else:
-                    try:
-                        await _guarded(stage, spec, dock, lease, columns, meter, ready=ready.set)
-                    finally:
+                try:
+                    await _guarded(stage, spec, dock, lease, columns, meter,
+                                   ready=ready.set if ready is not None else None)
+                finally:
+                    if ready is not None:  # also when the batch failed or went back: the fetcher goes on
                         ready.set()
                 indices.clear()
 
