@@ -391,6 +391,7 @@ class TorchRolloutEngine(BatchedRolloutEngine):
 
     name = "builtin"
     startup_s = 0.0  # the model is built by the caller; nothing else starts
+    load_weights_is_local = True  # a copy into the module's tensors
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Take new policy weights (e.g. a published version from the trainer), in place.

@@ -27,6 +27,9 @@ from streamrl.engines.rollout import Generation
 class RolloutEngine(Protocol):
     name: str
     startup_s: float  # seconds from construction to ready (reported as the stage's engine_startup_s)
+    # load_weights copies within this process and waits on no other (a stage may then run a brief
+    # install on its event loop: StageContext.run_brief)
+    load_weights_is_local: bool
 
     @property
     def generator_device(self) -> torch.device:

@@ -109,6 +109,7 @@ class VllmRolloutEngine:
     """A ``vllm.LLM`` behind the rollout-engine interface (see the module docstring)."""
 
     name = "vllm"
+    load_weights_is_local = False  # an RPC to the engine core, which may be another process
 
     def __init__(
         self, model_dir: str | Path, *, eos_token_id: int | None, dtype: str, max_model_len: int, seed: int,

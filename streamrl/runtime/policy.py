@@ -200,8 +200,9 @@ class PolicyPublisher:
         else copied to the host. ``owned=True``: the caller hands over CPU tensors it made for this
         version and never writes them again, so without a file they are served as they are.
 
-        Blocking, and it touches no socket: a trainer runs it on its compute thread (copying a large
-        model is long for an event loop, and the event loop computes on one thread)."""
+        Blocking, and it touches no socket or other process: a trainer runs it on its compute
+        thread where it is long (a large model's copy, which the event loop would do on one
+        thread), and a single one on its event loop where it is brief (``StageContext.run_brief``)."""
         self._check_newer(version)
         names = list(state)
         if self.files_dir is not None and self.writes_files and state:

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,12 @@ T = TypeVar("T")
 # fails. The launcher writes a row in milliseconds, so this only ends a wait on a stuck launcher;
 # one that is gone stops its workers sooner (their parent watch).
 RECORD_TIMEOUT_S = 120.0
+
+# StageContext.run_brief runs a call on the event loop while its previous call took less than
+# this: the loop blocked for under a millisecond delays nothing it serves (lease heartbeats come
+# every lease_ttl_s / 4; a weights request waits for a step anyway), while a hop to the compute
+# thread and back took 0.4 ms each way in a W1 step's trace (docs/benchmarks.md §38).
+BRIEF_CALL_S = 1e-3
 
 
 class GiveBack(Exception):
@@ -177,6 +185,8 @@ class StageContext:
     # this worker process's share of the host's cores (resources.core_share, CPU stages of a launched
     # run): run_sync marks its thread computing, the engines rebalance its torch threads; None: off
     cores: CoreShare | None = None
+    # run_brief's record: the last call's own seconds, per function
+    brief_calls: dict[Callable[..., Any], float] = field(default_factory=dict)
 
     @property
     def options(self) -> dict[str, Any]:
@@ -195,6 +205,33 @@ class StageContext:
                 return call()
 
         return await anyio.to_thread.run_sync(computing)
+
+    async def run_brief(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, local compute that is often brief (a small model's weights install or
+        optimizer step): here, on the event loop, while its previous call took under
+        :data:`BRIEF_CALL_S`; in the compute thread (:meth:`run_sync`) otherwise, and the first time.
+
+        Why: a hop to the compute thread and back costs about as much as such a call (two thread
+        wake-ups, on a host whose cores every process of the run shares), and in a synchronous step
+        each one is on the step's path. Only for calls that wait on nothing else (no collective, no
+        other process): the event loop waits with the call. ``fn`` is the key of the record (a bound
+        method is equal to itself from call to call; a new closure is not)."""
+        record = self.brief_calls
+        if record.get(fn, math.inf) < BRIEF_CALL_S:
+            started = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                record[fn] = time.perf_counter() - started
+
+        def timed() -> T:
+            started = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                record[fn] = time.perf_counter() - started
+
+        return await self.run_sync(timed)
 
     def report_metrics(self, metrics: dict[str, float]) -> None:
         """This stage's own figures (e.g. reward-server latency); they join every later step's

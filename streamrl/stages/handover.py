@@ -156,17 +156,19 @@ class PublishHandOver(HandOver):
         if trainer.version > 0:  # resumed from a checkpoint: generation needs its weights
             await self.publish(trainer.version)
 
+    def _gather(self, version: int) -> PolicySnapshot | None:
+        # collective; rank 0 gets the state, as the live tensors where it holds them whole, and
+        # copies it once: into the version's file in the run's shared memory (or to the host)
+        state = self.trainer.engine.full_state_dict(copy=False)
+        publisher = self.channel.publisher
+        return publisher.snapshot(version, state) if publisher is not None else None
+
     async def publish(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        engine, publisher = self.trainer.engine, self.channel.publisher
-
-        def gather() -> PolicySnapshot | None:
-            # collective; rank 0 gets the state, as the live tensors where it holds them whole, and
-            # copies it once: into the version's file in the run's shared memory (or to the host)
-            state = engine.full_state_dict(copy=False)
-            return publisher.snapshot(version, state) if publisher is not None else None
-
-        snapshot = await self.ctx.run_sync(gather)  # the compute thread: the copy needs no event loop
+        # the compute thread (the copy needs no event loop); one rank: no collective, so a small
+        # model's copy runs on the event loop (StageContext.run_brief)
+        run = self.ctx.run_brief if self.R == 1 else self.ctx.run_sync
+        snapshot = await run(self._gather, version)
         t1 = time.perf_counter()
         await self.channel.announce(version, snapshot)
         return {"gather_ms": (t1 - t0) * 1e3, "publish_ms": (time.perf_counter() - t1) * 1e3}

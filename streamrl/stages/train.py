@@ -414,7 +414,8 @@ class TrainStage:
         t_ready = time.perf_counter()
         for cols in self.pending:
             await self.ctx.run_sync(self._accumulate, cols)
-        stats = await self.ctx.run_sync(self.engine.step)
+        # one rank: the optimizer step is local compute, on the event loop where it is brief
+        stats = await (self.ctx.run_brief if self.R == 1 else self.ctx.run_sync)(self.engine.step)
         self.lr_schedule.step()
         t_train = time.perf_counter()
         self.version += 1

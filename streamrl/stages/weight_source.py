@@ -228,7 +228,9 @@ class FetchedWeights:
         """Install ``state`` as ``version`` (the caller holds the lock)."""
         assert self.engine is not None
         started = time.perf_counter()
-        await self.ctx.run_sync(self.engine.load_weights, state.items())
+        # a small model's install (a copy in this process) runs on the event loop: run_brief
+        run = self.ctx.run_brief if self.engine.load_weights_is_local else self.ctx.run_sync
+        await run(self.engine.load_weights, state.items())
         self.version = version
         ended = time.perf_counter()
         self.ctx.report_metrics({"weight_install_s": ended - started})
