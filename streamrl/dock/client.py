@@ -287,12 +287,14 @@ class DockClient:
         if fut is not None and not fut.done():
             fut.set_result((msg, frames[1:]))
             return
-        # nobody waits for this reply any more: the request timed out or was cancelled, or this
-        # is the second answer to a request resent after a link reset (its lease is in use)
-        if msg.req_id not in self._abandoned_claims:
-            return
+        # Nobody waits for this reply any more: the request timed out or was cancelled (its future
+        # is then done, and its task may not have run its clean-up yet: the cancel and this reply
+        # can come in one turn of the loop, this callback first; the clean-up then finds the
+        # request no longer pending and leaves its release to us), or this is the second answer
+        # to a request resent after a link reset (its lease is in use: no future, not abandoned)
+        abandoned = fut is not None or msg.req_id in self._abandoned_claims
         self._abandoned_claims.discard(msg.req_id)
-        if isinstance(msg, p.Claimed) and msg.samples:
+        if abandoned and isinstance(msg, p.Claimed) and msg.samples:
             # granted after its requester gave up: give the samples back now, not at the TTL
             release = p.Release(self._next_id(), self.client_id, msg.lease_id)
             conn.link.send([p.encoder.encode(release)])  # its own reply is dropped here too

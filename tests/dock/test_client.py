@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import threading
+import time
 from pathlib import Path
 
 import anyio
@@ -209,3 +212,54 @@ def test_client_timeout_when_no_dock_answers() -> None:
                 pass
 
     anyio.run(main)
+
+
+def test_a_claim_cancelled_in_the_loop_turn_its_grant_arrives_in_is_released() -> None:
+    """The worker's prefetching claim is cancelled when its stage fails (tests/runtime/test_worker.py).
+    Where the cancel and the grant's reply came in the same turn of the event loop, the reply's
+    callback ran first: it found the request's future cancelled and dropped the reply, and the
+    request's own clean-up, which runs later, no longer found the request pending either; the
+    lease stayed on the controller until its TTL. Here the grant is in the socket, and the cancel
+    is queued ahead of the reply's callback, before the loop turns again."""
+
+    def produce(endpoint: str, granted: threading.Event) -> None:
+        # in another thread, while the consumer's event loop is held: the put wakes the parked claim
+        async def main() -> None:
+            async with DockClient(endpoint) as c:
+                await c.add({"x": [torch.tensor([1])]})
+                with anyio.fail_after(10):
+                    while (await c.server_statistics())["controller"]["claimed"] == 0:
+                        await anyio.sleep(0.005)
+                await anyio.sleep(0.2)  # the grant's reply on its way to the consumer's socket
+            granted.set()
+
+        anyio.run(main)
+
+    async def main(dock: LocalDock) -> None:
+        async with DockClient(dock.controller_endpoint) as consumer, DockClient(dock.controller_endpoint) as other:
+            got = []
+            async with anyio.create_task_group() as tg:
+                scope = anyio.CancelScope()
+
+                async def claim() -> None:
+                    with scope:
+                        got.append(await consumer.claim("gen", ["x"], 1, timeout=30))
+
+                tg.start_soon(claim)
+                with anyio.fail_after(10):  # the claim parked on the controller
+                    while (await other.server_statistics())["controller"]["pending_claims"] == 0:
+                        await anyio.sleep(0.005)
+                granted = threading.Event()
+                producer = threading.Thread(target=produce, args=(dock.controller_endpoint, granted))
+                producer.start()
+                producer.join(15)  # the event loop held: the reply waits in the socket
+                assert granted.is_set()
+                asyncio.get_running_loop().call_soon(scope.cancel)  # ahead of the reply's callback
+            assert not got  # cancelled before the lease reached it
+            deadline = time.monotonic() + 5  # the release goes out without waiting for its answer
+            while (stats := (await other.server_statistics())["controller"])["leases"] and time.monotonic() < deadline:
+                await anyio.sleep(0.01)
+            assert (stats["leases"], stats["claimed"]) == (0, 0), "the lease granted to the cancelled claim stayed"
+
+    with LocalDock(["gen"], capacity=8) as dock:
+        anyio.run(main, dock)
