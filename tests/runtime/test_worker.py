@@ -133,6 +133,36 @@ async def test_a_failing_stage_releases_every_lease_at_once(tmp_path: Path) -> N
     assert not leaked, f"leases left on the controller after the worker returned (round, leases, samples): {leaked}"
 
 
+@pytest.mark.parametrize("stop_after", [None, 2])
+async def test_a_stage_that_writes_nothing_has_every_batch_acked_when_it_returns(tmp_path: Path,
+                                                                                 stop_after: int | None) -> None:
+    """A stage that sizes its own claims and writes nothing (as the trainer does) acks each batch:
+    when the worker returns, having run out of samples or raised StopRun, every batch it took is
+    acked and no lease is left."""
+    dock = ThreadDock(["take"], capacity=64).start()
+    server = c.ControlServer("tcp://127.0.0.1:0")
+    try:
+        async with DockClient(dock.controller_endpoint) as client:
+            await client.add({"x": list(range(N))}, group_size=1)
+            await client.close_input()
+            cfg = load_config({"resources": {"launch": "inprocess"}})
+            stage = StageSpec(name="take", cls="tests.runtime.user_stages:Taker", reads=["x"], writes=[],
+                              micro_batch=4, options={"n": 4, "stop_after": stop_after})
+            spec = WorkerSpec(config=cfg, stage=stage, worker=0, dock_endpoint=dock.controller_endpoint,
+                              control_endpoint=server.endpoint, weights_endpoint=f"ipc://{tmp_path}/no-publisher",
+                              run_dir=str(tmp_path))
+            code, events = await _drive(spec, server)
+            stats = (await client.server_statistics())["controller"]
+    finally:
+        server.close()
+        dock.stop()
+    taken = [json.loads(line)["indices"] for line in (tmp_path / "take-batches.jsonl").read_text().splitlines()]
+    assert code == 0 and len(taken) == (N // 4 if stop_after is None else stop_after)
+    assert stop_after is None or any(isinstance(e, c.StopRequest) for e in events)
+    assert stats["consumers"]["take"]["done"] == sum(len(t) for t in taken)
+    assert (stats["leases"], stats["claimed"]) == (0, 0)
+
+
 async def test_a_finished_worker_wrote_and_acked_every_sample(tmp_path: Path) -> None:
     code, events, stats, batches, _ = await _run_one(tmp_path, {}, lease_ttl_s=30.0)
     assert code == 0

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from streamrl.runtime.stage import Batch, Output, StageContext
+from streamrl.runtime.stage import Batch, ClaimSize, Output, StageContext, StopRun
 
 
 def _record(ctx: StageContext, name: str, row: dict[str, Any]) -> None:
@@ -189,6 +189,31 @@ class Doubler:
                 faulthandler._sigsegv()
             os._exit(3)
         return {"y": [2 * x for x in xs]}
+
+    async def close(self) -> None:
+        pass
+
+
+class Taker:
+    """Takes ``options.n`` samples a claim (its own ``claim_size``) and writes nothing, as the
+    trainer does: each batch is acked, not put. ``options.stop_after``: raises StopRun in that
+    batch (the run's end, as a trainer's last step)."""
+
+    async def setup(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.n = int(ctx.options.get("n", 4))
+        self.stop_after = ctx.options.get("stop_after")
+        self.batches = 0
+
+    def claim_size(self) -> ClaimSize:
+        return ClaimSize(self.n)
+
+    async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        self.batches += 1
+        _record(self.ctx, f"{self.ctx.spec.name}-batches", {"indices": batch.indices})
+        if self.stop_after is not None and self.batches >= int(self.stop_after):
+            raise StopRun(f"took {self.batches} batches")
+        return {}
 
     async def close(self) -> None:
         pass
