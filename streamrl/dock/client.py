@@ -369,6 +369,8 @@ class DockClient:
 
     def _split(self, indices: Sequence[int]) -> dict[int, list[int]]:
         """Positions in ``indices`` per owning warehouse."""
+        if len(self._warehouses) == 1:  # one warehouse owns every sample
+            return {0: list(range(len(indices)))}
         by_wh: dict[int, list[int]] = {}
         for pos, i in enumerate(indices):
             by_wh.setdefault(self._owner(i), []).append(pos)
@@ -417,14 +419,15 @@ class DockClient:
             raise ValueError(f"versions and lengths need one entry per index ({n})")
 
         async def send(wid: int, pos: list[int]) -> None:
-            sub = {name: [vals[k] for k in pos] for name, vals in columns.items()}
+            whole = len(pos) == n  # every sample to one warehouse, in order: no per-sample copy
+            sub = columns if whole else {name: [vals[k] for k in pos] for name, vals in columns.items()}
             cols, frames = encode_columns(sub, len(pos))
             req = p.Put(
                 self._next_id(),
-                [indices[k] for k in pos],
+                list(indices) if whole else [indices[k] for k in pos],
                 cols,
-                [versions[k] for k in pos] if versions is not None else None,
-                [lengths[k] for k in pos] if lengths is not None else None,
+                _pick(versions, pos, whole),
+                _pick(lengths, pos, whole),
                 ack_client=self.client_id if ack is not None else None,
                 ack_lease=ack.lease_id if ack is not None else None,
             )
@@ -552,6 +555,9 @@ class DockClient:
                 values = decode_columns(reply.columns, frames, len(idx), exact=True)
             except WireFormatError as exc:
                 raise WireFormatError(f"warehouse {wid} sent a bad reply: {exc}") from exc
+            if len(pos) == len(indices) and values.keys() == out.keys():  # all from one warehouse, in order
+                out.update(values)
+                return
             for name, vals in values.items():
                 col = out[name]
                 for k, v in zip(pos, vals, strict=True):
@@ -692,6 +698,13 @@ def _stop_monitor(conn: _Conn) -> None:
             pass
     conn.monitor.close(linger=0)
     conn.monitor = None
+
+
+def _pick(values: Sequence[int] | None, pos: list[int], whole: bool) -> list[int] | None:
+    """``values`` at positions ``pos`` (all of them, in order, when ``whole``), or None."""
+    if values is None:
+        return None
+    return list(values) if whole else [values[k] for k in pos]
 
 
 def _expect(reply: Any, kind: type[_R], server: str) -> _R:

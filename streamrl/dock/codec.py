@@ -198,6 +198,9 @@ def _encode_tensors(name: str, values: Sequence[Any], frames: list[Frame], pack:
         raise ValueError(f"column {name!r} mixes dtypes {found}: cast them to one dtype")
     if dtype_name(dtype) not in torch_dtypes():
         raise ValueError(f"column {name!r} has unsupported dtype {dtype}")
+    column = _encode_small(name, values, dtype, pack)
+    if column is not None:
+        return column
     tensors: list[torch.Tensor] = []
     for v in values:
         if v.device.type != "cpu":
@@ -217,6 +220,39 @@ def _encode_tensors(name: str, values: Sequence[Any], frames: list[Frame], pack:
         else:
             pack.parts.extend(_as_bytes_view(v).numpy() for v in small)
     return TensorColumn(name, dtype_name(dtype), [list(v.shape) for v in tensors], frame_ids, offsets)
+
+
+def _encode_small(name: str, values: Sequence[Any], dtype: torch.dtype, pack: _Pack) -> TensorColumn | None:
+    """A column small enough to go whole into the pack (under ``ZERO_COPY_BYTES`` and
+    ``SERIAL_CAT_ELEMENTS`` in all) whose values have one rank (scalars, or tensors of one rank
+    that differ only in their first dimension): joined by one ``torch.stack`` or ``torch.cat`` of
+    the values as they are, with no per-value device move, contiguity check or reshape (rules 2
+    and 3 still hold: the join copies). None for any other column, and for one with no bytes."""
+    import torch
+
+    shapes = [list(v.shape) for v in values]
+    ranks = set(map(len, shapes))
+    numels = list(map(math.prod, shapes))
+    total = sum(numels)
+    if len(ranks) != 1 or not 0 < total < SERIAL_CAT_ELEMENTS or total * dtype.itemsize >= ZERO_COPY_BYTES:
+        return None
+    try:
+        # a scalar column is stacked (cat takes no 0-d tensor); tensors on one device are joined
+        # there and staged through host memory once (rule 2 of encode_columns, one copy in all)
+        joined = torch.stack(list(values)) if ranks == {0} else torch.cat(list(values))
+    except RuntimeError:  # values on different devices, or of different trailing shapes
+        return None
+    if joined.device.type != "cpu":
+        joined = joined.cpu()
+    start = pack.size + (-pack.size) % ALIGN
+    fid = pack.frame_id()
+    if start > pack.size:
+        pack.parts.append(bytes(start - pack.size))
+    itemsize = dtype.itemsize
+    offsets = [start + k * itemsize for k in itertools.accumulate(numels[:-1], initial=0)]
+    pack.parts.append(_as_bytes_view(joined).numpy())
+    pack.size = start + total * itemsize
+    return TensorColumn(name, dtype_name(dtype), shapes, [fid] * len(values), offsets)
 
 
 def _encode_raw(name: str, values: Sequence[RawValue], frames: list[Frame], pack: _Pack) -> TensorColumn:
@@ -305,7 +341,13 @@ class _Tensors:
         total = sum(numels)
         if total == 0:
             return [torch.empty(shape, dtype=dtype) for shape in shapes]
-        parts = self._frame(fid, itemsize)[off : off + total * itemsize].view(dtype).split(numels)
+        flat = self._frame(fid, itemsize)[off : off + total * itemsize].view(dtype)
+        ranks = set(map(len, shapes))
+        if ranks == {0}:  # scalars: one unbind makes every 0-d view
+            return list(flat.unbind())
+        parts = flat.split(numels)
+        if ranks == {1}:
+            return list(parts)
         return [part if len(shape) == 1 else part.reshape(shape) for part, shape in zip(parts, shapes, strict=True)]
 
     def each(self, dt: str, fids: list[int], offs: list[int], shapes: list[list[int]], numels: list[int],

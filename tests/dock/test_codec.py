@@ -160,6 +160,51 @@ def test_empty_and_shaped_values_around_the_runs_round_trip() -> None:
     assert all(o.shape == v.shape and torch.equal(o, v) for o, v in zip(out["m"], shaped, strict=True))
 
 
+JOINED_COLUMNS = {  # columns one stack or cat joins (codec._encode_small), and ones it leaves
+    "scalars": [torch.tensor(float(k)) for k in range(6)],
+    "ragged": [torch.arange(n) for n in (3, 0, 1, 7, 0, 2)],
+    "leading_empty": [torch.zeros(0, dtype=torch.int8)] + [torch.ones(k + 1, dtype=torch.int8) for k in range(5)],
+    "rows": [torch.arange(n * 3, dtype=torch.float64).reshape(n, 3) for n in (1, 2, 0, 1, 4, 2)],
+    "strided": [torch.arange(8.0)[::2] for _ in range(6)],  # not contiguous: the join copies
+    "transposed": [torch.arange(6, dtype=torch.int32).reshape(2, 3).t() for _ in range(6)],
+    "bools": [torch.tensor([True, False, k % 2 == 0]) for k in range(6)],
+    # left to the value-by-value layout: mixed ranks, trailing shapes that differ, no bytes at all
+    "mixed_ranks": [torch.tensor(1.0), torch.ones(2)] * 3,
+    "other_trailing": [torch.ones(2, 1), torch.ones(1, 3)] * 3,
+    "all_empty": [torch.zeros(0, dtype=torch.float64)] * 6,
+}
+
+
+def test_joined_columns_are_laid_out_as_value_by_value_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small column joined by one stack or cat (no per-value work) makes the same header and the
+    same bytes as the value-by-value layout of rules 2 and 3, and decodes to the values sent."""
+    import streamrl.dock.codec as codec
+
+    columns = {name: list(values) for name, values in JOINED_COLUMNS.items()}
+    joined = encode_columns(columns, 6)
+    monkeypatch.setattr(codec, "_encode_small", lambda *args: None)
+    by_value = encode_columns(columns, 6)
+    assert joined[0] == by_value[0]
+    assert [bytes(f) for f in joined[1]] == [bytes(f) for f in by_value[1]]
+    out = decode_columns(joined[0], _send_recv(joined[1]), 6, exact=True)
+    for name, values in columns.items():
+        assert all(o.shape == v.shape and o.dtype == v.dtype and torch.equal(o, v)
+                   for o, v in zip(out[name], values, strict=True)), name
+
+
+def test_received_scalars_and_rows_are_views_of_the_frame() -> None:
+    """A column of scalars comes back as 0-d views (one unbind) and one of 1-d values as views (one
+    split), each into the received frame (rule 4): nothing is copied on the way in."""
+    cols, frames = encode_columns({"s": [torch.tensor(k, dtype=torch.int64) for k in range(4)],
+                                   "r": [torch.arange(k + 1) for k in range(4)]}, 4)
+    out = decode_columns(cols, _send_recv(frames), 4, exact=True)
+    assert [v.shape for v in out["s"]] == [torch.Size([])] * 4 and [v.item() for v in out["s"]] == [0, 1, 2, 3]
+    assert [v.tolist() for v in out["r"]] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    base = out["s"][0].data_ptr()
+    assert [v.data_ptr() - base for v in out["s"]] == [0, 8, 16, 24]
+    assert out["r"][1].data_ptr() == out["r"][0].data_ptr() + 8
+
+
 def test_the_protocol_pages_layout_example_is_what_the_encoder_makes() -> None:
     """docs/dock-protocol.md §5.2's worked example, value for value."""
     cols, frames = encode_columns({
