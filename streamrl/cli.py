@@ -19,7 +19,10 @@ _ran = False  # a run (not another command) was made: console() then skips the i
 def _cmd_run(args: argparse.Namespace) -> int:
     global _ran
     _ran = True
+    from streamrl.runtime import startup_gc
     from streamrl.runtime.forkserver import start_forkserver
+
+    startup_gc.pause()  # until the workers are ready (supervision resumes it at Go)
 
     config, overrides = args.config, list(args.overrides)
     if args.resume is not None and config is not None and "=" in config and not config.endswith((".yaml", ".yml")):

@@ -19,6 +19,7 @@ torch: it starts in a tenth of a second and holds no more than the bytes it stor
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import logging
 import os
@@ -548,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"READY {server.endpoint}", flush=True)
+    gc.freeze()  # start-up objects never die: the collector's full passes need not rescan them (as the controller)
     server.serve_forever()
     server.ctx.destroy(linger=0)  # any socket still open closed, the context's I/O threads ended
     return 0

@@ -42,7 +42,8 @@ PRELOAD = ["torch", "transformers", "streamrl.runtime.worker", "streamrl.models.
            "streamrl.stages.source", "streamrl.stages.generate", "streamrl.stages.score", "streamrl.stages.advantage",
            "streamrl.stages.reference", "streamrl.stages.train", "streamrl.stages.weight_source"]
 context = multiprocessing.get_context("forkserver")  # the workers' processes (LocalProcesses)
-context.set_forkserver_preload(PRELOAD)
+# the server imports PRELOAD through this module, with the garbage collector paused (its docstring)
+context.set_forkserver_preload(["streamrl.runtime.forkserver_preload"])
 
 _started_helpers: list[str] = []  # what start_forkserver started: its stop_forkserver stops those only
 

@@ -26,6 +26,7 @@ import anyio.abc
 from streamrl.config import RunConfig
 from streamrl.metrics.progress import Progress
 from streamrl.runtime import control as c
+from streamrl.runtime import startup_gc
 from streamrl.runtime.checkpoints import latest_checkpoint
 from streamrl.runtime.launch_backends import LaunchBackend, _Worker, send_signal
 from streamrl.runtime.pipeline import PipelineSpec
@@ -174,6 +175,7 @@ class Supervisor:
             if not went and ready == expected:
                 went = True
                 self.metrics.go()
+                startup_gc.resume()  # the launcher's start-up is over (streamrl.cli paused the collector)
                 self.progress.message(f"streamrl: {len(expected)} workers ready in "
                                       f"{self.metrics.t_go - self.t_launch:.1f} s; training")
                 await server.broadcast(c.Go())
