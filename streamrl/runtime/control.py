@@ -282,9 +282,11 @@ class ControlClient:
         figures, self._figures = self._figures, {}
         self._send(StageBusy(self.stage, self.worker, busy_s, batches, samples, in_batch_s, measured_at, figures))
 
-    def stage_metrics(self, metrics: dict[str, float]) -> None:
+    def stage_metrics(self, metrics: dict[str, float], *, defer: bool = False) -> None:
+        """``defer``: ride the next busy report (of the batch that is about to run) even outside
+        a batch, instead of a message of their own now."""
         values = {k: float(v) for k, v in metrics.items()}
-        if self.hold_figures:  # the batch's next busy report carries them
+        if self.hold_figures or defer:  # the batch's next busy report carries them
             self._figures.update(values)
         else:
             self._send(StageMetrics(self.stage, self.worker, values, time.time()))

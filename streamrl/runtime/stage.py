@@ -229,10 +229,13 @@ class StageContext:
             return timed()
         return await self.run_sync(timed)
 
-    def report_metrics(self, metrics: dict[str, float]) -> None:
+    def report_metrics(self, metrics: dict[str, float], *, defer: bool = False) -> None:
         """This stage's own figures (e.g. reward-server latency); they join every later step's
-        row in metrics.jsonl as ``<stage>/<name>`` (``<stage>/<worker>/<name>`` with several workers)."""
-        self.control.stage_metrics(metrics)
+        row in metrics.jsonl as ``<stage>/<name>`` (``<stage>/<worker>/<name>`` with several workers).
+        Figures reported during a batch ride its busy report; ``defer`` makes figures reported
+        between batches wait for the next report too (one message fewer: for figures of work done
+        just before a batch, as a generator's weights install)."""
+        self.control.stage_metrics(metrics, defer=defer)
 
     def report_step(self, step: int, metrics: dict[str, float], *, record: bool = False,
                     ended_at: float = 0.0) -> None:

@@ -291,8 +291,8 @@ class _LinkControl:
         self._control = control
         self._link = link
 
-    def stage_metrics(self, metrics: dict[str, float]) -> None:
-        self._control.stage_metrics({f"{self._link}/{k}": v for k, v in metrics.items()})
+    def stage_metrics(self, metrics: dict[str, float], *, defer: bool = False) -> None:
+        self._control.stage_metrics({f"{self._link}/{k}": v for k, v in metrics.items()}, defer=defer)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._control, name)

@@ -233,7 +233,8 @@ class FetchedWeights:
         await run(self.engine.load_weights, state.items())
         self.version = version
         ended = time.perf_counter()
-        self.ctx.report_metrics({"weight_install_s": ended - started})
+        # on the busy report of the batch waiting for this version: no message on the way to it
+        self.ctx.report_metrics({"weight_install_s": ended - started}, defer=True)
         tracer().complete("install weights", "policy", started, ended, "policy", version=version)
         tracer().counter("policy version", version)
 

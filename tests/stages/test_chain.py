@@ -201,7 +201,7 @@ class _Control:
     def __init__(self) -> None:
         self.metrics: list[dict[str, float]] = []
 
-    def stage_metrics(self, metrics: dict[str, float]) -> None:
+    def stage_metrics(self, metrics: dict[str, float], *, defer: bool = False) -> None:
         self.metrics.append(metrics)
 
 
