@@ -206,10 +206,12 @@ class StageContext:
 
         return await anyio.to_thread.run_sync(computing)
 
-    async def run_brief(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run_brief(self, fn: Callable[..., T], *args: Any, local: bool = True) -> T:
         """``fn(*args)``, local compute that is often brief (a small model's weights install or
         optimizer step): here, on the event loop, while its previous call took under
         :data:`BRIEF_CALL_S`; in the compute thread (:meth:`run_sync`) otherwise, and the first time.
+        ``local=False``: this call waits on something outside the process (a collective over
+        several ranks, an engine's RPC), so it always goes to the compute thread.
 
         Why: a hop to the compute thread and back costs about as much as such a call (two thread
         wake-ups, on a host whose cores every process of the run shares), and in a synchronous step
@@ -225,7 +227,7 @@ class StageContext:
             finally:
                 record[fn] = time.perf_counter() - started
 
-        if record.get(fn, math.inf) < BRIEF_CALL_S:
+        if local and record.get(fn, math.inf) < BRIEF_CALL_S:
             return timed()
         return await self.run_sync(timed)
 

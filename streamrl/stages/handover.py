@@ -167,8 +167,7 @@ class PublishHandOver(HandOver):
         t0 = time.perf_counter()
         # the compute thread (the copy needs no event loop); one rank: no collective, so a small
         # model's copy runs on the event loop (StageContext.run_brief)
-        run = self.ctx.run_brief if self.R == 1 else self.ctx.run_sync
-        snapshot = await run(self._gather, version)
+        snapshot = await self.ctx.run_brief(self._gather, version, local=self.R == 1)
         t1 = time.perf_counter()
         await self.channel.announce(version, snapshot)
         return {"gather_ms": (t1 - t0) * 1e3, "publish_ms": (time.perf_counter() - t1) * 1e3}

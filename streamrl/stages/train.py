@@ -415,7 +415,7 @@ class TrainStage:
         for cols in self.pending:
             await self.ctx.run_sync(self._accumulate, cols)
         # one rank: the optimizer step is local compute, on the event loop where it is brief
-        stats = await (self.ctx.run_brief if self.R == 1 else self.ctx.run_sync)(self.engine.step)
+        stats = await self.ctx.run_brief(self.engine.step, local=self.R == 1)
         self.lr_schedule.step()
         t_train = time.perf_counter()
         self.version += 1

@@ -229,8 +229,7 @@ class FetchedWeights:
         assert self.engine is not None
         started = time.perf_counter()
         # a small model's install (a copy in this process) runs on the event loop: run_brief
-        run = self.ctx.run_brief if self.engine.load_weights_is_local else self.ctx.run_sync
-        await run(self.engine.load_weights, state.items())
+        await self.ctx.run_brief(self.engine.load_weights, state.items(), local=self.engine.load_weights_is_local)
         self.version = version
         ended = time.perf_counter()
         # on the busy report of the batch waiting for this version: no message on the way to it

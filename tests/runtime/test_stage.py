@@ -61,6 +61,15 @@ async def test_a_brief_call_moves_to_the_event_loop_and_a_long_one_back_to_the_t
     assert work.threads[-1] == loop_thread
 
 
+async def test_a_call_that_is_not_local_always_runs_in_the_thread(tmp_path: Path) -> None:
+    """``local=False`` (a collective, an RPC): never on the event loop, however brief."""
+    ctx, work = _context(tmp_path), _Work()
+    loop_thread = threading.get_ident()
+    for value in range(3):
+        assert await ctx.run_brief(work, value, local=False) == 2 * value
+    assert loop_thread not in work.threads and ctx.brief_calls[work] < BRIEF_CALL_S
+
+
 async def test_a_failing_brief_call_raises_where_it_runs_and_keeps_its_record(tmp_path: Path) -> None:
     ctx, work = _context(tmp_path), _Work()
     for _ in range(2):  # the thread, then the event loop
