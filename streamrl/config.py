@@ -339,6 +339,12 @@ class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "CPU stages share the host's cores at each decoder layer and decode step: a compute call uses its "
         "stage's threads while it computes alone, an equal share of the cores while other stages compute "
         "too (docs/architecture.md §7, Threads). false: each stage keeps its threads"))] = True
+    loop_affinity: Annotated[bool, Meta(description=(
+        "Each local process's event loop and ZeroMQ I/O threads on one core, round robin over the host's cores "
+        "in launch order (the dock's controller and warehouses, then the workers); compute threads keep every "
+        "core. A message between processes then wakes threads on known cores instead of wherever the kernel "
+        "finds room (docs/benchmarks.md §39). Linux, resources.launch: processes. false: the kernel places them "
+        "(a host whose cores other jobs pin)"))] = True
     dock: Annotated[DockConfig, Meta(description="The transfer dock")] = msgspec.field(default_factory=DockConfig)
     start_timeout_s: Annotated[float, Meta(description=(
         "Seconds within which worker start-up (imports, model build) must finish"))] = 120.0

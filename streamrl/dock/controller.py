@@ -46,6 +46,7 @@ from streamrl.dock.authz import AccessDenied, DockPolicy, parse_policy
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.state import ConsumerView, ControllerState, ProtocolViolation
 from streamrl.dock.watch import ParentWatch
+from streamrl.loop_affinity import pin_loop_threads
 from streamrl.security import RoleAuthenticator, ServerAuth, peer_role, secure_server
 
 __all__ = ["ConsumerView", "ControllerServer", "ControllerState", "ProtocolViolation", "main", "parse_views"]
@@ -731,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--consumers", required=True, help="comma-separated stage names that must ack each sample")
     ap.add_argument("--capacity", type=int, required=True, help="samples in flight before producers wait")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--loop-core", type=int, default=None,
+                    help="the core of this server's threads once it serves (streamrl.loop_affinity); default: any")
     ap.add_argument("--warehouses", type=int, default=1, help="number of warehouses that will register")
     ap.add_argument("--views", default="", help='JSON {"consumer": {"reads": [...], "whole_groups": false}}: '
                     "each consumer's fixed reads (default: fixed by its first claim)")
@@ -756,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"READY {server.endpoint}", flush=True)
+    if args.loop_core is not None:  # this thread and the context's I/O threads (streamrl.loop_affinity)
+        pin_loop_threads(args.loop_core)
     gc.freeze()  # start-up objects never die: keep the collector from rescanning them on every claim
     server.serve_forever()
     return 0

@@ -105,6 +105,9 @@ class LocalDock:
     auth: RunCredentials | None = None
     host: str = "127.0.0.1"  # tcp binds: tcp://{host}:0 (a node's routable address for a multi-node run)
     block: int = 1  # samples per ownership block: sample k lives on warehouse (k // block) % n_warehouses
+    # the core of each server's event loop and ZeroMQ I/O threads, the controller's first, then each
+    # warehouse's (streamrl.loop_affinity); None: the kernel places them
+    loop_cores: list[int | None] | None = None
     # the pipeline's declarations (column owners, consumers, producers) the servers enforce per role;
     # None: no authorization (tests, benchmarks)
     policy: DockPolicy | None = None
@@ -138,6 +141,10 @@ class LocalDock:
         self._procs.append(proc)
         return proc
 
+    def _loop_core(self, server: int) -> list[str]:
+        core = self.loop_cores[server] if self.loop_cores is not None and server < len(self.loop_cores) else None
+        return [] if core is None else ["--loop-core", str(core)]
+
     def start(self) -> LocalDock:
         if self.transport not in ("tcp", "ipc"):
             raise ValueError(f"dock transport must be 'tcp' or 'ipc', got {self.transport!r}")
@@ -157,7 +164,7 @@ class LocalDock:
                 "streamrl.dock.controller", "--bind", self._bind("controller"),
                 "--consumers", ",".join(self.consumers), "--capacity", str(self.capacity),
                 "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
-                "--block", str(self.block), *self.limits.argv(), *views, *policy,
+                "--block", str(self.block), *self.limits.argv(), *views, *policy, *self._loop_core(0),
             ])
             self.controller_endpoint = _read_ready(ctl, "dock controller", self.start_timeout_s)
             whs = [
@@ -166,7 +173,7 @@ class LocalDock:
                     "--controller", self.controller_endpoint, "--id", str(w),
                     "--warehouses", str(self.n_warehouses), "--parent-pid", str(os.getpid()),
                     "--register-timeout", str(self.start_timeout_s), "--block", str(self.block),
-                    *self.limits.argv(), *policy,
+                    *self.limits.argv(), *policy, *self._loop_core(1 + w),
                 ])
                 for w in range(self.n_warehouses)
             ]

@@ -42,6 +42,7 @@ from streamrl.dock.errors import WireFormatError
 from streamrl.dock.limits import DockLimits, secret_from_env
 from streamrl.dock.state import ProtocolViolation
 from streamrl.dock.watch import ParentWatch
+from streamrl.loop_affinity import pin_loop_threads
 from streamrl.security import (
     ClientAuth,
     RoleAuthenticator,
@@ -517,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--controller", required=True, help="the controller's endpoint")
     ap.add_argument("--id", type=int, required=True, help="this warehouse's id, 0..warehouses-1")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--loop-core", type=int, default=None,
+                    help="the core of this server's threads once it serves (streamrl.loop_affinity); default: any")
     ap.add_argument("--warehouses", type=int, default=1)
     ap.add_argument("--register-timeout", type=float, default=60.0,
                     help="seconds to wait for the controller to accept this warehouse")
@@ -549,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"READY {server.endpoint}", flush=True)
+    if args.loop_core is not None:  # this thread and the context's I/O threads (streamrl.loop_affinity)
+        pin_loop_threads(args.loop_core)
     gc.freeze()  # start-up objects never die: the collector's full passes need not rescan them (as the controller)
     server.serve_forever()
     server.ctx.destroy(linger=0)  # any socket still open closed, the context's I/O threads ended

@@ -31,6 +31,7 @@ import anyio
 import anyio.abc
 import msgspec
 
+from streamrl import loop_affinity
 from streamrl.config import RunConfig
 from streamrl.dock.authz import DockPolicy
 from streamrl.dock.controller import ConsumerView
@@ -211,6 +212,14 @@ class LaunchBackend(abc.ABC):
             self.dock.stop()
 
 
+def loop_cores(cfg: RunConfig, pipeline: PipelineSpec) -> list[int | None]:
+    """The core of each local process's event loop (``resources.loop_affinity``), in launch order:
+    the dock's controller, its warehouses, then one per process group of the pipeline; all None
+    where the option is off or the host cannot pin."""
+    n = 1 + cfg.resources.dock.warehouses + len(pipeline.process_groups())
+    return loop_affinity.assign(n) if cfg.resources.loop_affinity else [None] * n
+
+
 class LocalProcesses(LaunchBackend):
     """``resources.launch: processes``: dock servers and workers as local processes."""
 
@@ -223,7 +232,8 @@ class LocalProcesses(LaunchBackend):
         dc = self.cfg.resources.dock
         self.dock = LocalDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, dc.transport,
                               start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views,
-                              auth=self.auth, policy=self.dock_policy())
+                              auth=self.auth, policy=self.dock_policy(),
+                              loop_cores=loop_cores(self.cfg, self.pipeline)[:1 + dc.warehouses])
         self.dock.start()
         if self.dock._ipc_dir is not None:  # removed like the launcher's own if it is killed (runtime/orphans.py)
             claim_dir(self.dock._ipc_dir)

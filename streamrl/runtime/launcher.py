@@ -46,7 +46,7 @@ from streamrl.runtime.checkpoints import (
     resume_from,
 )
 from streamrl.runtime.forkserver import start_forkserver, stop_forkserver
-from streamrl.runtime.launch_backends import BACKENDS, LaunchBackend, _Worker
+from streamrl.runtime.launch_backends import BACKENDS, LaunchBackend, _Worker, loop_cores
 from streamrl.runtime.orphans import SHM_DIR, make_private_dir, process_alive, remove_dead_owners
 from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
 from streamrl.runtime.prerun import load_pipeline, resolve_run_length
@@ -296,7 +296,10 @@ class _Launch:
                     tg.start_soon(functools.partial(anyio.to_thread.run_sync, import_plotting, abandon_on_cancel=True))
                 if cfg.output.status_page:
                     await self._start_status_page(tg, dock.controller_endpoint)
-                for group in self.pipeline.process_groups():
+                # each local process's event-loop core (resources.loop_affinity): after the dock's servers
+                cores = (loop_cores(cfg, self.pipeline)[1 + cfg.resources.dock.warehouses:]
+                         if cfg.resources.launch == "processes" else [])
+                for g, group in enumerate(self.pipeline.process_groups()):
                     (host, k), rest = group[0], group[1:]
                     # each stage's own role, nothing more; a trainer's worker 0 serves the policy channel
                     auth = {s.name: backend.auth.client(stage_role(s.name)) for s, _ in group}
@@ -307,7 +310,8 @@ class _Launch:
                                       token=token, resume=self.resume, scratch_dir=tmp, shm_dir=shm,
                                       parent_pid=backend.parent_pid, auth=auth,
                                       server_auth=server_auth if serves else None,
-                                      rendezvous_endpoint=rendezvous.endpoint if rendezvous is not None else "")
+                                      rendezvous_endpoint=rendezvous.endpoint if rendezvous is not None else "",
+                                      loop_core=cores[g] if g < len(cores) else None)
                     members = [w for w in self.workers if (w.stage, w.index) in {(s.name, i) for s, i in group}]
                     await backend.start(members, spec, tg)
                 # One task owns the socket's receive: a recv cancelled by the supervisor's poll timeout

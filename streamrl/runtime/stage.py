@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import anyio.to_thread
 
+from streamrl import loop_affinity
 from streamrl.dock.client import SampleList
 from streamrl.dock.protocol import SampleInfo
 from streamrl.security import ClientAuth, ServerAuth
@@ -197,10 +198,12 @@ class StageContext:
         core share, the thread counts as computing on this host meanwhile."""
         call = functools.partial(fn, *args, **kwargs)
         cores = self.cores
-        if cores is None:
-            return await anyio.to_thread.run_sync(call)
 
         def computing() -> T:
+            # every core for this thread, which the event loop's pinned thread may have started
+            loop_affinity.release_this_thread()
+            if cores is None:
+                return call()
             with cores.computing():
                 return call()
 

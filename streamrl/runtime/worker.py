@@ -32,7 +32,7 @@ import msgspec
 import torch
 import zmq.asyncio
 
-from streamrl import event_loop
+from streamrl import event_loop, loop_affinity
 from streamrl.config import RunConfig
 from streamrl.dock.client import DockClient, Lease
 from streamrl.dock.errors import DockError, EndOfStream, RemoteError
@@ -86,6 +86,9 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     # (streamrl.runtime.rendezvous) instead of a FileStore
     home_warehouse: int | None = None
     rendezvous_endpoint: str = ""
+    # the core of this process's event loop and ZeroMQ I/O threads from Go on (streamrl.loop_affinity);
+    # None: the kernel places them
+    loop_core: int | None = None
 
 
 class _Meter:
@@ -250,6 +253,9 @@ async def _run_stage_worker(spec: WorkerSpec, sspec: StageSpec, shared: dict[str
             if not await control.wait_go(cfg.resources.start_timeout_s + 60):
                 tg.cancel_scope.cancel()
                 return 0
+            if spec.loop_core is not None:
+                # from Go on: the threads set-up started (compute, OpenMP, gloo) keep every core
+                loop_affinity.pin_loop_threads(spec.loop_core)
 
             # Stop cancels the loop only, not the dock client: its reply reader must keep running
             # so that the shielded release of a lease held at that moment gets its answer.
