@@ -59,7 +59,7 @@ def describe(exc: BaseException, too_deep: str = "values are nested too deeply")
     if isinstance(exc, UnicodeDecodeError):
         return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start} of that string); send msgpack str as UTF-8"
     if isinstance(exc, msgspec.DecodeError) and "UTF-8" in str(exc):
-        # msgspec >= 0.20 reports bad UTF-8 as a DecodeError of its own, without the byte's position
+        # a newer msgspec (0.23 here) reports bad UTF-8 as a DecodeError of its own, without the position
         return "a string is not valid UTF-8; send msgpack str as UTF-8"
     if isinstance(exc, RecursionError):
         return too_deep
