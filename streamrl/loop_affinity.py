@@ -38,10 +38,12 @@ def assign(processes: int) -> list[int | None]:
     return [available[k % len(available)] if available else None for k in range(processes)]
 
 
-def pin_loop_threads(core: int) -> None:
+def pin_loop_threads(core: int, *, every_thread: bool = False) -> None:
     """The calling thread (the event loop's) and every ZeroMQ I/O thread of this process on
     ``core``; threads the calling thread starts from now on start there too (ZeroMQ contexts made
-    later included)."""
+    later included). A ZeroMQ thread is known by the name it gives itself once it runs, so one
+    started a moment ago may not be found: ``every_thread`` pins every thread of the process
+    instead (a dock server, which computes nothing)."""
     global _all_cores
     if not _SUPPORTED:
         return
@@ -50,7 +52,7 @@ def pin_loop_threads(core: int) -> None:
     os.sched_setaffinity(threading.get_native_id(), {core})
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
-            if (task / "comm").read_text().startswith("ZMQbg/"):
+            if every_thread or (task / "comm").read_text().startswith("ZMQbg/"):
                 os.sched_setaffinity(int(task.name), {core})
 
 

@@ -55,11 +55,20 @@ def test_cores_are_assigned_round_robin_in_launch_order() -> None:
 
 def test_the_loop_thread_and_zeromq_threads_pin_and_a_computing_thread_gets_every_core_back() -> None:
     got = _python("""
-        import json, os, threading, zmq
+        import json, os, threading, time, zmq
         from streamrl import loop_affinity
+        def zmq_tids(n):  # a ZeroMQ thread names itself once it runs: wait for n of them (bounded)
+            deadline = time.monotonic() + 10
+            while True:
+                tids = [int(t) for t in os.listdir("/proc/self/task")
+                        if open(f"/proc/self/task/{t}/comm").read().startswith("ZMQbg/")]
+                if len(tids) >= n or time.monotonic() > deadline:
+                    return tids
+                time.sleep(0.01)
         everything = sorted(os.sched_getaffinity(0))
         core = everything[-1]
         early = zmq.Context(); early.socket(zmq.DEALER)  # its I/O thread runs before the pin
+        zmq_tids(2)
         loop_affinity.pin_loop_threads(core)
         late = zmq.Context(); late.socket(zmq.DEALER)  # started by the pinned thread
         seen = {}
@@ -68,10 +77,7 @@ def test_the_loop_thread_and_zeromq_threads_pin_and_a_computing_thread_gets_ever
             loop_affinity.release_this_thread()
             seen["released"] = sorted(os.sched_getaffinity(0))
         t = threading.Thread(target=compute); t.start(); t.join()
-        zmq_threads = []
-        for task in os.listdir("/proc/self/task"):
-            if open(f"/proc/self/task/{task}/comm").read().startswith("ZMQbg/"):
-                zmq_threads.append(sorted(os.sched_getaffinity(int(task))))
+        zmq_threads = [sorted(os.sched_getaffinity(tid)) for tid in zmq_tids(4)]
         print(json.dumps({"core": core, "everything": everything, "loop": sorted(os.sched_getaffinity(0)),
                           "zmq": zmq_threads, **seen}))
     """)

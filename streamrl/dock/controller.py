@@ -759,8 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"READY {server.endpoint}", flush=True)
-    if args.loop_core is not None:  # this thread and the context's I/O threads (streamrl.loop_affinity)
-        pin_loop_threads(args.loop_core)
+    if args.loop_core is not None:  # every thread of the server (streamrl.loop_affinity)
+        pin_loop_threads(args.loop_core, every_thread=True)
     gc.freeze()  # start-up objects never die: keep the collector from rescanning them on every claim
     server.serve_forever()
     return 0

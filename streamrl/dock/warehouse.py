@@ -552,8 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"READY {server.endpoint}", flush=True)
-    if args.loop_core is not None:  # this thread and the context's I/O threads (streamrl.loop_affinity)
-        pin_loop_threads(args.loop_core)
+    if args.loop_core is not None:  # every thread of the server (streamrl.loop_affinity)
+        pin_loop_threads(args.loop_core, every_thread=True)
     gc.freeze()  # start-up objects never die: the collector's full passes need not rescan them (as the controller)
     server.serve_forever()
     server.ctx.destroy(linger=0)  # any socket still open closed, the context's I/O threads ended
