@@ -1,6 +1,6 @@
 """A process's event-loop thread and its ZeroMQ I/O threads kept on one core.
 
-A message between two processes of a run wakes four threads: the sender's ZeroMQ I/O thread
+A message between two processes of a run wakes three threads: the sender's ZeroMQ I/O thread
 (woken by the sending thread), the receiver's I/O thread (by the socket) and the receiving event
 loop (by its I/O thread). Where the kernel places each wake-up on whichever core looks free, a
 wake-up often lands behind another process's compute thread, or on an idle virtual CPU that the
@@ -19,7 +19,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _SUPPORTED = hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
 _all_cores: set[int] | None = None  # the cores the process could use before its loop was pinned
@@ -54,6 +58,13 @@ def pin_loop_threads(core: int, *, every_thread: bool = False) -> None:
         with contextlib.suppress(OSError, ValueError):  # a thread that ended meanwhile
             if every_thread or (task / "comm").read_text().startswith("ZMQbg/"):
                 os.sched_setaffinity(int(task.name), {core})
+
+
+def released(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` after :func:`release_this_thread`: for a thread call (``anyio.to_thread``) that
+    computes, from an event loop that may be pinned."""
+    release_this_thread()
+    return fn(*args)
 
 
 def release_this_thread() -> None:

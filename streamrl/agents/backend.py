@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from streamrl.engines.rollout_engine import EngineRollout, RolloutEngine
-from streamrl.loop_affinity import release_this_thread
+from streamrl.loop_affinity import released
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class OwnWeights:
         self.installs_waiting += 1
         async with self._changed:
             self.installs_waiting -= 1
-            await anyio.to_thread.run_sync(_released, self.engine.load_weights, weights)
+            await anyio.to_thread.run_sync(released, self.engine.load_weights, weights)
             self.version = version
             self._changed.notify_all()
 
@@ -197,7 +197,7 @@ class BatchingBackend:
     async def _generate_on(self, rollout: Any, key: SamplingKey, batch: list[_Request]) -> None:
         started = time.perf_counter()
         try:
-            gens = await anyio.to_thread.run_sync(_released, self._call, rollout, key, batch)
+            gens = await anyio.to_thread.run_sync(released, self._call, rollout, key, batch)
         except Exception as exc:  # each request of the batch fails with it; the backend goes on
             for r in batch:
                 r.error = exc
@@ -232,10 +232,3 @@ class BatchingBackend:
             r.done.set()
         self._queue.clear()
         self._running.clear()
-
-
-def _released(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a thread that computes on every core (streamrl.loop_affinity): the worker's
-    event loop, which started it, may be pinned to one."""
-    release_this_thread()
-    return fn(*args)

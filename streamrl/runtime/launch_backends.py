@@ -212,12 +212,14 @@ class LaunchBackend(abc.ABC):
             self.dock.stop()
 
 
-def loop_cores(cfg: RunConfig, pipeline: PipelineSpec) -> list[int | None]:
-    """The core of each local process's event loop (``resources.loop_affinity``), in launch order:
-    the dock's controller, its warehouses, then one per process group of the pipeline; all None
-    where the option is off or the host cannot pin."""
-    n = 1 + cfg.resources.dock.warehouses + len(pipeline.process_groups())
-    return loop_affinity.assign(n) if cfg.resources.loop_affinity else [None] * n
+def loop_cores(cfg: RunConfig, pipeline: PipelineSpec) -> tuple[list[int | None], list[int | None]]:
+    """The core of each local process's event loop (``resources.loop_affinity``), assigned in launch
+    order: (the dock's servers, its controller first; one per process group of the pipeline). All
+    None where the option is off or the host cannot pin."""
+    servers = 1 + cfg.resources.dock.warehouses
+    n = servers + len(pipeline.process_groups())
+    every = loop_affinity.assign(n) if cfg.resources.loop_affinity else [None] * n
+    return every[:servers], every[servers:]
 
 
 class LocalProcesses(LaunchBackend):
@@ -233,7 +235,7 @@ class LocalProcesses(LaunchBackend):
         self.dock = LocalDock(self.pipeline.consumers, self.cfg.dock_capacity, dc.warehouses, dc.transport,
                               start_timeout_s=self.cfg.resources.start_timeout_s, limits=limits, views=views,
                               auth=self.auth, policy=self.dock_policy(),
-                              loop_cores=loop_cores(self.cfg, self.pipeline)[:1 + dc.warehouses])
+                              loop_cores=loop_cores(self.cfg, self.pipeline)[0])
         self.dock.start()
         if self.dock._ipc_dir is not None:  # removed like the launcher's own if it is killed (runtime/orphans.py)
             claim_dir(self.dock._ipc_dir)

@@ -297,8 +297,7 @@ class _Launch:
                 if cfg.output.status_page:
                     await self._start_status_page(tg, dock.controller_endpoint)
                 # each local process's event-loop core (resources.loop_affinity): after the dock's servers
-                cores = (loop_cores(cfg, self.pipeline)[1 + cfg.resources.dock.warehouses:]
-                         if cfg.resources.launch == "processes" else [])
+                cores = loop_cores(cfg, self.pipeline)[1] if cfg.resources.launch == "processes" else []
                 for g, group in enumerate(self.pipeline.process_groups()):
                     (host, k), rest = group[0], group[1:]
                     # each stage's own role, nothing more; a trainer's worker 0 serves the policy channel
