@@ -327,12 +327,14 @@ class BatchedRolloutEngine(ABC):
                 alive = [True] * len(keep_host)
             rebalance(work(len(rows_host), decoder.width), DECODE_GRAIN)  # this step's share of the cores (core_share.py)
             logits = decoder.step(tokens, positions + t)  # token t sits at position prompt_len + t
-        tokens_cpu = out_tokens.cpu()
-        logprobs_cpu = out_logprobs.cpu()
-        return [
-            Generation(tokens_cpu[row, : length[row]].clone(), logprobs_cpu[row, : length[row]].clone(), finish[row])
-            for row in range(n)
-        ]
+        # Each row's first length[row] columns, cut from one flat copy: two ops for the batch instead
+        # of a slice and a clone per row (a W1 call's 64 rows: 0.07 against 0.30 ms). Each
+        # completion is a contiguous view of its batch's flat tensor.
+        kept = (torch.arange(max_new_tokens, device=device).unsqueeze(0)
+                < torch.tensor(length, device=device).unsqueeze(1))
+        tokens = out_tokens[kept].cpu().split(length)
+        logprobs = out_logprobs[kept].cpu().split(length)
+        return [Generation(t, lp, f) for t, lp, f in zip(tokens, logprobs, finish, strict=True)]
 
 
 class TorchRolloutEngine(BatchedRolloutEngine):
