@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ops.bench._common import percentile, print_json_line, print_table  # noqa: E402
+from ops.bench._common import percentile, print_json_line, print_table, spread  # noqa: E402
 
 GAPS_MS = (0.3, 2.0, 5.0, 10.0, 20.0)
 ROUND_TRIPS_S = 3.0  # wall time spent on each gap's round trips (bounded count below)
@@ -169,8 +168,8 @@ def pipeline_ms_per_step(staleness: int, run_dir: str) -> float:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {"median": statistics.median(ordered), "p90": percentile(ordered, 0.9), "n": len(ordered)}
+    """:func:`spread` and the p90."""
+    return {**spread(values), "p90": percentile(sorted(values), 0.9)}
 
 
 def main() -> None:
@@ -207,11 +206,9 @@ def main() -> None:
                             ms = pipeline_ms_per_step(k, f"{runs}/{label}-{pair}")
                         steps.setdefault(label, []).append(ms)
             for label, values in steps.items():
-                figures[f"w1_pipeline_ms_per_step_{label}"] = {"median": statistics.median(values),
-                                                               "min": min(values), "max": max(values),
-                                                               "n": len(values)}
+                got = figures[f"w1_pipeline_ms_per_step_{label}"] = spread(values)
                 rows.append([f"W1 pipeline ms a step, {label.split('_', 1)[0]}", label.split("_", 1)[1].replace("_", " "),
-                             f"{statistics.median(values):.2f}", f"[{min(values):.2f}, {max(values):.2f}]"])
+                             f"{got['median']:.2f}", f"[{got['min']:.2f}, {got['max']:.2f}]"])
 
     print(f"load average {os.getloadavg()[0]:.2f} (the spinners count in it while they run)")
     print_table(["measure", "cores", "median", "p90 / range"], rows)
