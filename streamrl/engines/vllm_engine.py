@@ -38,7 +38,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,28 @@ def restore_environment(previous: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
+@contextmanager
+def temp_files_in(directory: Path) -> Iterator[None]:
+    """Python's temp dir is ``directory`` inside the block, for this process and for the processes it
+    starts. vLLM's engine start-up makes torch.distributed's rendezvous file with
+    ``tempfile.gettempdir()`` (``vllm_dist_<uuid>``, in the engine-core process); in the engine's
+    scratch dir it goes with that dir, which the run removes even after a SIGKILL. In /tmp a killed
+    engine leaves it behind (the FileStore removes it only when its last client closes cleanly).
+
+    The process's own temp dir is looked up first, so that what it caches stays the real one after
+    the block (``tempfile`` caches the first lookup for the life of the process).
+    """
+    tempfile.gettempdir()
+    previous_dir, previous_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = str(directory)
+    os.environ["TMPDIR"] = str(directory)  # a spawned engine core computes its own from this
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous_dir
+        restore_environment({"TMPDIR": previous_env})
+
+
 class VllmRolloutEngine:
     """A ``vllm.LLM`` behind the rollout-engine interface (see the module docstring)."""
 
@@ -149,12 +172,13 @@ class VllmRolloutEngine:
             if device != "cpu":
                 kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
                 kwargs["enable_sleep_mode"] = sleep_mode
-            self.llm = vllm.LLM(
-                model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
-                logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WeightLoadingExtension",
-                **kwargs,
-            )
+            with temp_files_in(scratch):
+                self.llm = vllm.LLM(
+                    model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                    enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
+                    logprobs_mode="processed_logprobs", worker_extension_cls=f"{__name__}.WeightLoadingExtension",
+                    **kwargs,
+                )
         except BaseException as exc:
             self._remove_scratch()
             if isinstance(exc, ImportError):

@@ -158,3 +158,5 @@ def test_a_too_long_request_is_refused_naming_the_limit(engine: VllmRolloutEngin
 def test_vllm_owns_no_ipc_files_outside_its_scratch_dir(engine: VllmRolloutEngine) -> None:
     assert os.environ["VLLM_RPC_BASE_PATH"] == str(engine.scratch_dir)
     assert Path(os.environ["VLLM_RPC_BASE_PATH"]).is_dir()
+    # torch.distributed's rendezvous file, made at start-up in the temp dir: the engine's own one
+    assert list(engine.scratch_dir.glob("vllm_dist_*")), sorted(p.name for p in engine.scratch_dir.iterdir())
