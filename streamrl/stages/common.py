@@ -16,6 +16,7 @@ from streamrl.engines.options import EngineName, VllmOptions
 from streamrl.engines.rollout import TorchRolloutEngine
 from streamrl.engines.rollout_engine import RolloutEngine
 from streamrl.models.tokenizer import build_char_tokenizer
+from streamrl.runtime.pipeline import PipelineSpec, class_says, import_stage_class
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext
 from streamrl.tasks.base import Task
 from streamrl.tasks.registry import get_task
@@ -134,6 +135,23 @@ def seed_for_batch(generator: torch.Generator, seed: int, batch: Batch) -> None:
     keys = batch.columns.get("sample_key")
     if keys:
         generator.manual_seed(batch_seed(seed, int(keys[0])))
+
+
+def steps_claimed_one_at_a_time(pipeline: PipelineSpec) -> bool:
+    """Every stage that reads ``step`` takes one step's samples a claim (its class says
+    ``claims_one_step``: the generate stage in placement separate, a chain with such a link)."""
+    readers = [s for s in pipeline.stages if "step" in s.reads]
+    return bool(readers) and all(class_says(import_stage_class(s.cls), "claims_one_step", s) for s in readers)
+
+
+def source_runs_ahead(cfg: RunConfig, pipeline: PipelineSpec | None) -> bool:
+    """The source puts a step's prompts one version before theirs (:mod:`streamrl.stages.source`),
+    and each generating stage then claims one source reserve at a time: a claim of several steps'
+    prompts could wait for a version that needs the first of them trained, which needs that
+    claim's samples. Where every stage that reads ``step`` claims one step at a time, and not with
+    dynamic sampling, whose source makes waves of a few groups (one reserve each) behind its gate."""
+    return (not cfg.algo.dynamic_sampling.enabled and pipeline is not None
+            and steps_claimed_one_at_a_time(pipeline))
 
 
 def step_claim(micro_batch: int, remaining: int, version: int, max_staleness: int) -> ClaimSize:

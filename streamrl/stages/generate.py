@@ -34,7 +34,7 @@ from streamrl.engines.options import GenerateOptions, check_engine_available
 from streamrl.engines.rollout import Generation
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec
 from streamrl.runtime.stage import Batch, GiveBack, Output, StageContext
-from streamrl.stages.common import seed_for_batch, worker_generator
+from streamrl.stages.common import seed_for_batch, source_runs_ahead, worker_generator
 from streamrl.stages.weight_source import (
     WeightSource,
     check_weight_links,
@@ -89,11 +89,8 @@ class GenerateStage:
         self.ctx = ctx
         self.weights: WeightSource = weight_source_for(ctx, msgspec.convert(ctx.options, GenerateOptions))
         await self.weights.setup()
-        # one step's prompts a claim: with the source ahead, a claim of several steps' could wait for
-        # a version that needs the first of them trained, which needs this claim's samples. Not with
-        # dynamic sampling: its source makes waves of a few groups, one reserve each, and stays
-        # behind its gate (streamrl.stages.source); claims then take several waves at once
-        self.claims_one_reserve = fetches_weights(ctx.spec) and not ctx.config.algo.dynamic_sampling.enabled
+        # one step's prompts a claim where the source puts them ahead of their version
+        self.claims_one_reserve = source_runs_ahead(ctx.config, ctx.pipeline)
         self.follows = self.weights.follows  # a TP follower computes what its rank 0 claims
         self.generator = worker_generator(ctx, self.weights.generator_device)
         ctx.log.info("%s[%d]: %s rollout engine ready", ctx.spec.name, ctx.worker, self.weights.engine_name)

@@ -8,7 +8,7 @@ out: its agent stage renders the conversation itself (:mod:`streamrl.stages.agen
 it waits for policy version s - max_staleness: with 0 the whole pipeline is synchronous
 on-policy; with k >= 1 generation may run k versions ahead of training. It waits for one version
 less, s - max_staleness - 1, where every stage that reads ``step`` claims one step's prompts at a
-time (:func:`steps_claimed_one_at_a_time`): step s's prompts are then made, put and claimed
+time (:func:`streamrl.stages.common.source_runs_ahead`): step s's prompts are then made, put and claimed
 before version s - max_staleness is out, and generation starts as soon as it is installed.
 
 With ``algo.dynamic_sampling.enabled`` (DAPO: a filter stage drops groups whose rewards are all
@@ -61,7 +61,7 @@ from streamrl.runtime.pipeline import (
 )
 from streamrl.runtime.policy import PolicyTimeout
 from streamrl.runtime.stage import Output, StageContext
-from streamrl.stages.common import build_task, build_tokenizer
+from streamrl.stages.common import build_task, build_tokenizer, source_runs_ahead
 from streamrl.tasks.chat import render_prompt
 
 SOURCE_COLUMNS = ("prompt_ids", "prompt", "answer", "step", "sample_key")  # what it can write
@@ -83,13 +83,6 @@ def discarding_stages(pipeline: PipelineSpec) -> list[str]:
     """The stages of ``pipeline`` that drop samples from the run (their class's ``discards`` says so
     for them: True, or a function of the spec)."""
     return [s.name for s in pipeline.stages if class_says(import_stage_class(s.cls), "discards", s)]
-
-
-def steps_claimed_one_at_a_time(pipeline: PipelineSpec) -> bool:
-    """Every stage that reads ``step`` takes one step's samples a claim (its class says
-    ``claims_one_step``: the generate stage in placement separate, a chain with such a link)."""
-    readers = [s for s in pipeline.stages if "step" in s.reads]
-    return bool(readers) and all(class_says(import_stage_class(s.cls), "claims_one_step", s) for s in readers)
 
 
 def _round_samples(train: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> int:
@@ -141,8 +134,7 @@ class SourceStage:
         # a step's prompts go out one version before theirs (synchronous: while the step before
         # trains), where every stage that reads their step takes one step's prompts a claim (one
         # produce is one dock reserve): the generators then have them when the version comes out
-        self.ahead = int(not cfg.algo.dynamic_sampling.enabled
-                         and ctx.pipeline is not None and steps_claimed_one_at_a_time(ctx.pipeline))
+        self.ahead = int(source_runs_ahead(cfg, ctx.pipeline))
         self.columns = [c for c in SOURCE_COLUMNS if c in ctx.spec.writes]
         self.trained = TrainedKeys()
         self.pending: list[Output] = []  # a resumed step's partial groups, emitted one group size at a time
