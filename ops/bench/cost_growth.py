@@ -11,11 +11,12 @@ seed 0. Figures per cell:
 - completions/s over steps 2..STEPS (the first carries warm-up on both sides; TRL's
   ``steady_completions_per_s``);
 - useful FLOP/s (training 6 x params x sequence tokens + generation 2 x params x the same, as in
-  grpo_vs_trl.py) as a fraction of the fp32 matmul ceiling measured in this run;
+  grpo_vs_trl.py) as a fraction of the fp32 matmul ceiling measured in this run, and the executed
+  fraction: the same count with each prompt's tokens once per group, as streamrl computes them;
 - peak resident memory (VmHWM) of every streamrl process, read from /proc every POLL_S while
   the run goes (the processes come from the run's logs/pids.json), and TRL's one process;
-- the trainer's estimate: the resident size of a worker without a model (the advantage stage:
-  Python, torch, the dock client) + parameters, gradients and AdamW's two moments (16 bytes a
+- the trainer's estimate: the resident size of a worker without a model (the source stage:
+  Python, torch, the dock client, the task and its tokenizer) + parameters, gradients and AdamW's two moments (16 bytes a
   parameter, fp32) + the published policy versions (8 bytes a parameter: the newest version's file
   in the run's shared memory, which generation maps while the trainer goes on, and the next one's,
   allocated ahead; streamrl.runtime.policy) + the largest micro-batch's activations
@@ -149,7 +150,9 @@ def run_streamrl(size: str, batch: int, tmp: Path, mmap_threshold: int | None = 
     shutil.rmtree(tmp / "runs", ignore_errors=True)  # this cell's run dir: the next cell polls its own
     steady = [r["step_time_s"] for r in rows[1:]]  # step 1 carries warm-up (as TRL's steady figure)
     return {"completions_per_s": len(steady) * batch / sum(steady), "train_s": sum(steady),
-            "sequence_tokens": sum(r["sequence_tokens"] for r in rows[1:]), "peak_rss_mib": watch.peak,
+            "sequence_tokens": sum(r["sequence_tokens"] for r in rows[1:]),
+            "prompt_tokens": sum(r["sequence_tokens"] - r["response_tokens"] for r in rows[1:]),
+            "peak_rss_mib": watch.peak,
             "train_micro_batch": train_mb, "largest_step_tokens": max(r["sequence_tokens"] for r in rows)}
 
 
@@ -197,14 +200,24 @@ def main() -> None:
                 ours = run_streamrl(size, batch, tmp, args.mmap_threshold, tuple(args.streamrl_set))
                 theirs = run_trl(python, size, batch) if python is not None else None
                 useful = 8 * params * ours["sequence_tokens"] / ours["train_s"] / 1e9
+                # what streamrl computes of it: a group's prompt once (one prefill a prompt, a trainer
+                # row holding a group's prompt once), so `useful` can pass the ceiling and this cannot
+                executed = 8 * params * (ours["sequence_tokens"] - ours["prompt_tokens"] * (1 - 1 / GROUP)) \
+                    / ours["train_s"] / 1e9
                 peaks = ours["peak_rss_mib"]
-                base = peaks.get("advantage-0", 0.0)
+                # a worker without a model: the source (the default pipeline chains advantages into the
+                # rollout worker, so no advantage stage runs apart)
+                if "source-0" not in peaks:
+                    raise RuntimeError(f"{size} x {batch}: no peak RSS was read for the source stage (read: "
+                                       f"{sorted(peaks)}); the trainer's estimate needs it")
+                base = peaks["source-0"]
                 # the largest step's tokens per micro-batch: sampled lengths vary, so the steps do
                 tokens_mb = ours["largest_step_tokens"] / batch * min(ours["train_micro_batch"], batch)
                 activations = ACT_BYTES_PER_TOKEN_LAYER_HIDDEN * tokens_mb * layers * hidden
                 estimate = base + ((16 + PUBLISHED_BYTES_PER_PARAM) * params + activations) / 2**20
                 cell = {"params": params, "completions_per_s": round(ours["completions_per_s"], 2),
-                        "flop_fraction": round(useful / ceiling, 3), "peak_rss_mib": {k: round(v) for k, v in peaks.items()},
+                        "flop_fraction": round(useful / ceiling, 3),
+                        "executed_flop_fraction": round(executed / ceiling, 3), "peak_rss_mib": {k: round(v) for k, v in peaks.items()},
                         "trainer_estimate_mib": round(estimate), "trainer_over_estimate": round(
                             peaks.get("train-0", 0.0) / estimate, 2) if estimate else None}
                 if theirs is not None:
@@ -214,13 +227,13 @@ def main() -> None:
                 cells[f"{size}x{batch}"] = cell
                 table.append([size, batch, f"{cell['completions_per_s']:.1f}",
                               f"{cell.get('trl_completions_per_s', '-')}", f"{cell.get('ratio', '-')}",
-                              f"{cell['flop_fraction']:.2f}",
+                              f"{cell['flop_fraction']:.2f} / {cell['executed_flop_fraction']:.2f}",
                               " ".join(f"{k.split('-')[0]} {v}" for k, v in sorted(cell["peak_rss_mib"].items())),
                               f"{cell.get('trl_peak_rss_mib', '-')}", f"{cell['trainer_estimate_mib']} "
                               f"({cell['trainer_over_estimate']}x)"])
                 print(f"{size} x {batch} done (load {os.getloadavg()[0]:.1f})", flush=True)
     print(f"\nfp32 matmul ceiling {ceiling:.0f} GFLOP/s; load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
-    print_table(["model", "batch", "streamrl c/s", "TRL c/s", "ratio", "ceiling frac", "streamrl peak RSS MiB",
+    print_table(["model", "batch", "streamrl c/s", "TRL c/s", "ratio", "ceiling frac (useful / executed)", "streamrl peak RSS MiB",
                  "TRL RSS MiB", "trainer estimate MiB (peak/est)"], table)
     print_json_line("cost_growth", {"cells": cells, "ceiling_gflops": ceiling,
                                     "train_mmap_threshold_bytes": args.mmap_threshold,

@@ -11,7 +11,10 @@ group-normalised advantages, token-mean loss).
   W2  digits-reverse (2..24 digits), hidden 256 / 4 layers, 16 prompts x 8, <= 32 tokens,
       15 steps: completions/s in synchronous on-policy mode (target >= 2x TRL), also with
       max_staleness 1, and the useful FLOP rate as a fraction of the fp32 matmul ceiling
-      measured in the same run (training 6*params*tokens + generation 2*params*tokens).
+      measured in the same run (training 6*params*tokens + generation 2*params*tokens: the work
+      TRL does, every sample's prompt included). streamrl computes a group's prompt once (one
+      prefill per prompt; a trainer row holds a group's prompt once), so it also reports the
+      executed fraction: the same count with each prompt's tokens once per group.
 
 Each side runs as a fresh process per repetition (seeds 0..reps-1); setup is excluded on both
 sides (TRL: its training loop; streamrl: from Go to the last step). The TRL side is
@@ -54,6 +57,8 @@ TRL_RUNNER = HERE / "trl_grpo.py"
 TRL_SETUP = HERE / "setup_trl_env.sh"
 DEFAULT_TRL_VENV = Path(os.environ.get("STREAMRL_TRL_VENV", "/tmp/streamrl-trl-venv2"))
 
+GROUP = 8  # completions per prompt, both workloads (TRL's --num-generations)
+
 # The model of each workload, as streamrl's model.tiny section; TRL gets the same shapes as flags.
 TINY: dict[str, dict[str, int]] = {
     "W1": {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 256},
@@ -65,11 +70,11 @@ def _shape_flags(workload: str) -> list[str]:
     return [x for key, value in TINY[workload].items() for x in (f"--{key}", str(value))]
 
 
-W1_TRL = ["--task", "max", "--n-digits", "3", "--prompts-per-step", "8", "--num-generations", "8",
+W1_TRL = ["--task", "max", "--n-digits", "3", "--prompts-per-step", "8", "--num-generations", str(GROUP),
           "--max-completion-length", "4", "--steps", "300", "--stop-reward", "0.9", "--lr", "1e-3",
           *_shape_flags("W1")]
 W2_TRL = ["--task", "reverse", "--n-digits", "24", "--min-digits", "2", "--max-completion-length", "32",
-          "--prompts-per-step", "16", "--num-generations", "8", "--steps", "15", "--lr", "1e-3",
+          "--prompts-per-step", "16", "--num-generations", str(GROUP), "--steps", "15", "--lr", "1e-3",
           *_shape_flags("W2")]
 
 
@@ -88,12 +93,12 @@ def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str,
         return {**common,
                 "model": {"tiny": {**TINY["W1"], "seed": seed}},
                 "task": {"name": "digits-max", "options": {"n_digits": 3}, "seed": seed},
-                "algo": {"steps": 300, "prompts_per_step": 8, "group_size": 8, "max_new_tokens": 4, "lr": 1e-3,
+                "algo": {"steps": 300, "prompts_per_step": 8, "group_size": GROUP, "max_new_tokens": 4, "lr": 1e-3,
                          "max_staleness": staleness, "stop_reward": 0.9}}
     return {**common,
             "model": {"tiny": {**TINY["W2"], "seed": seed}},
             "task": {"name": "digits-reverse", "options": {"min_digits": 2, "max_digits": 24}, "seed": seed},
-            "algo": {"steps": 15, "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 32, "lr": 1e-3,
+            "algo": {"steps": 15, "prompts_per_step": 16, "group_size": GROUP, "max_new_tokens": 32, "lr": 1e-3,
                      "max_staleness": staleness}}
 
 
@@ -280,16 +285,22 @@ def main() -> None:
                 tps = spread(r["gen_tokens_per_s"] for r in runs)
                 # useful work: train fwd+bwd 6*P*T over every trained token, generation 2*P*T (prefill + decode)
                 flops = [(6 + 2) * params * r["sequence_tokens"] / r["wall_s"] / 1e9 for r in runs]
+                # what streamrl computes of it: a group's prompt once, in training and in the prefill
+                executed = [(6 + 2) * params * (r["sequence_tokens"] - r["prompt_tokens"] * (1 - 1 / GROUP))
+                            / r["wall_s"] / 1e9 for r in runs]
                 figures[f"{key}_completions_per_s"] = cps
                 figures[f"{key}_gen_tokens_per_s"] = tps
                 figures[f"{key}_setup_s"] = spread(r["setup_s"] for r in runs)
                 figures[f"{key}_useful_gflops"] = spread(flops)
                 figures[f"{key}_flop_fraction_of_ceiling"] = spread(f / ceiling for f in flops)
+                figures[f"{key}_executed_flop_fraction_of_ceiling"] = spread(f / ceiling for f in executed)
                 rows.append([f"{label}: completions/s", fmt_spread(cps)])
                 rows.append([f"{label}: gen tokens/s", fmt_spread(tps, 0)])
                 rows.append([f"{label}: setup s", fmt_spread(figures[f"{key}_setup_s"], 1)])
                 rows.append([f"{label}: useful GFLOP/s (fraction of ceiling)",
                              f"{fmt_spread(spread(flops))} ({spread(flops)['median'] / ceiling:.2f})"])
+                rows.append([f"{label}: executed GFLOP/s (fraction of ceiling)",
+                             f"{fmt_spread(spread(executed))} ({spread(executed)['median'] / ceiling:.2f})"])
                 if engine != "builtin":
                     ratios[f"W2_{engine}_over_builtin_completions_per_s_k{k}"] = (
                         cps["median"] / figures[f"W2_k{k}_completions_per_s"]["median"])
