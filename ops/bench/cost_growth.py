@@ -16,10 +16,11 @@ seed 0. Figures per cell:
 - peak resident memory (VmHWM) of every streamrl process, read from /proc every POLL_S while
   the run goes (the processes come from the run's logs/pids.json), and TRL's one process;
 - the trainer's estimate: the resident size of a worker without a model (the source stage:
-  Python, torch, the dock client, the task and its tokenizer) + parameters, gradients and AdamW's two moments (16 bytes a
-  parameter, fp32) + the published policy versions (8 bytes a parameter: the newest version's file
-  in the run's shared memory, which generation maps while the trainer goes on, and the next one's,
-  allocated ahead; streamrl.runtime.policy) + the largest micro-batch's activations
+  Python, torch, the dock client, the task and its tokenizer) + parameters, gradients and AdamW's
+  two moments (16 bytes a parameter, fp32) + the published policy versions (8 bytes a parameter:
+  the newest version's file in the run's shared memory, which generation maps while the trainer
+  goes on, and the next one's, allocated ahead; streamrl.runtime.policy) + the largest
+  micro-batch's activations
   (ACT_BYTES_PER_TOKEN_LAYER_HIDDEN bytes per token, layer and channel, a budget for a block's
   saved tensors in fp32 without activation checkpointing; the tokens of the step with the most,
   per micro-batch, since the peak comes with the largest one); the trainer's peak over it.
