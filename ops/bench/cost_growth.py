@@ -56,6 +56,7 @@ from grpo_vs_trl import (
     ROOT,
     TRL_RUNNER,
     ensure_trl_venv,
+    gflops,
     matmul_ceiling_gflops,
     streamrl_config,
 )
@@ -200,11 +201,8 @@ def main() -> None:
             for batch in batches:
                 ours = run_streamrl(size, batch, tmp, args.mmap_threshold, tuple(args.streamrl_set))
                 theirs = run_trl(python, size, batch) if python is not None else None
-                useful = 8 * params * ours["sequence_tokens"] / ours["train_s"] / 1e9
-                # what streamrl computes of it: a group's prompt once (one prefill a prompt, a trainer
-                # row holding a group's prompt once), so `useful` can pass the ceiling and this cannot
-                executed = 8 * params * (ours["sequence_tokens"] - ours["prompt_tokens"] * (1 - 1 / GROUP)) \
-                    / ours["train_s"] / 1e9
+                useful, executed = gflops(params, ours["sequence_tokens"], ours["prompt_tokens"], ours["train_s"],
+                                          GROUP)
                 peaks = ours["peak_rss_mib"]
                 # a worker without a model: the source (the default pipeline chains advantages into the
                 # rollout worker, so no advantage stage runs apart)

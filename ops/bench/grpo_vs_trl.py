@@ -102,6 +102,17 @@ def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str,
                      "max_staleness": staleness}}
 
 
+def gflops(params: int, sequence_tokens: float, prompt_tokens: float, seconds: float,
+           group: int = GROUP) -> tuple[float, float]:
+    """Useful and executed GFLOP/s of a run. Useful: the work TRL does, training's forward and
+    backward (6 x params) and generation (2 x params) over every sample's prompt and completion
+    tokens. Executed: what streamrl computes of it, a group's prompt once (one prefill per prompt,
+    a trainer row holding a group's prompt once), so only this one is bounded by the ceiling."""
+    executed_tokens = sequence_tokens - prompt_tokens * (1 - 1 / group)
+    return ((6 + 2) * params * sequence_tokens / seconds / 1e9,
+            (6 + 2) * params * executed_tokens / seconds / 1e9)
+
+
 def run_streamrl(workload: str, seed: int, staleness: int, tmp: Path, engine: str = "builtin",
                  python: str = sys.executable, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """One streamrl run; ``overrides``: its command line's field overrides (``--streamrl-set``)."""
@@ -283,11 +294,8 @@ def main() -> None:
                 label = f"W2 streamrl k={k}" if engine == "builtin" else f"W2 streamrl {engine} k={k}"
                 cps = spread(r["completions_per_s"] for r in runs)
                 tps = spread(r["gen_tokens_per_s"] for r in runs)
-                # useful work: train fwd+bwd 6*P*T over every trained token, generation 2*P*T (prefill + decode)
-                flops = [(6 + 2) * params * r["sequence_tokens"] / r["wall_s"] / 1e9 for r in runs]
-                # what streamrl computes of it: a group's prompt once, in training and in the prefill
-                executed = [(6 + 2) * params * (r["sequence_tokens"] - r["prompt_tokens"] * (1 - 1 / GROUP))
-                            / r["wall_s"] / 1e9 for r in runs]
+                flops, executed = zip(*(gflops(params, r["sequence_tokens"], r["prompt_tokens"], r["wall_s"])
+                                        for r in runs), strict=True)
                 figures[f"{key}_completions_per_s"] = cps
                 figures[f"{key}_gen_tokens_per_s"] = tps
                 figures[f"{key}_setup_s"] = spread(r["setup_s"] for r in runs)
