@@ -435,7 +435,10 @@ class TorchRolloutEngine(BatchedRolloutEngine):
     @contextmanager
     def _generation_scope(self) -> Iterator[None]:
         was_training = self.model.training
-        if not was_training:  # the generator's own module stays in eval mode: no walk of it per call
+        if not was_training or self.use_functional:
+            # the generator's own module stays in eval mode; the functional forward reads the weights
+            # and never the module's mode (no dropout): a module in training mode (the train stage's
+            # own, options.rollout) is not walked twice a call either (0.4 ms for W1's model)
             yield
             return
         self.model.eval()  # no dropout while sampling; the caller's mode comes back afterwards
