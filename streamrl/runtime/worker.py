@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -454,6 +455,9 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
     # streamrl.stages.source)
     one_reserve = bool(getattr(stage, "claims_one_reserve", False))
     gated = getattr(stage, "wait_ready_for", None) is not None
+    # a stage that writes nothing and says so may go on to its next batch while the controller
+    # applies its ack (the train stage with options.rollout, whose next batch is the next step)
+    ack_later: Callable[[Lease], None] | None = None
 
     async def fetcher() -> None:
         ready: anyio.Event | None = None  # set once the batch handed over last has what it waits for
@@ -477,25 +481,45 @@ async def _prefetching_loop(stage: Any, spec: StageSpec, dock: DockClient, meter
                     if not handed:
                         await _release_quietly(dock, lease)
 
+    stop: StopRun | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(fetcher)
+        if getattr(stage, "acks_in_background", False) and not spec.writes:
+            # in the loop's task group: its failure fails the loop, as an awaited ack's would
+            ack_later = functools.partial(tg.start_soon, _ack_shielded, dock)
         async with receive:
             async for lease, columns, ready in receive:
                 indices[:] = lease.indices
                 try:
                     await _guarded(stage, spec, dock, lease, columns, meter,
-                                   ready=ready.set if ready is not None else None)
+                                   ready=ready.set if ready is not None else None, ack_later=ack_later)
+                except StopRun as exc:
+                    # the run ends here (a trainer that claims this way: options.rollout); raised
+                    # past the task group, not wrapped in its exception group, once the fetcher
+                    # has given back the lease it holds
+                    stop = exc
+                    tg.cancel_scope.cancel()
+                    break
                 finally:
                     if ready is not None:  # also when the batch failed or went back: the fetcher goes on
                         ready.set()
                 indices.clear()
+    if stop is not None:
+        raise stop
+
+
+async def _ack_shielded(dock: DockClient, lease: Lease) -> None:
+    """A batch's ack in the background: shielded (a StopRun's cancellation of the loop waits for it,
+    so every sample trained is acked) and bounded."""
+    with anyio.CancelScope(shield=True), anyio.fail_after(STOP_ACK_TIMEOUT_S):
+        await dock.ack(lease)
 
 
 async def _guarded(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease,
                    columns: dict[str, list[Any]] | None, meter: _Meter,
-                   ready: Callable[[], None] | None = None) -> None:
+                   ready: Callable[[], None] | None = None, ack_later: Callable[[Lease], None] | None = None) -> None:
     try:
-        await _process_lease(stage, spec, dock, lease, columns, meter, ready)
+        await _process_lease(stage, spec, dock, lease, columns, meter, ready, ack_later)
     except StopRun:
         raise  # the lease was acked: the stage consumed its samples
     except BaseException:
@@ -515,8 +539,10 @@ async def _release_quietly(dock: DockClient, lease: Lease) -> None:
 
 async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: Lease,
                          columns: dict[str, list[Any]] | None, meter: _Meter,
-                         ready: Callable[[], None] | None = None) -> None:
-    """``ready``: called once the batch has what ``wait_ready_for`` waits for."""
+                         ready: Callable[[], None] | None = None,
+                         ack_later: Callable[[Lease], None] | None = None) -> None:
+    """``ready``: called once the batch has what ``wait_ready_for`` waits for. ``ack_later``: sends
+    the ack of a batch that wrote nothing without waiting for it (a stage with ``acks_in_background``)."""
     if columns is None:
         columns = await dock.fetch(lease.indices, spec.reads)
     batch = Batch(lease.samples, columns)
@@ -570,6 +596,9 @@ async def _process_lease(stage: Any, spec: StageSpec, dock: DockClient, lease: L
             log.warning("%s: samples %s were already written by a worker whose lease expired; acking them",
                         spec.name, lease.indices[:8])
     if indices:  # else every sample was discarded: that ack was the lease's last
+        if ack_later is not None and indices == lease.indices:
+            ack_later(lease)
+            return
         await dock.ack(lease)
 
 
