@@ -46,11 +46,11 @@ TOP = "top"  # the section of RunConfig's own scalar fields
 STAGE_OPTIONS: list[tuple[str, str, type[msgspec.Struct], tuple[str, ...]]] = [
     ("options.source", "source", SourceOptions, ("streamrl.stages.source:SourceStage",)),
     ("options.generate", "generate", GenerateOptions, ("streamrl.stages.generate:GenerateStage",)),
+    ("options.chain", "reward", ChainOptions, ("streamrl.stages.chain:ChainStage",)),  # before train: its rollout
     ("options.train", "train", TrainOptions, ("streamrl.stages.train:TrainStage",)),
     ("options.score", "score", ScoreOptions, ("streamrl.stages.score:ScoreStage",)),
     ("options.critic", "critic", CriticOptions, ("streamrl.stages.critic:CriticStage",)),
     ("options.agent", "agent", AgentOptions, ("streamrl.stages.agent:AgentStage",)),
-    ("options.chain", "reward", ChainOptions, ("streamrl.stages.chain:ChainStage",)),
 ]
 NO_OPTIONS = ("advantage", "reference", "eval", "value")
 

@@ -234,15 +234,23 @@ def read_pipeline(cfg: RunConfig, *, also_overridable: Collection[str] = ()) -> 
     return spec
 
 
+def _links_holder(s: StageSpec) -> dict[str, Any]:
+    """Where a stage's links are: a chain stage's ``options`` (``links``, streamrl.stages.chain), or
+    the train stage's ``options.rollout`` (the links it runs before training, streamrl.stages.train)."""
+    rollout = s.options.get("rollout")
+    return rollout if isinstance(rollout, dict) else s.options
+
+
 def _links(s: StageSpec) -> list[Any]:
-    """The links of a chain stage (``options.links``, streamrl.stages.chain), else []."""
-    links = s.options.get("links")
+    """The links of a chain stage or of a train stage's rollout, else []."""
+    links = _links_holder(s).get("links")
     return links if isinstance(links, list) else []
 
 
 def _chain_of_link(spec: PipelineSpec, name: str) -> StageSpec | None:
-    """The chain stage with a link named ``name``: ``stages.<link>.options`` in a run config sets
-    that link's options, as it would the stage's were it not chained."""
+    """The stage with a link named ``name`` (a chain, or a train stage's rollout):
+    ``stages.<link>.options`` in a run config sets that link's options, as it would the stage's
+    were it not a link."""
     for s in spec.stages:
         if any(isinstance(link, dict) and link.get("name") == name for link in _links(s)):
             return s
@@ -252,8 +260,9 @@ def _chain_of_link(spec: PipelineSpec, name: str) -> StageSpec | None:
 def _override_link(chain: StageSpec, name: str, over: StageOverride) -> None:
     other = sorted(k for k, v in msgspec.structs.asdict(over).items() if v is not None and k != "options")
     if other:
-        raise ConfigError(f"run config: stages.{name} sets {other} of link {name!r}, which runs inside the chain "
-                          f"stage {chain.name!r} with its workers, micro-batch, device and threads: set "
+        kind = "the chain stage" if _links_holder(chain) is chain.options else "the rollout of stage"
+        raise ConfigError(f"run config: stages.{name} sets {other} of link {name!r}, which runs inside {kind} "
+                          f"{chain.name!r} with its workers, micro-batch, device and threads: set "
                           f"stages.{chain.name}.{other[0]} instead (a link's own settings are its options)")
     def merged(link: Any) -> Any:
         own = link.get("options", {}) if isinstance(link, dict) and link.get("name") == name else None
@@ -261,7 +270,11 @@ def _override_link(chain: StageSpec, name: str, over: StageOverride) -> None:
             return link
         return {**link, "options": {**own, **(over.options or {})}}
 
-    chain.options = {**chain.options, "links": [merged(link) for link in _links(chain)]}
+    links = [merged(link) for link in _links(chain)]
+    if _links_holder(chain) is chain.options:
+        chain.options = {**chain.options, "links": links}
+    else:  # the train stage's options.rollout
+        chain.options = {**chain.options, "rollout": {**chain.options["rollout"], "links": links}}
 
 
 def validate_pipeline(spec: PipelineSpec, cfg: RunConfig, *, import_classes: bool = True) -> None:

@@ -151,6 +151,7 @@ class AgentStage:
     # placement separate: its sessions live in the worker, and a restarted one plays the leased samples
     # again (a reshard placement's worker is a rank of a torch.distributed world: not restartable)
     restartable = staticmethod(fetches_weights)
+    fetches_policy = staticmethod(fetches_weights)  # the trainer's published weights (placement separate)
     # with lost_sessions: drop it takes samples out of the run, for which the source makes up
     # (streamrl.stages.source's dynamic sampling)
     discards = staticmethod(drops_lost_sessions)

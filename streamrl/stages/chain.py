@@ -141,6 +141,11 @@ class ChainStage:
         return any(_links_say(spec, "generates"))
 
     @staticmethod
+    def fetches_policy(spec: StageSpec) -> bool:
+        """Where a link does (a generate link in placement separate): the trainer publishes weights."""
+        return any(_links_say(spec, "fetches_policy"))
+
+    @staticmethod
     def claims_one_step(spec: StageSpec) -> bool:
         """Where a link does (a generate link): the chain's claims are its links' claims."""
         return any(_links_say(spec, "claims_one_step"))

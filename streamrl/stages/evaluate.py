@@ -88,6 +88,7 @@ class EvalStage:
     Options = NoOptions  # eval.* in the run config says what to do
     uses_model_and_task = True  # the pre-run checks load the run's model and task (streamrl.runtime.prerun)
     placement = "separate"  # it reads the published snapshots (see the module docstring)
+    fetches_policy = True
 
     async def setup(self, ctx: StageContext) -> None:
         self.ctx = ctx

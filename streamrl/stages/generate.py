@@ -52,6 +52,7 @@ class GenerateStage:
     uses_model_and_task = True
 
     restartable = staticmethod(fetches_weights)  # placement separate only: see fetches_weights
+    fetches_policy = staticmethod(fetches_weights)  # the trainer's published weights (placement separate)
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> None:

@@ -40,7 +40,14 @@ from streamrl.reshard import (
     TrainLayout,
     WeightSender,
 )
-from streamrl.runtime.pipeline import StageSpec, colocated_tensor_parallel, inference_tensor_parallel
+from streamrl.runtime.pipeline import (
+    PipelineSpec,
+    StageSpec,
+    class_says,
+    colocated_tensor_parallel,
+    import_stage_class,
+    inference_tensor_parallel,
+)
 from streamrl.runtime.policy import PolicyPublisher, PolicySnapshot
 from streamrl.runtime.stage import StageContext
 from streamrl.stages.world import weights_receiver
@@ -96,6 +103,15 @@ def hand_over_for(ctx: StageContext, options: TrainOptions) -> HandOver:
     return PublishHandOver(ctx)
 
 
+def policy_fetched(pipeline: PipelineSpec | None) -> bool:
+    """Whether a stage of ``pipeline`` fetches the trainer's published weights: its class says
+    ``fetches_policy`` (the generate and agent stages in placement separate, a chain with such a
+    link, the eval stage). No pipeline (a stage driven by hand): assume one does."""
+    if pipeline is None:
+        return True
+    return any(class_says(import_stage_class(s.cls), "fetches_policy", s) for s in pipeline.stages)
+
+
 def disaggregated_topology(train_workers: int, generate: StageSpec) -> Topology:
     """G = T x replicas generation workers; worker j is TP rank j % T of replica j // T."""
     T = inference_tensor_parallel(generate)
@@ -136,7 +152,11 @@ class _VersionNumbers:
 
 
 class PublishHandOver(HandOver):
-    """``separate``: rank 0 publishes each version's full float32 weights; generators fetch them."""
+    """``separate``: rank 0 publishes each version's full float32 weights; generators fetch them.
+
+    A train stage that generates its own samples (``options.rollout``) publishes only the version
+    numbers (for the source), unless another stage of the pipeline says it fetches the weights
+    (``fetches_policy``: an eval stage, a generator of its own)."""
 
     trains_on_arrival = True
 
@@ -144,6 +164,7 @@ class PublishHandOver(HandOver):
         self.ctx = ctx
         self.R = ctx.spec.workers
         self.channel = _VersionNumbers(ctx)
+        self.publishes_weights = ctx.spec.options.get("rollout") is None or policy_fetched(ctx.pipeline)
 
     def world_size(self) -> int:
         return self.R
@@ -157,6 +178,8 @@ class PublishHandOver(HandOver):
             await self.publish(trainer.version)
 
     def _gather(self, version: int) -> PolicySnapshot | None:
+        if not self.publishes_weights:  # the version's number only: no stage fetches its weights
+            return None
         # collective; rank 0 gets the state, as the live tensors where it holds them whole, and
         # copies it once: into the version's file in the run's shared memory (or to the host)
         state = self.trainer.engine.full_state_dict(copy=False)

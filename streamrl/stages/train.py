@@ -17,6 +17,12 @@ replica claims micro-batches of the same size, and after each one the ranks sum 
 response tokens (one all-reduce) and step together once it reaches the budget, so the shares stay
 equal across ranks and every sample still lands in exactly one step.
 
+With ``options.rollout`` (``pipelines/grpo_sync.yaml``) the stage makes its samples itself: it
+claims the source's prompts, runs its rollout links on each micro-batch in this process (generate,
+score, advantage, as a chain stage's links: :mod:`streamrl.stages.chain`), the generate link on the
+module it trains, then trains on them. A synchronous step then crosses no process boundary between
+generation and training: one worker, ``max_staleness: 0``, the built-in engine.
+
 The placement decides only the hand-over (:mod:`streamrl.stages.handover`): ``separate``
 publishes full snapshots on the policy channel, ``colocated`` reshards into this process's
 inference weights and swaps the training state out, ``disaggregated`` streams buckets to
@@ -58,11 +64,13 @@ from streamrl.runtime.checkpoints import (
     write_json,
 )
 from streamrl.runtime.host_memory import MAX_MMAP_THRESHOLD, set_mmap_threshold
-from streamrl.runtime.pipeline import PipelineSpec, StageSpec
+from streamrl.runtime.pipeline import PipelineSpec, StageSpec, class_says, import_stage_class
 from streamrl.runtime.stage import Batch, ClaimSize, StageContext, StopRun
-from streamrl.stages.common import StepTally, build_policy, step_claim
+from streamrl.stages.chain import ChainOptions, ChainStage, link_specs
+from streamrl.stages.common import StepTally, build_policy, source_runs_ahead, step_claim
 from streamrl.stages.handover import HandOver, hand_over_for
 from streamrl.stages.replica import ReplicaChannel
+from streamrl.stages.weight_source import TRAINER_POLICY, TrainerPolicy
 from streamrl.stages.world import default_backend, join_world, rank_device
 
 T = TypeVar("T")
@@ -95,6 +103,11 @@ class TrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "returned to the OS when freed, e.g. 1048576. Lowers the worker's peak resident memory by the "
         "C heap's fragmentation, for page faults on every such allocation (slower on small models); "
         "null keeps glibc's adaptive threshold. Figures: docs/benchmarks.md §15"))] = None
+    rollout: Annotated[ChainOptions | None, Meta(description=(
+        "Make the samples in this process: {links: [...]} as a chain stage's (generate, score, advantage), run on "
+        "each claimed micro-batch of prompts before training on it, the generate link on the module this stage "
+        "trains. A synchronous step then has no hand-over between processes (pipelines/grpo_sync.yaml). One "
+        "worker, algo.max_staleness 0, the built-in engine; the stage reads the prompts' columns"))] = None
 
 
 # torch.distributed backends and the device kind each needs
@@ -109,6 +122,17 @@ class TrainStage:
     Options = TrainOptions  # checked when the pipeline loads
     publishes_policy = True  # worker 0 serves the policy channel (streamrl.runtime.pipeline.is_trainer)
     uses_model_and_task = True  # the pre-run checks load the run's model and task (streamrl.runtime.prerun)
+
+    @staticmethod
+    def generates(spec: StageSpec) -> bool:
+        """With ``options.rollout``: the pre-run checks then fit prompt + completion to the model."""
+        return spec.options.get("rollout") is not None
+
+    @staticmethod
+    def claims_one_step(spec: StageSpec) -> bool:
+        """With ``options.rollout`` each claim takes one step's prompts, so the source puts a step's
+        prompts while the step before trains (:func:`streamrl.stages.common.source_runs_ahead`)."""
+        return spec.options.get("rollout") is not None
 
     @classmethod
     def check_spec(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> None:
@@ -146,6 +170,8 @@ class TrainStage:
             raise ConfigError(f"{at}: no stage says `{link}: {spec.name}`, so its policy versions reach no "
                               f"generate stage; add `{link}: {spec.name}` to the generate stage")
         _check_reshard_world(pipeline, spec, cfg, at)
+        if opts.rollout is not None:
+            _check_rollout(spec, pipeline, cfg, at)
 
     @classmethod
     def step_samples(cls, spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig) -> int:
@@ -227,8 +253,53 @@ class TrainStage:
         if ctx.resume is not None:
             await ctx.run_sync(self._load, ctx.resume)
         await self.hand_over.start(self)  # the initial policy: version 0, or the checkpoint's
+        self.rollout: ChainStage | None = None
+        self.policy: TrainerPolicy | None = None
+        chain = rollout_spec(ctx.spec)
+        if chain is not None:
+            await self._setup_rollout(ctx, chain)
         self._reset()
         self.t_step = time.monotonic()
+
+    async def _setup_rollout(self, ctx: StageContext, chain: StageSpec) -> None:
+        """``options.rollout``: a built-in rollout engine on the policy this stage trains (the module
+        itself where the engine trains it unwrapped, else a copy installed after each step), lent to
+        the generate link; the links as a chain of this process."""
+        import dataclasses
+
+        from streamrl.engines.rollout import TorchRolloutEngine
+
+        engine = self.engine
+        if engine.wrapped:  # DTensor shards or another compute dtype: generate on a copy
+            model, tokenizer = build_policy(ctx.config, self.device)
+            rollout = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, self.device)
+            self.copies_policy = True
+        else:  # the trained module itself: each step's update is the next generation's policy, no copy
+            model, tokenizer = engine.model, self.tokenizer
+            rollout = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, self.device)
+            self.copies_policy = False
+        self.policy = TrainerPolicy(rollout, tokenizer, getattr(model.config, "max_position_embeddings", None),
+                                    self.version)
+        if self.copies_policy:
+            await ctx.run_sync(self._install_policy)
+        ctx.shared[TRAINER_POLICY] = self.policy
+        # one step's prompts a claim where the source puts them ahead (always, without dynamic sampling)
+        self.claims_one_reserve = source_runs_ahead(ctx.config, ctx.pipeline)
+        # Claimed and fetched while the micro-batch before trains (the runtime's prefetching loop, for
+        # a stage without claim_size): every claim is the micro-batch or the rest of one step's
+        # prompts (one reserve), so no claim spans two steps, and its prompts are generated once the
+        # step before has trained, with the version they need.
+        self.claim_size = None  # type: ignore[assignment]
+        # its ack is not waited for: the next batch (the next step's prompts) is the critical path
+        self.acks_in_background = True
+        self.rollout = ChainStage()
+        await self.rollout.setup(dataclasses.replace(ctx, spec=chain))
+        self.rollout_reads = chain.reads
+
+    def _install_policy(self) -> None:
+        """Where the rollout engine holds a copy: the current weights into it."""
+        assert self.policy is not None
+        self.policy.engine.load_state_dict(self.engine.full_state_dict(copy=False))
 
     def _world_size(self) -> int:
         return self.hand_over.world_size()
@@ -327,6 +398,12 @@ class TrainStage:
         return step_claim(self.ctx.spec.micro_batch, remaining, self.version, self.ctx.config.algo.max_staleness)
 
     async def process(self, batch: Batch) -> dict[str, list[Any]]:
+        if self.rollout is not None:
+            # the samples made here: the prompts' columns and what the links wrote, at the
+            # version that generated them (this stage's own)
+            out = await self.rollout.process(Batch(batch.samples, {c: batch.columns[c] for c in self.rollout_reads}))
+            await self._take({**batch.columns, **out.columns}, list(out.versions or batch.versions))
+            return {}
         if self.channel is not None:  # the replica's other ranks train on it too
             await self.ctx.run_sync(self.channel.send, batch.columns, list(batch.versions))
         await self._take(dict(batch.columns), list(batch.versions))
@@ -435,6 +512,10 @@ class TrainStage:
         save_s = time.perf_counter() - t_save
         t_publish = time.perf_counter()
         weight_metrics = await self.hand_over.publish(self.version)
+        if self.policy is not None:  # options.rollout: the next batch generates with this version
+            if self.copies_policy:
+                await self.ctx.run_sync(self._install_policy)
+            self.policy.version = self.version
         t_end = time.perf_counter()
         self._trace_step(t0, t_barrier, t_ready, t_train, t_save if saves else None, save_s, t_publish, t_end)
         now = time.monotonic()
@@ -519,6 +600,9 @@ class TrainStage:
         return None
 
     async def close(self) -> None:
+        rollout = getattr(self, "rollout", None)
+        if rollout is not None:  # its links first: the generate link generates on this stage's engine
+            await rollout.close()
         channel = getattr(self, "channel", None)
         if channel is not None and not self.follows and not getattr(self, "stopped", False):
             # stopped from outside (another stage failed): release followers waiting for a micro-batch
@@ -539,6 +623,63 @@ class TrainStage:
             return
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def rollout_spec(spec: StageSpec) -> StageSpec | None:
+    """The chain a train stage with ``options.rollout`` runs on each claimed micro-batch: its links,
+    reading what they read of the stage's reads, with the stage's workers, micro-batch, device,
+    threads and claim of whole groups; None without ``options.rollout``."""
+    rollout = spec.options.get("rollout")
+    if rollout is None:
+        return None
+    links = msgspec.convert(rollout, ChainOptions).links
+    return StageSpec(name=spec.name, cls=f"{ChainStage.__module__}:{ChainStage.__name__}",
+                     reads=[c for c in spec.reads if any(c in link.reads for link in links)],
+                     writes=[c for link in links for c in link.writes], workers=spec.workers,
+                     micro_batch=spec.micro_batch, device=spec.device, threads=spec.threads,
+                     whole_groups=spec.whole_groups, options=dict(rollout))
+
+
+def _check_rollout(spec: StageSpec, pipeline: PipelineSpec, cfg: RunConfig, at: str) -> None:
+    """``options.rollout``: a one-process synchronous step, and links that make what training reads."""
+    at = f"{at} options.rollout"
+    a = cfg.algo
+    for ok, why in (
+        (pipeline.placement == "separate", f"generates on this stage's own module, so the pipeline's placement must "
+                                           f"be separate (it says {pipeline.placement!r})"),
+        (spec.workers == 1, f"trains and generates in one process: workers must be 1 (it says {spec.workers}); for "
+                            "several ranks that take turns generating and training use placement colocated "
+                            "(pipelines/grpo_colocated.yaml)"),
+        (a.max_staleness == 0, f"generates each step's samples with the policy it is about to train, so it is "
+                               f"synchronous only: algo.max_staleness must be 0 (it is {a.max_staleness}); to let "
+                               "generation run ahead, generate in a stage of its own (pipelines/grpo_rollout.yaml)"),
+        (not a.dynamic_sampling.enabled, "makes exactly one step's samples a step: algo.dynamic_sampling needs a "
+                                         "filter between generation and training (pipelines/dapo_rollout.yaml)"),
+        (spec.options.get("tensor_parallel", 1) == 1, "generates on a whole model: tensor_parallel must be 1"),
+    ):
+        if not ok:
+            raise ConfigError(f"{at}: {why}")
+    chain = rollout_spec(spec)
+    assert chain is not None
+    links = link_specs(chain)
+    generating = [k for k, link in enumerate(links) if class_says(import_stage_class(link.cls), "generates", link)]
+    if len(generating) != 1:
+        raise ConfigError(f"{at}.links: exactly one link must generate (streamrl.stages.generate:GenerateStage); "
+                          f"found {len(generating)}")
+    engine = links[generating[0]].options.get("engine", "builtin")
+    if engine != "builtin":
+        raise ConfigError(f"{at}.links[{generating[0]}].options.engine: the link generates on the module this "
+                          f"stage trains, with the built-in engine, not {engine!r}; for vLLM generate in a stage "
+                          "of its own (pipelines/grpo_rollout.yaml)")
+    written = set(chain.writes)
+    both = sorted(written & set(spec.reads))
+    if both:  # (a stage of the pipeline writes it too, or the pipeline's check would have said so)
+        raise ConfigError(f"{at}: the links write {both}, which the stage also reads from the dock; remove them "
+                          "from the stage's reads")
+    for col in ("prompt_ids", "response_ids", "advantage"):  # what training needs (samples_from_columns)
+        if col not in written and col not in spec.reads:
+            raise ConfigError(f"{at}: training needs {col!r}, which neither the stage reads nor a link writes")
+    ChainStage.check_spec(chain, msgspec.structs.replace(pipeline, path=at), cfg)
 
 
 def _check_option_values(opts: TrainOptions, at: str) -> None:

@@ -20,6 +20,10 @@ disaggregated  :class:`ReceivedWeights`                       a background task 
                (``weights_from: train``): zero-copy views     bucket from the train group
                of the weights received from the train group   (``WeightReceiver``) under the lease's
                                                               exclusive side
+(any)          :class:`TrainerWeights` (a link of the train   the train stage's own optimizer step:
+               stage's ``options.rollout``): the train         generation and training take turns in
+               engine's module itself, or a copy of it         one task, so no version changes under a
+                                                              generation
 ============== ============================================= ==========================================
 
 In both reshard placements ``engine: vllm`` (T = 1) keeps vLLM's own weights instead of views (the
@@ -138,7 +142,10 @@ def check_weight_links(spec: StageSpec, pipeline: PipelineSpec) -> None:
 
 
 def weight_source_for(ctx: StageContext, options: GenerateOptions) -> WeightSource:
-    """The source of the pipeline's placement (see the module doc and :func:`check_weight_links`)."""
+    """The source of the pipeline's placement (see the module doc and :func:`check_weight_links`),
+    or the train stage's own weights for a link of its ``options.rollout``."""
+    if TRAINER_POLICY in ctx.shared:
+        return TrainerWeights(ctx, options)
     placement = ctx.pipeline.placement if ctx.pipeline is not None else "separate"
     if placement == "colocated":
         return ColocatedWeights(ctx, options)
@@ -186,6 +193,61 @@ class ViewRollout:
 
     def generate(self, prompts: list[Tensor], **sampling: Any) -> list[Generation]:
         return self.engine.generate(self.tensors, prompts, **sampling)
+
+
+# -- in the train stage ------------------------------------------------------------------------------
+TRAINER_POLICY = "trainer_policy"  # ctx.shared key: the TrainerPolicy of a train stage with options.rollout
+
+
+class TrainerPolicy:
+    """What a train stage that generates its own samples (``options.rollout``,
+    :mod:`streamrl.stages.train`) lends its generate link: a built-in rollout engine on the policy
+    it trains, and that policy's version. The train stage sets ``version`` after each optimizer step
+    (and copies the weights in first where the engine holds a copy); it runs its links and its
+    training in one task, so no step lands under a generation."""
+
+    def __init__(self, engine: TorchRolloutEngine, tokenizer: PreTrainedTokenizerBase, max_positions: int | None,
+                 version: int) -> None:
+        self.engine, self.tokenizer, self.max_positions, self.version = engine, tokenizer, max_positions, version
+
+
+class TrainerWeights:
+    """A generate link of the train stage's ``options.rollout``: the train stage's policy, current by
+    construction (the stage generates a step's samples with the version it is about to train)."""
+
+    follows = False
+    engine_name = "builtin (the train stage's weights)"
+
+    def __init__(self, ctx: StageContext, options: GenerateOptions) -> None:
+        self.ctx = ctx
+        self.policy: TrainerPolicy = ctx.shared[TRAINER_POLICY]
+        if options.engine != "builtin":  # the train stage's check_spec says so before the run
+            raise ConfigError(f"{ctx.spec.name}: a link of the train stage's options.rollout generates with the "
+                              f"built-in engine on the trainer's weights, not {options.engine!r}")
+
+    async def setup(self) -> None:
+        policy = self.policy
+        self.tokenizer, self.max_positions = policy.tokenizer, policy.max_positions
+        self.generator_device = policy.engine.generator_device
+
+    async def wait_installed(self, need: int) -> None:
+        return  # hold checks it: nothing to wait for
+
+    @asynccontextmanager
+    async def hold(self, need: int) -> AsyncIterator[Rollout]:
+        version = self.policy.version
+        if version < need:
+            # the source puts a step's prompts one version early at most, and the train stage
+            # claims them in order after the step before: this would be a claiming fault
+            raise RuntimeError(f"{self.ctx.spec.name}: a batch needs policy version {need}, but the train stage "
+                               f"is at version {version}")
+        yield EngineRollout(self.policy.engine, version)
+
+    async def follow(self) -> None:
+        raise AssertionError("a link of the train stage follows no one")
+
+    async def close(self) -> None:
+        return  # the train stage owns the engine
 
 
 # -- separate ---------------------------------------------------------------------------------------

@@ -32,8 +32,10 @@ def _chain(p: dict[str, Any]) -> dict[str, Any]:
     return next(s for s in p["stages"] if s["name"] == "reward")
 
 
-def _load(tmp_path: Path, mutate: Any = None, overrides: list[str] | None = None) -> PipelineSpec:
-    p = copy.deepcopy(CHAINED)
+def _load(tmp_path: Path, mutate: Any = None, overrides: list[str] | None = None,
+          base: dict[str, Any] = CHAINED) -> PipelineSpec:
+    """``base`` (a pipeline file's YAML) changed by ``mutate``, written to ``tmp_path`` and loaded."""
+    p = copy.deepcopy(base)
     if mutate is not None:
         mutate(p)
     path = tmp_path / "pipe.yaml"
@@ -314,12 +316,16 @@ def _span_names(run_dir: Path) -> set[tuple[str, str, str | None]]:
     ("grpo_chained.yaml", "reward", ("score", "advantage"), "reward/score/latency_p50_ms"),
     # generation too: the chain waits for its policy versions and installs them as the generate stage does
     ("grpo_rollout.yaml", "rollout", ("generate", "score", "advantage"), "rollout/generate/weight_install_s"),
+    # the train stage's own links (options.rollout): generation on the module it trains, in its process
+    ("grpo_sync.yaml", "train", ("generate", "score", "advantage"), "train/score/latency_p50_ms"),
 ])
 def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
         tmp_path: Path, single_trainer_digits: streamrl.RunResult, pipeline: str, chain: str, links: tuple[str, ...],
         figure: str) -> None:
     """Stages chained on one claim change no number: every step's reward, loss and staleness are the
-    unchained run's (tests/conftest.py's single_trainer_digits, the same config and budget)."""
+    unchained run's (tests/conftest.py's single_trainer_digits, the same config and budget; each
+    generated batch's sampler seeded by its first sample key). So does generating in the train
+    stage (tests/stages/test_train_rollout.py has its rules)."""
     from tests.conftest import SINGLE_BUDGET
 
     before = ipc_dirs()
@@ -336,7 +342,10 @@ def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
     assert figure in last  # a link's figures, under its name
     names = _span_names(chained.run_dir)
     assert {(chain, "process", "batch")} | {(chain, link, "chain") for link in links} <= names
-    if "generate" in links:
+    if chain == "train":  # no process but the source's and its own; no weights to fetch or install
+        assert set(chained.worker_logs) == {"source-0", "train-0"}
+        assert not any(name == "install weights" for _, name, _ in names)
+    elif "generate" in links:
         assert (chain, "install weights", "policy") in names
     assert_run_cleaned(chained.run_dir, os.getpid(), before)
 
