@@ -27,6 +27,8 @@ minutes). Last line: one JSON object.
     python ops/bench/grpo_vs_trl.py --workload W2 --engines builtin,vllm   # W2 with each rollout engine
     python ops/bench/grpo_vs_trl.py --workload W2 --streamrl-set model.matmul_precision=medium
 
+Each repetition also runs streamrl at k=0 on pipelines/grpo_sync.yaml ("sync": the train stage
+generates, scores and trains in one process), beside the default pipeline (pipelines/grpo_rollout.yaml).
 With --engines builtin,vllm, W2's streamrl side also runs with stages.generate.options.engine=vllm,
 in the python of the vLLM environment (--vllm-python, default .venv-vllm/bin/python, made by
 ops/vllm_env.sh); W1 stays on the built-in engine.
@@ -78,15 +80,20 @@ W2_TRL = ["--task", "reverse", "--n-digits", "24", "--min-digits", "2", "--max-c
           *_shape_flags("W2")]
 
 
+# streamrl's modes: the rollout engine and the pipeline ("sync": k=0 only, the built-in engine)
+PIPELINES = {"builtin": "grpo_rollout.yaml", "vllm": "grpo_rollout.yaml", "sync": "grpo_sync.yaml"}
+
+
 def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str,
                     engine: str = "builtin") -> dict[str, Any]:
+    """``engine``: a mode of :data:`PIPELINES` (builtin and vllm on the default pipeline)."""
     common: dict[str, Any] = {
-        "pipeline": str(ROOT / "pipelines" / "grpo_rollout.yaml"),  # the default (RunConfig.pipeline)
+        "pipeline": str(ROOT / "pipelines" / PIPELINES[engine]),  # grpo_rollout.yaml: the default (RunConfig.pipeline)
         "seed": seed,
         "output": {"run_dir": run_dir, "name": f"{workload}-{engine}-k{staleness}-s{seed}", "tensorboard": False,
                    "plot": False, "checkpoint": False, "progress": "none"},
     }
-    if engine != "builtin":
+    if engine == "vllm":
         # both cores for vLLM's OpenMP threads: the explicit range beat vLLM's auto binding here
         common["stages"] = {"generate": {"options": {"engine": engine, "vllm": {"cpu_threads_bind": "0-1"}}}}
     if workload == "W1":
@@ -181,25 +188,27 @@ def run_trl(python: Path, workload: str, args: list[str], seed: int) -> dict[str
 def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace, tmp: Path,
                 engines: tuple[str, ...] = ("builtin",)) -> tuple[dict[tuple[str, int], list[dict[str, Any]]],
                                                                   list[dict[str, Any]]]:
-    """Repetition r runs TRL, then streamrl k=0, then k=1 (per engine), all with seed r: load drift hits
-    every side. ``ours`` is keyed by (engine, k)."""
-    ours: dict[tuple[str, int], list[dict[str, Any]]] = {(e, k): [] for e in engines for k in (0, 1)}
+    """Repetition r runs TRL, then streamrl k=0, then k=1 (per engine), then k=0 on the sync pipeline,
+    all with seed r: load drift hits every side. ``ours`` is keyed by (mode, k), the mode an engine or
+    "sync"."""
+    modes = [(e, k) for e in engines for k in (0, 1)] + [("sync", 0)]
+    ours: dict[tuple[str, int], list[dict[str, Any]]] = {mode: [] for mode in modes}
     trl: list[dict[str, Any]] = []
     python = None if args.skip_trl else ensure_trl_venv(args.trl_venv)
     for seed in range(args.reps):
         if python is not None:
             trl.append(run_trl(python, workload, trl_args, seed))
-        for engine in engines:
-            python_of_engine = sys.executable if engine == "builtin" else str(args.vllm_python)
-            for k in (0, 1):
-                ours[(engine, k)].append(run_streamrl(workload, seed, k, tmp, engine, python_of_engine,
-                                                      tuple(args.streamrl_set)))
+        for engine, k in modes:
+            python_of_engine = str(args.vllm_python) if engine == "vllm" else sys.executable
+            ours[(engine, k)].append(run_streamrl(workload, seed, k, tmp, engine, python_of_engine,
+                                                  tuple(args.streamrl_set)))
         print(f"{workload} repetition {seed + 1}/{args.reps} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     return ours, trl
 
 
-def _w2_key(engine: str, k: int, prefix: str = "W2") -> str:
-    """A W2 figure's key: the built-in engine's keep their pre-engine names (W2_k0_...)."""
+def mode_key(engine: str, k: int, prefix: str = "W2") -> str:
+    """A figure's key: the default mode's (the built-in engine on the default pipeline) keep their
+    names from before the other modes (W2_k0_...); the others name their mode (W2_sync_k0_...)."""
     return f"{prefix}_k{k}" if engine == "builtin" else f"{prefix}_{engine}_k{k}"
 
 
@@ -251,7 +260,9 @@ def main() -> None:
     ratios: dict[str, Any] = {}
     # issue 24's targets (streamrl over TRL; the FLOP fraction at k=1)
     targets = {"W1_time_to_0.9_ratio_k0": "<= 0.6", "W1_time_to_0.9_ratio_k1": "<= 0.5",
+               "W1_time_to_0.9_ratio_sync_k0": "<= 0.6",
                "W2_completions_per_s_ratio_k0": ">= 1.8", "W2_completions_per_s_ratio_k1": ">= 2.5",
+               "W2_completions_per_s_ratio_sync_k0": ">= 1.8",
                "W2_flop_fraction_of_ceiling_k1": ">= 0.6"}
     trl_side: dict[str, Any] = {}  # what ran on the TRL side, for the record
     with tempfile.TemporaryDirectory(prefix="srl-bench-") as tmpdir:
@@ -262,24 +273,27 @@ def main() -> None:
             if trl:  # run_trl has checked every run's initial weights against streamrl's
                 trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
                             "same_initial_weights": True}
-            for k in (0, 1):
-                runs = ours[("builtin", k)]
+            for mode, k in ours:
+                runs = ours[(mode, k)]
+                key = mode_key(mode, k, "W1")
                 ttt = spread(r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None)
                 steps = spread(r["first_step_ge_0.9"] for r in runs if r["first_step_ge_0.9"])
-                figures[f"W1_k{k}_time_to_0.9_s"] = ttt
-                figures[f"W1_k{k}_steps_to_0.9"] = steps
+                figures[f"{key}_time_to_0.9_s"] = ttt
+                figures[f"{key}_steps_to_0.9"] = steps
                 # per seed (0, 1, ...): a seed's step count is fixed on each side, so runs compare seed by seed
-                figures[f"W1_k{k}_steps_to_0.9_by_seed"] = [r["first_step_ge_0.9"] for r in runs]
-                figures[f"W1_k{k}_setup_s"] = spread(r["setup_s"] for r in runs)
-                rows.append([f"W1 streamrl k={k}: s to 0.9 (steps)", f"{fmt_spread(ttt, 2)} ({fmt_spread(steps, 0)})"])
+                figures[f"{key}_steps_to_0.9_by_seed"] = [r["first_step_ge_0.9"] for r in runs]
+                figures[f"{key}_setup_s"] = spread(r["setup_s"] for r in runs)
+                label = f"W1 streamrl k={k}" if mode == "builtin" else f"W1 streamrl {mode} k={k}"
+                rows.append([f"{label}: s to 0.9 (steps)", f"{fmt_spread(ttt, 2)} ({fmt_spread(steps, 0)})"])
             if trl:
                 t = spread(r["wall_s"] for r in trl if r["first_step_reward_ge_0.9"])
                 st = spread(r["first_step_reward_ge_0.9"] for r in trl if r["first_step_reward_ge_0.9"])
                 baseline["W1_time_to_0.9_s"], baseline["W1_steps_to_0.9"] = t, st
                 baseline["W1_steps_to_0.9_by_seed"] = [r["first_step_reward_ge_0.9"] for r in trl]
                 rows.append(["W1 TRL: s to 0.9 (steps)", f"{fmt_spread(t, 2)} ({fmt_spread(st, 0)})"])
-                for k in (0, 1):
-                    ratios[f"W1_time_to_0.9_ratio_k{k}"] = figures[f"W1_k{k}_time_to_0.9_s"]["median"] / t["median"]
+                for mode, k in ours:
+                    ratios[mode_key(mode, k, "W1_time_to_0.9_ratio")] = (
+                        figures[f"{mode_key(mode, k, 'W1')}_time_to_0.9_s"]["median"] / t["median"])
         if args.workload in ("W2", "all"):
             ceiling = matmul_ceiling_gflops()
             params = w2_params()
@@ -290,7 +304,7 @@ def main() -> None:
                 trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
                             "same_initial_weights": True}
             for (engine, k), runs in ours.items():
-                key = _w2_key(engine, k)
+                key = mode_key(engine, k)
                 label = f"W2 streamrl k={k}" if engine == "builtin" else f"W2 streamrl {engine} k={k}"
                 cps = spread(r["completions_per_s"] for r in runs)
                 tps = spread(r["gen_tokens_per_s"] for r in runs)
@@ -319,8 +333,8 @@ def main() -> None:
                 rows.append(["W2 TRL: completions/s", fmt_spread(cps)])
                 rows.append(["W2 TRL: gen tokens/s", fmt_spread(baseline["W2_gen_tokens_per_s"], 0)])
                 for (engine, k) in ours:
-                    ratios[_w2_key(engine, k, "W2_completions_per_s_ratio")] = (
-                        figures[f"{_w2_key(engine, k)}_completions_per_s"]["median"] / cps["median"])
+                    ratios[mode_key(engine, k, "W2_completions_per_s_ratio")] = (
+                        figures[f"{mode_key(engine, k)}_completions_per_s"]["median"] / cps["median"])
             for k in (0, 1):
                 ratios[f"W2_flop_fraction_of_ceiling_k{k}"] = figures.get(f"W2_k{k}_flop_fraction_of_ceiling",
                                                                           {}).get("median")
