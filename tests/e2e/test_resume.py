@@ -250,13 +250,18 @@ def test_sigterm_saves_then_stops_and_a_fresh_run_refuses_the_directory(tmp_path
 
 @pytest.mark.timeout(300)
 # disaggregated is second tier (pyproject.toml); its cheaper sibling in the default run: the colocated case
-@pytest.mark.parametrize("placement", ["colocated", pytest.param("disaggregated", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("placement", ["colocated", "sync", pytest.param("disaggregated", marks=pytest.mark.slow)])
 def test_resume_in_the_reshard_placements_is_exact_too(tmp_path: Path, placement: str) -> None:
     """The trainer there loads the checkpoint and hands its version to generation through the
-    reshard (colocated: into its own inference weights; disaggregated: to the generate workers)."""
-    config = REPO / "configs" / f"grpo_digits_{placement}.yaml"
+    reshard (colocated: into its own inference weights; disaggregated: to the generate workers), or
+    generates on it itself (sync: pipelines/grpo_sync.yaml, the train stage's options.rollout)."""
     overrides = ["algo.steps=6", "algo.stop_reward=null", "output.checkpoint_every=2", "output.progress=none",
                  "output.tensorboard=false", "output.plot=false", "output.checkpoint=false"]
+    if placement == "sync":
+        config = REPO / "configs" / "grpo_digits.yaml"
+        overrides.append(f"pipeline={REPO / 'pipelines' / 'grpo_sync.yaml'}")
+    else:
+        config = REPO / "configs" / f"grpo_digits_{placement}.yaml"
     run_dir = tmp_path / "run"
     first = run(config, overrides, run_dir=run_dir)
     assert first.steps == 6
