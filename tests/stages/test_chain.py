@@ -311,17 +311,23 @@ def _span_names(run_dir: Path) -> set[tuple[str, str, str | None]]:
     return {(stage_of[e["pid"]], e["name"], e.get("cat")) for e in events if e["ph"] == "X"}
 
 
-@pytest.mark.parametrize(("pipeline", "chain", "links", "figure"), [
+SYNC_LINKS = ("generate", "score", "advantage")
+
+
+@pytest.mark.parametrize(("pipeline", "chain", "links", "figure", "extra"), [
     # scoring and advantages on one claim
-    ("grpo_chained.yaml", "reward", ("score", "advantage"), "reward/score/latency_p50_ms"),
+    ("grpo_chained.yaml", "reward", ("score", "advantage"), "reward/score/latency_p50_ms", ()),
     # generation too: the chain waits for its policy versions and installs them as the generate stage does
-    ("grpo_rollout.yaml", "rollout", ("generate", "score", "advantage"), "rollout/generate/weight_install_s"),
+    ("grpo_rollout.yaml", "rollout", ("generate", "score", "advantage"), "rollout/generate/weight_install_s", ()),
     # the train stage's own links (options.rollout): generation on the module it trains, in its process
-    ("grpo_sync.yaml", "train", ("generate", "score", "advantage"), "train/score/latency_p50_ms"),
+    ("grpo_sync.yaml", "train", SYNC_LINKS, "train/score/latency_p50_ms", ()),
+    # ... and on a copy of it, installed after each step, where the engine shards it (FSDP2, here for the
+    # offload of its state to the host)
+    ("grpo_sync.yaml", "train", SYNC_LINKS, "train/score/latency_p50_ms", ("stages.train.options.cpu_offload=true",)),
 ])
 def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
         tmp_path: Path, single_trainer_digits: streamrl.RunResult, pipeline: str, chain: str, links: tuple[str, ...],
-        figure: str) -> None:
+        figure: str, extra: tuple[str, ...]) -> None:
     """Stages chained on one claim change no number: every step's reward, loss and staleness are the
     unchained run's (tests/conftest.py's single_trainer_digits, the same config and budget; each
     generated batch's sampler seeded by its first sample key). So does generating in the train
@@ -331,7 +337,7 @@ def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
     before = ipc_dirs()
     chained = streamrl.run(REPO / "configs" / "grpo_digits.yaml", [
         f"output.run_dir={tmp_path}", "output.progress=none", "output.tensorboard=false", "output.plot=false",
-        f"algo.steps={SINGLE_BUDGET}", f"pipeline={REPO / 'pipelines' / pipeline}"])
+        f"algo.steps={SINGLE_BUDGET}", f"pipeline={REPO / 'pipelines' / pipeline}", *extra])
     one = single_trainer_digits
     assert chained.steps == one.steps and chained.stop_reason == one.stop_reason
     for a, b in zip(chained.metrics, one.metrics, strict=True):
@@ -345,6 +351,8 @@ def test_a_chained_grpo_run_takes_the_steps_of_the_unchained_one(
     if chain == "train":  # no process but the source's and its own; no weights to fetch or install
         assert set(chained.worker_logs) == {"source-0", "train-0"}
         assert not any(name == "install weights" for _, name, _ in names)
+        unwrapped = "the module unwrapped" in chained.worker_logs["train-0"].read_text()
+        assert unwrapped == (not extra)  # the offload wraps it: generation then ran on the copy
     elif "generate" in links:
         assert (chain, "install weights", "policy") in names
     assert_run_cleaned(chained.run_dir, os.getpid(), before)
