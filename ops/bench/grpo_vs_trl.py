@@ -212,6 +212,11 @@ def mode_key(engine: str, k: int, prefix: str = "W2") -> str:
     return f"{prefix}_k{k}" if engine == "builtin" else f"{prefix}_{engine}_k{k}"
 
 
+def mode_label(engine: str, k: int, workload: str) -> str:
+    """A mode's rows in the printed table: "W2 streamrl k=0", "W2 streamrl sync k=0"."""
+    return f"{workload} streamrl k={k}" if engine == "builtin" else f"{workload} streamrl {engine} k={k}"
+
+
 def matmul_ceiling_gflops(threads: int = 2, n: int = 1024, reps: int = 30) -> float:
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -273,8 +278,7 @@ def main() -> None:
             if trl:  # run_trl has checked every run's initial weights against streamrl's
                 trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
                             "same_initial_weights": True}
-            for mode, k in ours:
-                runs = ours[(mode, k)]
+            for (mode, k), runs in ours.items():
                 key = mode_key(mode, k, "W1")
                 ttt = spread(r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None)
                 steps = spread(r["first_step_ge_0.9"] for r in runs if r["first_step_ge_0.9"])
@@ -283,8 +287,7 @@ def main() -> None:
                 # per seed (0, 1, ...): a seed's step count is fixed on each side, so runs compare seed by seed
                 figures[f"{key}_steps_to_0.9_by_seed"] = [r["first_step_ge_0.9"] for r in runs]
                 figures[f"{key}_setup_s"] = spread(r["setup_s"] for r in runs)
-                label = f"W1 streamrl k={k}" if mode == "builtin" else f"W1 streamrl {mode} k={k}"
-                rows.append([f"{label}: s to 0.9 (steps)", f"{fmt_spread(ttt, 2)} ({fmt_spread(steps, 0)})"])
+                rows.append([f"{mode_label(mode, k, 'W1')}: s to 0.9 (steps)", f"{fmt_spread(ttt, 2)} ({fmt_spread(steps, 0)})"])
             if trl:
                 t = spread(r["wall_s"] for r in trl if r["first_step_reward_ge_0.9"])
                 st = spread(r["first_step_reward_ge_0.9"] for r in trl if r["first_step_reward_ge_0.9"])
@@ -304,8 +307,7 @@ def main() -> None:
                 trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
                             "same_initial_weights": True}
             for (engine, k), runs in ours.items():
-                key = mode_key(engine, k)
-                label = f"W2 streamrl k={k}" if engine == "builtin" else f"W2 streamrl {engine} k={k}"
+                key, label = mode_key(engine, k), mode_label(engine, k, "W2")
                 cps = spread(r["completions_per_s"] for r in runs)
                 tps = spread(r["gen_tokens_per_s"] for r in runs)
                 flops, executed = zip(*(gflops(params, r["sequence_tokens"], r["prompt_tokens"], r["wall_s"])

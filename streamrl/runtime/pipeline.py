@@ -258,9 +258,10 @@ def _chain_of_link(spec: PipelineSpec, name: str) -> StageSpec | None:
 
 
 def _override_link(chain: StageSpec, name: str, over: StageOverride) -> None:
+    in_chain = _links_holder(chain) is chain.options  # else the train stage's options.rollout
     other = sorted(k for k, v in msgspec.structs.asdict(over).items() if v is not None and k != "options")
     if other:
-        kind = "the chain stage" if _links_holder(chain) is chain.options else "the rollout of stage"
+        kind = "the chain stage" if in_chain else "the rollout of stage"
         raise ConfigError(f"run config: stages.{name} sets {other} of link {name!r}, which runs inside {kind} "
                           f"{chain.name!r} with its workers, micro-batch, device and threads: set "
                           f"stages.{chain.name}.{other[0]} instead (a link's own settings are its options)")
@@ -271,9 +272,9 @@ def _override_link(chain: StageSpec, name: str, over: StageOverride) -> None:
         return {**link, "options": {**own, **(over.options or {})}}
 
     links = [merged(link) for link in _links(chain)]
-    if _links_holder(chain) is chain.options:
+    if in_chain:
         chain.options = {**chain.options, "links": links}
-    else:  # the train stage's options.rollout
+    else:
         chain.options = {**chain.options, "rollout": {**chain.options["rollout"], "links": links}}
 
 

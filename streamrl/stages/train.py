@@ -269,15 +269,12 @@ class TrainStage:
 
         from streamrl.engines.rollout import TorchRolloutEngine
 
-        engine = self.engine
-        if engine.wrapped:  # DTensor shards or another compute dtype: generate on a copy
-            model, tokenizer = build_policy(ctx.config, self.device)
-            rollout = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, self.device)
-            self.copies_policy = True
-        else:  # the trained module itself: each step's update is the next generation's policy, no copy
-            model, tokenizer = engine.model, self.tokenizer
-            rollout = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, self.device)
-            self.copies_policy = False
+        # DTensor shards or another compute dtype: generate on a copy; else on the trained module
+        # itself, whose every update is the next generation's policy with no copy
+        self.copies_policy = self.engine.wrapped
+        model, tokenizer = (build_policy(ctx.config, self.device) if self.copies_policy
+                            else (self.engine.model, self.tokenizer))
+        rollout = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, self.device)
         self.policy = TrainerPolicy(rollout, tokenizer, getattr(model.config, "max_position_embeddings", None),
                                     self.version)
         if self.copies_policy:
