@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from streamrl.engines.core_share import DECODE_GRAIN, rebalance, work
 from streamrl.models.device import resolve_device
 from streamrl.models.functional import FunctionalCausalLM, FunctionalForward, KVCache, unsupported_reason
+from streamrl.models.matmul_precision import attention_dtype
 
 FinishReason = Literal["eos", "length"]
 RolloutForwardPath = Literal["functional", "hf"]
@@ -430,7 +431,10 @@ class TorchRolloutEngine(BatchedRolloutEngine):
             return _HFDecoder(self.model)
         weight = self.model.get_input_embeddings().weight
         # Built per call: it copies the fused projections from the module's weights of the moment.
-        return self._functional_decoder(FunctionalCausalLM(self.model), weight.dtype, weight.device)
+        # the cache holds keys and values in the dtype attention computes in (float32 for a
+        # half-precision model on a CPU: streamrl.models.matmul_precision.attention_dtype)
+        return self._functional_decoder(FunctionalCausalLM(self.model), attention_dtype(weight.dtype, weight.device),
+                                        weight.device)
 
     @contextmanager
     def _generation_scope(self) -> Iterator[None]:

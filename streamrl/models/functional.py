@@ -145,8 +145,9 @@ class KVCache:
         self, prompt_kv: list[tuple[Tensor, Tensor]], prompt_lengths: Tensor, row_prompt: list[int], columns: int
     ) -> None:
         """Begin a call: prompt keys/values per layer ([U, kv_heads, Lp, d]), rows -> prompt, T columns."""
-        self.prompt_keys = [k for k, _ in prompt_kv]
-        self.prompt_values = [v for _, v in prompt_kv]
+        # the cache's dtype, where a half-precision model's attention computes in float32 (attention_dtype)
+        self.prompt_keys = [k.to(self.dtype) for k, _ in prompt_kv]
+        self.prompt_values = [v.to(self.dtype) for _, v in prompt_kv]
         width = self.prompt_keys[0].shape[2]
         hidden = torch.arange(width, device=self.device).unsqueeze(0) >= prompt_lengths.unsqueeze(1)
         self.prompt_mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(
@@ -395,14 +396,14 @@ class FunctionalForward(ABC):
             gen_v = gen_v[:, :, : step + 1].view(*row_shape, kvh, step + 1, d)
             # Query heads grouped per kv head (GQA without repeating keys); plain matmuls, not
             # the SDPA kernel, which is slower for one query per row.
-            q = q.view(*row_shape, kvh, rep, d)
+            q = q.view(*row_shape, kvh, rep, d).to(cache.dtype)  # float32 for a half-precision model on a CPU
             with ieee_matmuls():  # one query per row: too small for a lowered matmul precision's path
                 s_prompt = by_row(torch.matmul(by_prompt(q), cache.prompt_keys[i].transpose(-1, -2)))
                 s_gen = torch.matmul(q, gen_k.transpose(-1, -2))
                 p = torch.softmax(torch.add(mask, torch.cat([s_prompt, s_gen], dim=-1), alpha=scale), dim=-1)
                 p_prompt, p_gen = p.split([p_len, step + 1], dim=-1)
                 out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + torch.matmul(p_gen, gen_v)
-            x = self._mlp_and_out(w, x, out.reshape(batch, self.n_heads * d))
+            x = self._mlp_and_out(w, x, out.reshape(batch, self.n_heads * d).to(x.dtype))
         return self.logits(x)
 
 

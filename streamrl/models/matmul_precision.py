@@ -12,6 +12,13 @@ and the decode step's one-query matmuls, whose blocks are too small for the bflo
 there it is several times slower (SDPA forward and backward 7.5x at W2's shapes), where the
 linear layers are 2-4x faster. :func:`ieee_attention` runs an attention call, forward and
 backward, at ``highest`` and leaves the rest of the model at the run's precision.
+
+The same holds for a model whose tensors are bfloat16 or float16 (``model.dtype``) on a CPU:
+SDPA's half-precision kernels there are slower than its float32 ones at these shapes (W2's train
+micro-batch: the backward 11.8 against 8.1 ms a layer) and the decode step's one-query matmuls
+convert their operands at every call. So on a CPU a half-precision model's attention computes in
+float32 (:func:`attention_dtype`): its inputs are cast up, its output back, and the rollout
+engine's KV cache is kept in float32. The linear layers, most of the FLOPs, keep the model's dtype.
 """
 
 from __future__ import annotations
@@ -87,6 +94,28 @@ class _IeeeInBackward(torch.autograd.Function):
         return grad
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a model of ``dtype`` on ``device`` computes its attention in: float32 for a
+    half-precision model on a CPU (see the module's docstring), else its own."""
+    return torch.float32 if device.type == "cpu" and dtype in _HALF else dtype
+
+
+def _in_float32(attention: Callable[..., Any], query: Tensor, key: Tensor, value: Tensor,
+                *args: Any, **kwargs: Any) -> Any:
+    """``attention`` on float32 copies of its half-precision tensors (a float mask too); its output
+    (or first output) cast back to the query's dtype. Autograd casts the gradients back likewise."""
+    def up(x: Any) -> Any:
+        return x.float() if isinstance(x, Tensor) and x.dtype in _HALF else x
+
+    out = attention(up(query), up(key), up(value), *(up(a) for a in args), **{k: up(v) for k, v in kwargs.items()})
+    if isinstance(out, tuple):
+        return (out[0].to(query.dtype), *out[1:])
+    return out.to(query.dtype)
+
+
 def ieee_attention(attention: Callable[..., Any], query: Tensor, key: Tensor, value: Tensor,
                    *args: Any, **kwargs: Any) -> Any:
     """``attention(query, key, value, *args, **kwargs)`` with its matmuls at full precision, in
@@ -95,7 +124,11 @@ def ieee_attention(attention: Callable[..., Any], query: Tensor, key: Tensor, va
 
     Why markers and not a context in the backward: autograd runs the backward later, outside any
     block of the forward. The autograd engine runs a CPU graph's nodes in one thread, latest-made
-    first, so the attention's nodes run between the two markers' backwards."""
+    first, so the attention's nodes run between the two markers' backwards.
+
+    A half-precision call on a CPU computes in float32 (:func:`attention_dtype`)."""
+    if attention_dtype(query.dtype, query.device) != query.dtype:
+        return _in_float32(attention, query, key, value, *args, **kwargs)  # float32: no lowered precision here
     if _process_precision == "highest":
         return attention(query, key, value, *args, **kwargs)
     recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))

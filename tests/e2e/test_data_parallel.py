@@ -115,7 +115,7 @@ def test_bfloat16_trains_and_exports_its_float32_masters(tmp_path: Path) -> None
 @pytest.mark.slow  # second tier (pyproject.toml); its cheaper sibling in the default run: the 3-step run above
 @pytest.mark.timeout(300)
 def test_bfloat16_learns_digits(tmp_path: Path) -> None:
-    """model.dtype=bfloat16: FSDP2 computes in bf16 over float32 masters, generation runs in bf16."""
+    """model.dtype=bfloat16: FSDP2 computes in bf16 over float32 masters, generation runs in bf16 (its attention in float32 on a CPU)."""
     result = streamrl.run(DIGITS, _overrides(tmp_path, "model.dtype=bfloat16"))
     assert result.stop_reason.startswith("reward ") and result.steps < BUDGET, result.stop_reason
     assert _rows(result)[0]["reward_mean"] < 0.5  # it learned from near chance

@@ -96,6 +96,26 @@ def test_a_lowered_matmul_precision_samples_the_same_policy(model: torch.nn.Modu
         torch.testing.assert_close(g.logprobs, r, atol=0.05, rtol=0)  # bfloat16 inputs: ~3 significant digits
 
 
+def test_a_bfloat16_model_keeps_its_kv_cache_in_float32_and_samples_its_policy(
+    model: torch.nn.Module, tok: PreTrainedTokenizerFast
+) -> None:
+    """model.dtype bfloat16 on a CPU: the linear layers compute in bfloat16, attention in float32
+    (streamrl.models.matmul_precision.attention_dtype), so the cache holds float32 keys and values;
+    the logprobs are those of the model's own bfloat16 forward within bfloat16 rounding."""
+    half = build_model(TINY, tok).to(torch.bfloat16)
+    half.load_state_dict(model.state_dict())
+    engine = _engine(half, tok, use_functional=True)
+    prompts = encode(tok, PROMPTS * 2)
+    gens = engine.generate(prompts, max_new_tokens=10, seed=2)
+    assert engine._cache is not None and engine._cache.dtype == torch.float32
+    assert all(g.logprobs.dtype == torch.float32 and g.response_ids.numel() >= 1 for g in gens)
+    with torch.no_grad():
+        for p, g in zip(prompts, gens, strict=True):
+            logits = half(torch.cat([p, g.response_ids]).unsqueeze(0)).logits[0, len(p) - 1 : -1].float()
+            expected = torch.log_softmax(logits, -1).gather(1, g.response_ids.unsqueeze(1)).squeeze(1)
+            torch.testing.assert_close(g.logprobs, expected, atol=0.05, rtol=0)  # bfloat16: ~3 significant digits
+
+
 def test_seed_makes_generation_reproducible(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
     engine = _engine(model, tok)
     prompts = encode(tok, PROMPTS)

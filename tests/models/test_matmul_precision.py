@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from streamrl.models.matmul_precision import apply, ieee_attention, ieee_matmuls
+from streamrl.models.matmul_precision import apply, attention_dtype, ieee_attention, ieee_matmuls
 
 
 class _Spy(torch.autograd.Function):
@@ -107,3 +107,35 @@ def test_a_block_sets_back_the_processs_precision_not_the_one_it_found(medium_ma
     with ieee_matmuls():
         pass
     assert torch.get_float32_matmul_precision() == "medium"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("as_tuple", [False, True], ids=["tensor", "transformers-tuple"])
+def test_a_half_precision_attention_on_a_cpu_computes_in_float32(dtype: torch.dtype, as_tuple: bool) -> None:
+    """model.dtype bfloat16/float16 on a CPU: SDPA sees float32 inputs (a float mask too), the output and the
+    gradients come back in the model's dtype, and equal SDPA's float32 result rounded to it."""
+    seen: list[torch.dtype] = []
+
+    def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Any:
+        seen.extend([q.dtype, k.dtype, v.dtype, mask.dtype])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return (out, None) if as_tuple else out
+
+    mask = torch.zeros(6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    out = ieee_attention(attention, q, k, v, mask.to(dtype))
+    out = out[0] if as_tuple else out
+    assert seen == [torch.float32] * 4
+    assert out.dtype == dtype
+    want = F.scaled_dot_product_attention(q.detach().float(), k.detach().float(), v.detach().float(), attn_mask=mask)
+    assert torch.equal(out.detach(), want.to(dtype))
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == dtype for t in (q, k, v))
+
+
+def test_attention_dtype() -> None:
+    cpu = torch.device("cpu")
+    assert attention_dtype(torch.bfloat16, cpu) == attention_dtype(torch.float16, cpu) == torch.float32
+    assert attention_dtype(torch.float32, cpu) == torch.float32
+    assert attention_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16  # the device's own kernels
