@@ -10,14 +10,16 @@ group-normalised advantages, token-mean loss).
       until a step's mean reward >= 0.9 (target: streamrl <= 0.5x TRL).
   W2  digits-reverse (2..24 digits), hidden 256 / 4 layers, 16 prompts x 8, <= 32 tokens,
       15 steps: completions/s in synchronous on-policy mode (target >= 2x TRL), also with
-      max_staleness 1, and the useful FLOP rate as a fraction of the fp32 matmul ceiling
-      measured in the same run (training 6*params*tokens + generation 2*params*tokens: the work
+      max_staleness 1, and the useful FLOP rate as a fraction of the matmul ceiling (in the run's
+      compute dtype, --dtype) measured in the same run (training 6*params*tokens + generation 2*params*tokens: the work
       TRL does, every sample's prompt included). streamrl computes a group's prompt once (one
       prefill per prompt; a trainer row holds a group's prompt once), so it also reports the
       executed fraction: the same count with each prompt's tokens once per group.
 
 Each side runs as a fresh process per repetition (seeds 0..reps-1); setup is excluded on both
-sides (TRL: its training loop; streamrl: from Go to the last step). The TRL side is
+sides (TRL: its training loop; streamrl: from Go to the last step). With --dtype bfloat16 both
+sides compute in bfloat16 over float32 weights and AdamW state (streamrl's model.dtype, TRL's
+bf16 mixed precision); the default is float32 on both. The TRL side is
 ops/bench/trl_grpo.py, run with the python of the venv that ops/bench/setup_trl_env.sh makes
 (--trl-venv, else $STREAMRL_TRL_VENV, else /tmp/streamrl-trl-venv2; made if missing, a few
 minutes). Last line: one JSON object.
@@ -26,6 +28,7 @@ minutes). Last line: one JSON object.
     python ops/bench/grpo_vs_trl.py --workload W1 --reps 5
     python ops/bench/grpo_vs_trl.py --workload W2 --engines builtin,vllm   # W2 with each rollout engine
     python ops/bench/grpo_vs_trl.py --workload W2 --streamrl-set model.matmul_precision=medium
+    python ops/bench/grpo_vs_trl.py --workload W2 --dtype bfloat16   # both sides compute in bfloat16
 
 Each repetition also runs streamrl at k=0 on pipelines/grpo_sync.yaml ("sync": the train stage
 generates, scores and trains in one process), beside the default pipeline (pipelines/grpo_rollout.yaml).
@@ -197,11 +200,11 @@ def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace, tm
     python = None if args.skip_trl else ensure_trl_venv(args.trl_venv)
     for seed in range(args.reps):
         if python is not None:
-            trl.append(run_trl(python, workload, trl_args, seed))
+            trl.append(run_trl(python, workload, [*trl_args, "--dtype", args.dtype], seed))
         for engine, k in modes:
             python_of_engine = str(args.vllm_python) if engine == "vllm" else sys.executable
             ours[(engine, k)].append(run_streamrl(workload, seed, k, tmp, engine, python_of_engine,
-                                                  tuple(args.streamrl_set)))
+                                                  (f"model.dtype={args.dtype}", *args.streamrl_set)))
         print(f"{workload} repetition {seed + 1}/{args.reps} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     return ours, trl
 
@@ -217,9 +220,10 @@ def mode_label(engine: str, k: int, workload: str) -> str:
     return f"{workload} streamrl k={k}" if engine == "builtin" else f"{workload} streamrl {engine} k={k}"
 
 
-def matmul_ceiling_gflops(threads: int = 2, n: int = 1024, reps: int = 30) -> float:
+def matmul_ceiling_gflops(threads: int = 2, n: int = 1024, reps: int = 30, dtype: str = "float32") -> float:
+    """The host's matmul rate in ``dtype``: the ceiling of a run that computes its linear layers in it."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
     for _ in range(3):
         a @ b
     best = 0.0
@@ -254,6 +258,9 @@ def main() -> None:
     ap.add_argument("--streamrl-set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a field override of every streamrl run (repeatable), e.g. model.matmul_precision=medium; "
                          "the TRL side runs as it is")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="compute dtype of both sides: streamrl's model.dtype, TRL's bf16 (mixed precision over "
+                         "float32 weights and AdamW state on both); W2's ceiling is the host's matmul rate in it")
     args = ap.parse_args()
     engines = tuple(e.strip() for e in args.engines.split(","))
     if set(engines) - {"builtin", "vllm"} or "builtin" not in engines:
@@ -298,10 +305,10 @@ def main() -> None:
                     ratios[mode_key(mode, k, "W1_time_to_0.9_ratio")] = (
                         figures[f"{mode_key(mode, k, 'W1')}_time_to_0.9_s"]["median"] / t["median"])
         if args.workload in ("W2", "all"):
-            ceiling = matmul_ceiling_gflops()
+            ceiling = matmul_ceiling_gflops(dtype=args.dtype)
             params = w2_params()
             figures["matmul_ceiling_gflops"] = ceiling
-            rows.append(["fp32 matmul ceiling, 2 threads (GFLOP/s)", f"{ceiling:.0f}"])
+            rows.append([f"{args.dtype} matmul ceiling, 2 threads (GFLOP/s)", f"{ceiling:.0f}"])
             ours, trl = interleaved("W2", W2_TRL, args, tmp, engines)
             if trl:  # run_trl has checked every run's initial weights against streamrl's
                 trl_side = {"runner": "ops/bench/trl_grpo.py", "versions": trl[0]["versions"],
@@ -343,7 +350,7 @@ def main() -> None:
         print_table(["measure", "median [min, max]"], rows)
         for k, v in ratios.items():
             print(f"ratio {k}: {v:.3f}" if isinstance(v, float) else f"ratio {k}: {v}")
-    print_json_line("grpo_vs_trl", figures, baseline, ratios, targets, reps=args.reps, trl=trl_side or None,
+    print_json_line("grpo_vs_trl", figures, baseline, ratios, targets, reps=args.reps, dtype=args.dtype, trl=trl_side or None,
                     streamrl_set=args.streamrl_set or None)
 
 

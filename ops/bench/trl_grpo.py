@@ -186,6 +186,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], default="highest",
                    help="torch.set_float32_matmul_precision (streamrl's model.matmul_precision, here for the whole "
                         "model, attention included)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype (streamrl's model.dtype): bfloat16 = TRL's bf16=True, autocast over float32 "
+                        "weights and AdamW state")
     p.add_argument("--hidden", type=_positive_int, default=128)
     p.add_argument("--layers", type=_positive_int, default=2)
     p.add_argument("--heads", type=_positive_int, default=4)
@@ -296,7 +299,7 @@ def grpo_config(args: argparse.Namespace, out: Path) -> Any:
     return GRPOConfig(
         output_dir=str(out / "trainer"),  # nothing is written there: save_strategy="no"
         use_cpu=True,
-        bf16=False,
+        bf16=args.dtype == "bfloat16",  # mixed precision: the weights and AdamW state stay float32
         fp16=False,
         gradient_checkpointing=False,
         learning_rate=args.lr,
@@ -440,7 +443,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "model": {"arch": "Qwen2ForCausalLM", "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                   "intermediate": args.intermediate, "vocab": len(tokenizer), "params": n_params,
-                  "dtype": "float32", "init_weights_sha256": init_sha},
+                  "dtype": args.dtype, "init_weights_sha256": init_sha},
         "config": {"task": args.task, "streamrl_task": task.name, "n_digits": args.n_digits,
                    "min_digits": args.min_digits, "num_generations": args.num_generations,
                    "prompts_per_step": args.prompts_per_step, "completions_per_step": batch,
