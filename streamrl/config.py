@@ -102,7 +102,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], Meta(description=(
         "Compute dtype of every stage. The trainer keeps float32 master weights and AdamW state and computes in "
         "this dtype (FSDP2 mixed precision, gradients reduced in float32, the loss's log-softmax in float32); "
-        "generation and the reference run in it. float16 has no loss scaling: prefer bfloat16"))] = "float32"
+        "generation and the reference run in it; on a CPU their attention computes in float32 (the half-precision "
+        "attention kernels are slower there) and the linear layers in this dtype, several times faster than "
+        "float32 on CPUs with AMX or AVX512-BF16. float16 has no loss scaling: prefer bfloat16"))] = "float32"
     matmul_precision: Annotated[MatmulPrecision, Meta(description=(
         "Precision inside the float32 matmuls of every stage (torch.set_float32_matmul_precision), model.dtype "
         "float32 only. highest: float32. high: TF32 where the hardware has it (NVIDIA Ampere and later). medium: "

@@ -6,11 +6,13 @@ The one train engine, R = 1 included (``logprobs``, ``accumulate``, ``step``, ``
 - ``fully_shard`` on every decoder layer (the classes in the model's ``_no_split_modules``) and
   on the root, over the ``dp`` dimension of a :class:`DeviceMesh` whose device type is the
   engine's device (gloo on CPU, nccl on CUDA, hccl on NPU: the same code).
-- At one rank in float32 without CPU offload (``wrapped`` False) the module is trained as it is:
-  there FSDP2 has nothing to shard, and its per-layer gathers and reduce-scatters, which only copy
-  at one rank, cost a small model's micro-batch about 40 % (docs/benchmarks.md §25). The same
+- At one rank without CPU offload (``wrapped`` False) the module is trained as it is: there FSDP2
+  has nothing to shard, and its per-layer gathers and reduce-scatters, which only copy at one
+  rank, cost a small model's micro-batch about 40 % (docs/benchmarks.md §25). In float32 the same
   kernels run on the same full tensors, so the update is the wrapped one's bit for bit
-  (``wrap_single_rank`` keeps FSDP2 there, for a side-by-side).
+  (``wrap_single_rank`` keeps FSDP2 there, for a side-by-side). With a compute ``dtype`` each
+  forward runs on the float32 parameters cast to it, as FSDP2's ``MixedPrecisionPolicy`` gathers
+  them: the gradients flow back through the casts into the float32 masters.
 - With ``tensor_parallel`` T > 1 the mesh is (dp, tp) and each layer is first
   ``parallelize_module``'d over tp (column-wise q/k/v/gate/up, row-wise o/down), giving FSDP × TP.
 - The Hugging Face module's own forward runs (no functional re-implementation), so any
@@ -39,10 +41,11 @@ in float32. float16 has no loss scaling here: prefer bfloat16.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -59,6 +62,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
+from torch.nn.utils.stateless import _reparametrize_module  # torch.func.functional_call's, as a block
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from transformers import PreTrainedTokenizerBase
 
@@ -131,8 +135,8 @@ class FSDPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # wide (tokens) or pad at least this many tokens; others: one group per row and the dense mask
     shared_prefix_min_width: int = DEFAULT_SHARED_PREFIX_MIN_WIDTH
     shared_prefix_min_padding: int = DEFAULT_SHARED_PREFIX_MIN_PADDING
-    # fully_shard also at one rank in float32 without CPU offload, where the engine otherwise trains
-    # the module unwrapped (FSDP2 would only copy there: see the module doc)
+    # fully_shard also at one rank without CPU offload, where the engine otherwise trains the module
+    # unwrapped (FSDP2 would only copy there: see the module doc)
     wrap_single_rank: bool = False
 
     def __post_init__(self) -> None:
@@ -221,15 +225,15 @@ class FSDPTrainEngine:
                                        shared_prefix_min_width=options.shared_prefix_min_width,
                                        shared_prefix_min_padding=options.shared_prefix_min_padding)
         log.info("train forward: %s (%s)", self.forward.path, self.forward.why)
-        # FSDP2 only where it has something to do: shards to hold (more than one rank), a compute
-        # dtype to cast to (its MixedPrecisionPolicy), or the state to keep on the host
-        self.wrapped = (self.mesh.size() > 1 or options.wrap_single_rank or options.cpu_offload
-                        or self.compute_dtype != torch.float32)
+        # FSDP2 only where it has something to do: shards to hold (more than one rank) or the state
+        # to keep on the host; a compute dtype at one rank is a cast per forward (_in_compute_dtype)
+        self.wrapped = self.mesh.size() > 1 or options.wrap_single_rank or options.cpu_offload
         if self.wrapped:
             self._shard(model)
         else:
             self._prepare_unwrapped(model)
-            log.info("train engine: one rank in float32, the module unwrapped (FSDP2 would only copy here)")
+            log.info("train engine: one rank in %s over float32 weights, the module unwrapped (FSDP2 would only "
+                     "copy here)", options.dtype)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad is False everywhere)")
@@ -306,7 +310,8 @@ class FSDPTrainEngine:
         Logits are computed only from the earliest position that predicts a response token on
         (``logits_to_keep``) where the model supports it.
         """
-        logp, logp_all = self.forward.logprobs(prompt_ids, response_ids, temperature)
+        with self._in_compute_dtype():
+            logp, logp_all = self.forward.logprobs(prompt_ids, response_ids, temperature)
         ent = None
         if entropy_grad:
             ent = -(logp_all.exp() * logp_all).sum(-1)
@@ -315,6 +320,21 @@ class FSDPTrainEngine:
                 ent = -(logp_all.exp() * logp_all).sum(-1)
         seq_index, _ = flat_response_index(response_ids, self.device)
         return logp, ent, seq_index
+
+    @contextlib.contextmanager
+    def _in_compute_dtype(self) -> Iterator[None]:
+        """Unwrapped with a compute dtype: the module's forwards inside the block run on its float32
+        parameters cast to it (what FSDP2's MixedPrecisionPolicy computes on), recorded by autograd,
+        so each gradient comes back through its cast as float32 into the parameter's ``.grad``.
+        Wrapped, or in float32: nothing to do (FSDP2 casts as it gathers). The casts live until the
+        backward, as FSDP2's gathered copies do without ``reshard_after_forward``: half the float32
+        weights' bytes more at the activation peak (bfloat16)."""
+        if self.wrapped or self.compute_dtype == torch.float32:
+            yield
+            return
+        casts = {name: p.to(self.compute_dtype) for name, p in self.model.named_parameters()}
+        with _reparametrize_module(self.model, casts, tie_weights=True):
+            yield
 
     @torch.no_grad()
     def logprobs(

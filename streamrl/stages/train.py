@@ -263,7 +263,7 @@ class TrainStage:
 
     async def _setup_rollout(self, ctx: StageContext, chain: StageSpec) -> None:
         """``options.rollout``: a built-in rollout engine on the policy this stage trains (the module
-        itself where the engine trains it unwrapped, else a copy installed after each step), lent to
+        itself where the engine trains it unwrapped in float32, else a copy installed after each step), lent to
         the generate link; the links as a chain of this process."""
         import dataclasses
 
@@ -271,7 +271,7 @@ class TrainStage:
 
         # DTensor shards or another compute dtype: generate on a copy; else on the trained module
         # itself, whose every update is the next generation's policy with no copy
-        self.copies_policy = self.engine.wrapped
+        self.copies_policy = self.engine.wrapped or self.engine.compute_dtype != torch.float32
         model, tokenizer = (build_policy(ctx.config, self.device) if self.copies_policy
                             else (self.engine.model, self.tokenizer))
         rollout = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, self.device)

@@ -304,28 +304,34 @@ def test_step_updates_weights_clips_and_resets(model: torch.nn.Module, tok: PreT
         engine.step()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_rank_trains_unwrapped_and_equals_fsdp2_bit_for_bit(
-    model: torch.nn.Module, tok: PreTrainedTokenizerFast
+    model: torch.nn.Module, tok: PreTrainedTokenizerFast, dtype: str
 ) -> None:
-    """At one rank in float32 the module is trained as it is (FSDP2 would only copy there), and
-    its updates, statistics and reshard layout are those of the FSDP2-wrapped module exactly."""
+    """At one rank the module is trained as it is (FSDP2 would only copy there), and its updates,
+    statistics and reshard layout are those of the FSDP2-wrapped module exactly; in bfloat16 too,
+    each forward on the float32 weights cast as FSDP2's MixedPrecisionPolicy casts them."""
     from streamrl.reshard.fsdp_layout import train_tp_dims
     from streamrl.reshard.layout import TrainLayout
 
-    plain = _engine(model, max_grad_norm=0.5)
-    wrapped = _engine(model, max_grad_norm=0.5, options=FSDPOptions(wrap_single_rank=True))
+    plain = _engine(model, max_grad_norm=0.5, options=FSDPOptions(dtype=dtype))
+    wrapped = _engine(model, max_grad_norm=0.5, options=FSDPOptions(dtype=dtype, wrap_single_rank=True))
     assert not plain.wrapped and wrapped.wrapped
     assert not any(isinstance(p, DTensor) for p in plain.model.parameters())
     assert all(isinstance(p, DTensor) for p in wrapped.model.parameters())
     layout, dims = train_tp_dims(plain.model)
     assert layout == TrainLayout(1, 1) and set(dims.values()) == {None}
     assert train_tp_dims(wrapped.model)[0] == layout
+    reference = _engine(model, max_grad_norm=0.5) if dtype != "float32" else None
     for step in range(3):
         batch = _batch(tok, seed=step)
-        for engine in (plain, wrapped):
+        for engine in (plain, wrapped) if reference is None else (plain, wrapped, reference):
             engine.accumulate(batch[:3], LossConfig())
             engine.accumulate(batch[3:], LossConfig())
-        assert plain.step() == wrapped.step()
+        stats = plain.step()
+        assert stats == wrapped.step()
+        if reference is not None:
+            assert stats["loss"] != reference.step()["loss"]  # it computed in bfloat16, not float32
     got, expected = plain.full_state_dict(), wrapped.full_state_dict()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], atol=0, rtol=0)

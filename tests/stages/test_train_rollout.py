@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+import streamrl
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime.pipeline import PipelineSpec, class_says
 from streamrl.runtime.prerun import load_pipeline
@@ -126,6 +127,24 @@ def test_a_run_config_sets_a_rollout_links_options_by_its_name(tmp_path: Path) -
         _load(tmp_path, overrides=["stages.score.workers=2"])
     with pytest.raises(ConfigError, match=r"options.links\[1\] \('score'\) options: score stage: unknown options"):
         _load(tmp_path, _link(1, "options", {"bakend": "zmq"}))
+
+
+@pytest.mark.timeout(300)
+def test_a_bfloat16_sync_run_takes_the_steps_of_the_default_pipeline(tmp_path: Path) -> None:
+    """model.dtype bfloat16: the train stage trains unwrapped on its float32 weights cast per forward
+    and generates on a bfloat16 copy installed after each step, the cast the default pipeline's
+    generator installs; every step's reward and loss are the default pipeline's."""
+    runs = [streamrl.run(REPO / "configs" / "grpo_digits.yaml", [
+        f"output.run_dir={tmp_path / pipeline}", "output.progress=none", "output.tensorboard=false",
+        "output.plot=false", "algo.steps=4", "algo.stop_reward=null", "model.dtype=bfloat16",
+        f"pipeline={REPO / 'pipelines' / pipeline}"]) for pipeline in ("grpo_rollout.yaml", "grpo_sync.yaml")]
+    default, sync = runs
+    assert default.steps == sync.steps == 4
+    for a, b in zip(default.metrics, sync.metrics, strict=True):
+        assert (a["step"], a["reward_mean"], a["loss"]) == (b["step"], b["reward_mean"], b["loss"])
+    for run in runs:
+        assert "one rank in bfloat16 over float32 weights, the module unwrapped" in (
+            run.run_dir / "logs" / "train-0.log").read_text()
 
 
 def test_the_weights_are_published_only_where_a_stage_fetches_them() -> None:
