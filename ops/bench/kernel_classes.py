@@ -3,6 +3,7 @@
     python ops/bench/kernel_classes.py                   # W2's shapes, 2 threads
     python ops/bench/kernel_classes.py --shape w3 --threads 1
     python ops/bench/kernel_classes.py --matmul-precision medium   # model.matmul_precision medium
+    python ops/bench/kernel_classes.py --dtype bfloat16             # model.dtype bfloat16
 
 Measures, in one process:
 
@@ -68,12 +69,12 @@ VIEWS = {"aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten:
 TRAIN_GROUPS = 8  # one train micro-batch: 8 groups (64 completions with 8 samples a prompt)
 
 
-def machine_rates(calls: int = 30) -> dict[str, float]:
-    """fp32 matmul GFLOP/s (1024^3 mm) and copy GB/s (read + write) in cache and from memory, on this
-    process's threads."""
+def machine_rates(calls: int = 30, dtype: str = "float32") -> dict[str, float]:
+    """matmul GFLOP/s in ``dtype`` (1024^3 mm) and float32 copy GB/s (read + write) in cache and from
+    memory, on this process's threads."""
     import torch
 
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a, b = (torch.randn(1024, 1024, dtype=getattr(torch, dtype)) for _ in range(2))
     # 2 x 8 MiB: past each core's L2 (2 MiB here), inside the shared L3, where a step's activations
     # live; 2 x 512 MiB: past any L3, main memory
     cached_src, cached_dst = torch.randn(2 * 2**20), torch.empty(2 * 2**20)
@@ -138,13 +139,14 @@ def digits_prompt(tok: Any, rng: random.Random, digits: tuple[int, int]) -> Any:
     return torch.tensor(tok.encode(text + "="), dtype=torch.int64)
 
 
-def measure(shape_name: str, calls: int) -> dict[str, Any]:
+def measure(shape_name: str, calls: int, dtype: str = "float32") -> dict[str, Any]:
+    """``dtype``: the compute dtype (model.dtype): the train engine's, and the rollout engine's model's."""
     import torch
     import torch.distributed as dist
     from torch.profiler import profile
 
     from streamrl.algos.grpo import LossConfig
-    from streamrl.engines.fsdp import FSDPTrainEngine
+    from streamrl.engines.fsdp import FSDPOptions, FSDPTrainEngine
     from streamrl.engines.rollout import TorchRolloutEngine
     from streamrl.engines.samples import TrainSample
     from streamrl.models.build import TinyModelSpec, build_model
@@ -167,7 +169,8 @@ def measure(shape_name: str, calls: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as store_dir:
         dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/store", 1), rank=0, world_size=1)
         try:
-            engine = FSDPTrainEngine(build_model(spec, tok), lr=1e-3, max_grad_norm=1.0, device="cpu")
+            engine = FSDPTrainEngine(build_model(spec, tok), lr=1e-3, max_grad_norm=1.0, device="cpu",
+                                     options=FSDPOptions(dtype=dtype))  # type: ignore[arg-type]
             samples = []
             for _ in range(TRAIN_GROUPS):
                 prompt = digits_prompt(tok, rng, shape["digits"])
@@ -183,7 +186,7 @@ def measure(shape_name: str, calls: int) -> dict[str, Any]:
             dist.destroy_process_group()
 
     # --- generate: one call of the workload's step
-    rollout = TorchRolloutEngine(build_model(spec, tok), -1, tok.pad_token_id, "cpu")
+    rollout = TorchRolloutEngine(build_model(spec, tok).to(getattr(torch, dtype)), -1, tok.pad_token_id, "cpu")
     prompts = []
     for _ in range(shape["prompts"]):
         prompts += [digits_prompt(tok, rng, shape["digits"])] * shape["samples"]
@@ -200,15 +203,18 @@ def main() -> None:
     ap.add_argument("--matmul-precision", choices=get_args(MatmulPrecision), default="highest",
                     help="the phases' float32 matmul precision (model.matmul_precision); the machine's rates stay "
                          "float32's")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the phases' compute dtype (model.dtype); the machine's matmul rate is measured in it "
+                         "(the other class's bytes still count 4 an element: an upper bound where they are 2)")
     args = ap.parse_args()
     import torch
 
     from streamrl.models.matmul_precision import apply
 
     torch.set_num_threads(args.threads)
-    machine = machine_rates()
+    machine = machine_rates(dtype=args.dtype)
     apply(args.matmul_precision)
-    phases = measure(args.shape, args.calls)
+    phases = measure(args.shape, args.calls, args.dtype)
     figures: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     rows = []
@@ -237,13 +243,14 @@ def main() -> None:
                         f"{c['ms'] * 1e3 / max(c['calls'], 1):.1f} us each")
             rows.append([phase, name, f"{c['ms']:.1f}", f"{share:.2f}", rate])
         rows.append([phase, "(unprofiled call)", f"{result['ms']:.1f}", "", ""])
-    print(f"shape {args.shape}, {args.threads} threads, matmul precision {args.matmul_precision}; machine: fp32 matmul {machine['matmul_gflops']:.0f} "
+    print(f"shape {args.shape}, {args.threads} threads, {args.dtype}, matmul precision {args.matmul_precision}; "
+          f"machine: {args.dtype} matmul {machine['matmul_gflops']:.0f} "
           f"GFLOP/s, copy_ {machine['cached_copy_gbps']:.0f} GB/s in L3 and {machine['copy_gbps']:.0f} GB/s from "
           f"memory; load average {os.getloadavg()[0]:.2f}")
     print_table(["phase", "class", "own ms (profiled)", "share", "rate"], rows)
     print_json_line("kernel_classes", figures, machine, ratios, {"note": "no target: a breakdown"},
                     shape=args.shape, threads=args.threads,
-                    matmul_precision=args.matmul_precision, load_average=list(os.getloadavg()))
+                    matmul_precision=args.matmul_precision, dtype=args.dtype, load_average=list(os.getloadavg()))
 
 
 if __name__ == "__main__":
