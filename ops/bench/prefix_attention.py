@@ -17,12 +17,14 @@ Per shape, ``--reps`` alternating timed steps of each after ``--warmup`` untimed
 median [min, max], and the step-0 loss of each as a cross-check that they compute the same step.
 Shapes: W2's (``ops/bench/grpo_vs_trl.py``: hidden 256, 4 layers, prompts 3..25 tokens, 16 x 8
 completions of 32), then W2's with completions of 1..32 tokens (an RL batch's lengths vary, and
-one group per row pads every row to the widest group), a W3-like one (hidden 384, 6 layers, 32
-prompts x 4 completions of 2..16), then longer ones of the size a GRPO run on real tasks has.
+one group per row pads every row to the widest group), W2's with completions of 6..16 and 10..32
+tokens (one-group rows of ~100 and ~190 tokens that pad little), a W3-like one (hidden 384, 6
+layers, 32 prompts x 4 completions of 2..16), then longer ones of the size a GRPO run on real tasks
+has.
 
-Target: the dense-mask step time over the shared-prefix one >= 1.0 from 256-token rows on and
-where the rows would pad (every shape here), >= 1.5 at the longest; the default within 5 % of the faster of the two
-everywhere. Run it with ``OMP_WAIT_POLICY=PASSIVE`` for the pipeline's workers' setting.
+Target: the dense-mask step time over the shared-prefix one >= 1.0 from 128-token rows on and
+where the rows would pad (every shape here), >= 1.5 at the longest; the default within 5 % of the
+faster of the two everywhere. Run it with ``OMP_WAIT_POLICY=PASSIVE`` for the pipeline's workers' setting.
 
     python ops/bench/prefix_attention.py              # all shapes, 5 timed steps each
     python ops/bench/prefix_attention.py --quick      # W2's shapes, 2 steps: a smoke run
@@ -69,6 +71,9 @@ class Shape:
 SHAPES = [
     Shape("W2", 16, 8, (3, 25), (32, 32)),
     Shape("W2, C1-32", 16, 8, (3, 25), (1, 32)),
+    # narrower rows with little padding: one-group rows of ~100 and ~190 tokens
+    Shape("W2, C6-16", 16, 8, (3, 25), (6, 16)),
+    Shape("W2, C10-32", 16, 8, (3, 25), (10, 32)),
     Shape("W3-like: 32 x 4 x C2-16", 32, 4, (4, 14), (2, 16), hidden=384, layers=6),
     Shape("P16-48 x 8 x C64", 16, 8, (16, 48), (64, 64)),
     Shape("P64 x 8 x C128", 16, 8, (32, 96), (128, 128)),

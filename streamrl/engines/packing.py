@@ -47,9 +47,10 @@ ForwardPath = Literal["packed", "padded"]
 DEFAULT_MAX_ROW_TOKENS = 4096  # tokens per packed row: its mask costs width^2 bools (16 MiB at 4096)
 # A micro-batch takes the shared-prefix attention, in filled rows, when one prompt group per row
 # would make rows at least this wide (tokens): there the dense mask's width^2 and the padding cost
-# more than the layout's gathers (1.08x a train step at W2's ~260-token rows, 2x at 2190; even at
-# ~130-200 tokens, docs/benchmarks.md §18) ...
-DEFAULT_SHARED_PREFIX_MIN_WIDTH = 256
+# more than the layout's gathers (a train step 1.00-1.16x at rows ~104 tokens (widest 124) and
+# 1.09-1.24x at ~186 (widest 216), hidden 128-512, one or two threads; 0.80-0.97x at ~41 tokens,
+# W1's; 2x at 2190; docs/benchmarks.md §18, §42) ...
+DEFAULT_SHARED_PREFIX_MIN_WIDTH = 128
 # ... or would pad at least this many tokens (rows x widest - real tokens): the filled rows' linear
 # layers then skip them, worth the gathers even where the attention alone is not (W3-like 70-token
 # rows of 32 groups: 800 of 2180 tokens, 1.16-1.3x; W1: ~35 tokens of padding, 0.9x)

@@ -14,9 +14,10 @@ That is (P + C) * C scores per completion instead of (P + G*C)^2 / G, about G-fo
 for long completions (a GRPO group of 8 × 500 tokens: 8×), at the price of a few gathers per
 layer. Since nothing here depends on which row a token is in, the packing fills its rows with
 several groups each (every group a prompt occurrence of its own) where it uses a layout, so the
-linear layers skip the padding that one group per row would need. The train step is 1.08-2×
-faster from 256-token rows on, and 1.1-1.3× at narrower rows that one group per row would pad by
-a fifth or more; it is slower on narrow rows with little padding (docs/benchmarks.md §18), so
+linear layers skip the padding that one group per row would need. The train step is 1.0-2.1×
+faster from ~100-token rows on, and 1.1-1.3× at narrower rows that one group per row would pad by
+a fifth or more; it is slower on narrow rows with little padding, W1's (docs/benchmarks.md §18,
+§42), so
 the engines use it from a width or an amount of padding on (``shared_prefix_min_width``,
 ``shared_prefix_min_padding``).
 
