@@ -233,6 +233,9 @@ class FSDPTrainEngine:
         # precision for it until the two are measured side by side there (docs/benchmarks.md §42)
         self.wrapped = (self.mesh.size() > 1 or options.wrap_single_rank or options.cpu_offload
                         or (self.compute_dtype != torch.float32 and self.device.type != "cpu"))
+        # every forward computes on the module's own parameters as they are (unwrapped, float32): a
+        # rollout engine on the module then samples the policy it trains, with no copy
+        self.forwards_on_its_parameters = not self.wrapped and self.compute_dtype == torch.float32
         if self.wrapped:
             self._shard(model)
         else:
@@ -334,7 +337,7 @@ class FSDPTrainEngine:
         Wrapped, or in float32: nothing to do (FSDP2 casts as it gathers). The casts live until the
         backward, as FSDP2's gathered copies do without ``reshard_after_forward``: half the float32
         weights' bytes more at the activation peak (bfloat16)."""
-        if self.wrapped or self.compute_dtype == torch.float32:
+        if self.wrapped or self.forwards_on_its_parameters:
             yield
             return
         casts = {name: p.to(self.compute_dtype) for name, p in self.model.named_parameters()}

@@ -269,9 +269,9 @@ class TrainStage:
 
         from streamrl.engines.rollout import TorchRolloutEngine
 
-        # DTensor shards or another compute dtype: generate on a copy; else on the trained module
-        # itself, whose every update is the next generation's policy with no copy
-        self.copies_policy = self.engine.wrapped or self.engine.compute_dtype != torch.float32
+        # on the trained module itself where every forward computes on its parameters (each update is
+        # then the next generation's policy); on a copy where they are DTensor shards or cast per forward
+        self.copies_policy = not self.engine.forwards_on_its_parameters
         model, tokenizer = (build_policy(ctx.config, self.device) if self.copies_policy
                             else (self.engine.model, self.tokenizer))
         rollout = TorchRolloutEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, self.device)
