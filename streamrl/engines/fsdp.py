@@ -9,12 +9,12 @@ The one train engine, R = 1 included (``logprobs``, ``accumulate``, ``step``, ``
 - At one rank without CPU offload (``wrapped`` False) the module is trained as it is: there FSDP2
   has nothing to shard, and its per-layer gathers and reduce-scatters, which only copy at one
   rank, cost a small model's micro-batch about 40 % (docs/benchmarks.md §25). In float32 the same
-  kernels run on the same full tensors, so the update is the wrapped one's bit for bit on a CPU
-  (``wrap_single_rank`` keeps FSDP2 there, for a side-by-side; on CUDA, whose atomic-add kernels
-  differ in the last bits from run to run, within 5e-6). With a compute ``dtype`` on a CPU each
-  forward runs on the float32 parameters cast to it, as FSDP2's ``MixedPrecisionPolicy`` gathers
-  them: the gradients flow back through the casts into the float32 masters, bit for bit the
-  wrapped update. On an accelerator a compute dtype keeps FSDP2 (not yet measured against it there).
+  kernels run on the same full tensors, so the update is the wrapped one's bit for bit
+  (``wrap_single_rank`` keeps FSDP2 there, for a side-by-side; on CUDA with torch's deterministic
+  algorithms, and otherwise within the last bits its atomic-add kernels change from run to run).
+  With a compute ``dtype`` each forward runs on the float32 parameters cast to it, as FSDP2's
+  ``MixedPrecisionPolicy`` gathers them: the gradients flow back through the casts into the float32
+  masters, bit for bit the wrapped update, on a CPU and on CUDA alike (docs/benchmarks.md §42).
 - With ``tensor_parallel`` T > 1 the mesh is (dp, tp) and each layer is first
   ``parallelize_module``'d over tp (column-wise q/k/v/gate/up, row-wise o/down), giving FSDP × TP.
 - The Hugging Face module's own forward runs (no functional re-implementation), so any
@@ -228,11 +228,9 @@ class FSDPTrainEngine:
                                        shared_prefix_min_padding=options.shared_prefix_min_padding)
         log.info("train forward: %s (%s)", self.forward.path, self.forward.why)
         # FSDP2 only where it has something to do: shards to hold (more than one rank) or the state
-        # to keep on the host. A compute dtype at one rank on a CPU is a cast per forward
-        # (_in_compute_dtype), measured faster there and exact; an accelerator keeps FSDP2's mixed
-        # precision for it until the two are measured side by side there (docs/benchmarks.md §42)
-        self.wrapped = (self.mesh.size() > 1 or options.wrap_single_rank or options.cpu_offload
-                        or (self.compute_dtype != torch.float32 and self.device.type != "cpu"))
+        # to keep on the host. A compute dtype at one rank is a cast per forward (_in_compute_dtype),
+        # exact and faster than FSDP2's mixed precision on a CPU and on CUDA (docs/benchmarks.md §42)
+        self.wrapped = self.mesh.size() > 1 or options.wrap_single_rank or options.cpu_offload
         # every forward computes on the module's own parameters as they are (unwrapped, float32): a
         # rollout engine on the module then samples the policy it trains, with no copy
         self.forwards_on_its_parameters = not self.wrapped and self.compute_dtype == torch.float32
