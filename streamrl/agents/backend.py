@@ -14,6 +14,12 @@ generation to end, and finished ones leave; an engine without a cache across cal
 prefill of the request's tokens per chunk for that. Without it, a request's whole completion is
 one call, and a request that arrives while one runs waits for it.
 
+Each request samples from a random stream of its own (``stream``: a seed; the k-th token of its
+completion is the stream's k-th draw, :func:`~streamrl.engines.rollout.stream_uniforms` on the
+built-in engine), so its tokens do not depend on which requests it was batched with or when it
+arrived: with the same policy and prompt, the same stream gives the same completion. A request
+without one gets a stream drawn from the backend's ``seed`` in arrival order.
+
 Each call holds the source for its length (``hold``), so a new policy version goes in between two
 calls. With ``chunk_tokens`` that can be in the middle of a completion: each token carries the
 version that sampled it (``Completion.versions``). :meth:`BatchingBackend.pinned` holds one version
@@ -62,6 +68,7 @@ class _Request:
     prompt: list[int]
     max_tokens: int
     key: SamplingKey
+    stream: int  # the seed of the request's random stream (its k-th token: the stream's k-th draw)
     done: anyio.Event = field(default_factory=anyio.Event)
     ids: list[int] = field(default_factory=list)  # sampled so far
     logprobs: list[float] = field(default_factory=list)
@@ -128,6 +135,7 @@ class BatchingBackend:
         self.window_s = window_s
         self.max_batch = max_batch
         self.chunk_tokens = chunk_tokens
+        self.seed = seed  # what the streams of a caller's requests are named under (AgentEndpoint's sessions)
         self.generator = torch.Generator(device=weights.generator_device).manual_seed(seed)
         self._queue: list[_Request] = []  # arrived, not yet in a call
         self._running: list[_Request] = []  # chunked: in a call before, not finished
@@ -137,11 +145,14 @@ class BatchingBackend:
         self.stats = BackendStatistics()
 
     async def complete(self, prompt: list[int], *, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                       top_k: int = 0) -> Completion:
-        """One completion of ``prompt`` (token ids), batched with whatever else is asked meanwhile."""
+                       top_k: int = 0, stream: int | None = None) -> Completion:
+        """One completion of ``prompt`` (token ids), batched with whatever else is asked meanwhile.
+        ``stream``: the seed of its random stream (an int64; None: one drawn from the backend's)."""
         if self._closed:
             raise RuntimeError("the backend is closed")
-        req = _Request(list(prompt), max_tokens, SamplingKey(temperature, top_p, top_k))
+        if stream is None:
+            stream = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+        req = _Request(list(prompt), max_tokens, SamplingKey(temperature, top_p, top_k), stream)
         self._queue.append(req)
         self._wake.set()
         self.stats.requests += 1
@@ -220,9 +231,10 @@ class BatchingBackend:
     def _call(self, rollout: Any, key: SamplingKey, batch: list[_Request]) -> list[Any]:
         prompts: list[Tensor] = [torch.tensor(r.prompt + r.ids, dtype=torch.int64) for r in batch]
         left = max(r.max_tokens - len(r.ids) for r in batch)
+        # each request's stream goes on where its previous chunk stopped
         return rollout.generate(prompts, max_new_tokens=min(left, self.chunk_tokens or left),
                                 temperature=key.temperature, top_p=key.top_p, top_k=key.top_k,
-                                generator=self.generator)
+                                generator=self.generator, streams=[(r.stream, len(r.ids)) for r in batch])
 
     def close(self) -> None:
         self._closed = True

@@ -16,7 +16,10 @@ header ``X-Session-Id: S``; without either it is one-off. A session's tokens are
 its messages extend (any of the previous request's ``n`` choices) and forks otherwise
 (:mod:`streamrl.agents.trajectory`). The prompt the engine gets is the trajectory's token ids, never
 the re-tokenised conversation. Each choice carries the extension field ``streamrl``: its
-``token_ids``, ``logprobs``, ``policy_version`` and whether the request forked.
+``token_ids``, ``logprobs``, ``policy_version`` and whether the request forked. Choice k of a
+session's t-th request samples from the random stream named (backend seed, S, t, k)
+(:class:`~streamrl.agents.backend.BatchingBackend`), so a session's tokens do not depend on the
+other sessions' timing: an agent run is reproducible from its seed.
 
 **Tool calls.** With ``tools`` in the request, each reply goes through the configured parser
 (:mod:`streamrl.agents.tool_calls`); well-formed calls come back as ``tool_calls``
@@ -49,6 +52,7 @@ from aiohttp import web
 from streamrl.agents.backend import BatchingBackend, Completion
 from streamrl.agents.tool_calls import ParsedReply, parse_tool_calls
 from streamrl.agents.trajectory import ChatRenderer, Trajectory
+from streamrl.engines.rollout import stream_seed
 from streamrl.rewards.latency import LatencyWindow
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -118,6 +122,7 @@ class Session:
     ended: list[Trajectory] = field(default_factory=list)  # trajectories it forked away from
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a request of it is being answered
+    requests: int = 0  # chat requests answered or in progress: the next one's turn index
 
 
 @dataclass
@@ -318,7 +323,11 @@ class AgentEndpoint:
                     session.candidates = []  # (held once: a failure below must not count them twice)
                 else:
                     self.stats.continued += 1
-            completions = await _gather(self.backend, prompt.ids, req.n, max_tokens=max_tokens,
+            streams = None
+            if session is not None:  # each choice of each turn samples from a stream of its own name
+                turn, session.requests = session.requests, session.requests + 1
+                streams = [stream_seed(self.backend.seed, session.id, turn, k) for k in range(req.n)]
+            completions = await _gather(self.backend, prompt.ids, req.n, streams, max_tokens=max_tokens,
                                         temperature=req.temperature, top_p=req.top_p)
             choices, trajectories = [], []
             for index, done in enumerate(completions):
@@ -384,8 +393,8 @@ class AgentEndpoint:
             prompt = list(req.prompt)
         self._check_prompt(prompt, max_tokens)
         stops = _stops(req.stop)
-        completions = await _gather(self.backend, prompt, req.n, max_tokens=max_tokens, temperature=req.temperature,
-                                    top_p=req.top_p)
+        completions = await _gather(self.backend, prompt, req.n, None, max_tokens=max_tokens,
+                                    temperature=req.temperature, top_p=req.top_p)
         choices = []
         for index, done in enumerate(completions):
             ids, logprobs, versions, finish = _cut_at_stop(self.tokenizer, done, stops)
@@ -519,12 +528,13 @@ def _logprob_entries(tokenizer: Any, ids: list[int], logprobs: list[float]) -> l
     return out
 
 
-async def _gather(backend: BatchingBackend, prompt: list[int], n: int, **kwargs: Any) -> list[Completion]:
-    """``n`` completions of one prompt, asked together (they batch)."""
+async def _gather(backend: BatchingBackend, prompt: list[int], n: int, streams: list[int] | None,
+                  **kwargs: Any) -> list[Completion]:
+    """``n`` completions of one prompt, asked together (they batch); ``streams``: each one's seed."""
     results: list[Completion | None] = [None] * n
 
     async def one(k: int) -> None:
-        results[k] = await backend.complete(prompt, **kwargs)
+        results[k] = await backend.complete(prompt, stream=None if streams is None else streams[k], **kwargs)
 
     async with anyio.create_task_group() as tg:
         for k in range(n):

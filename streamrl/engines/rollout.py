@@ -16,14 +16,19 @@ What it does per call:
   rounding;
 - a sequence leaves the batch when it emits EOS or reaches ``max_new_tokens``; finished rows are
   dropped from the cache once they are a quarter of the batch (copying the cache every step
-  costs more than computing a few dead rows).
+  costs more than computing a few dead rows);
+- ``streams`` gives each prompt a random stream of its own (a seed and the index of its first
+  draw): its k-th token is drawn with :func:`stream_uniforms` at that index + k, so its tokens
+  do not depend on the other prompts of the call, nor on how a completion is split into calls.
+  Without them the call's rows draw from one ``generator``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -58,13 +63,47 @@ class Generation:
     finish_reason: FinishReason  # "eos": emitted EOS; "length": hit max_new_tokens
 
 
+# splitmix64's constants, as the signed int64 values of their bits (torch has no uint64 arithmetic)
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` on int64 keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def stream_uniforms(seeds: Tensor, counters: Tensor) -> Tensor:
+    """A uniform draw in (0, 1) (float64) for each (seed, counter) pair of the int64 tensors.
+
+    The draw is a function of the pair alone: splitmix64 (Steele, Lea and Flood, 2014) of the seed
+    stepped ``counter + 1`` times, its top 53 bits as the fraction. So a stream's k-th draw is the
+    same whichever call, batch or row makes it. int64 multiplication wraps, as the uint64 one does."""
+    z = seeds + (counters + 1) * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 11).to(torch.float64) + 0.5) * 2.0**-53
+
+
+def stream_seed(*parts: int | str) -> int:
+    """A stream's seed from what names it (a run's seed, a session, a turn, a choice): the same
+    parts give the same seed in every process (unlike ``hash`` of a string). A non-negative int63."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def sample_tokens(
-    logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None
+    logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+    uniforms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row of ``logits`` [B, V]; returns (tokens [B] int64, logprobs [B] float32).
 
     The logprob is taken from the *unfiltered* tempered distribution: top-k / top-p only
     restrict which tokens may be drawn. That is the quantity the train engine recomputes.
+    ``uniforms`` [B] in (0, 1): each row's draw is given (inverse transform: the first token whose
+    cumulative probability reaches it), else ``torch.multinomial`` draws from ``generator``.
     """
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     allowed = logp
@@ -81,7 +120,14 @@ def sample_tokens(
         drop[:, 0] = False
         sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
         allowed = torch.full_like(allowed, float("-inf")).scatter(-1, order, sorted_logp)
-    tokens = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(1)
+    if uniforms is None:
+        tokens = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(1)
+    else:
+        # float64 sums, and the draw scaled to the row's total: no token past the end from rounding.
+        # A token of probability 0 never holds the first cumulative value to reach a draw > 0.
+        cdf = allowed.exp().to(torch.float64).cumsum(dim=-1)
+        point = uniforms.to(device=cdf.device, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, point).squeeze(1).clamp_(max=vocab - 1)
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
@@ -194,10 +240,13 @@ class BatchedRolloutEngine(ABC):
         return nullcontext()
 
     def _sample(
-        self, logits: Tensor, *, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+        self, logits: Tensor, *, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
+        uniforms: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Tokens [B] and their logprobs [B] for the logits [B, V] of one step."""
-        return sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        """Tokens [B] and their logprobs [B] for the logits [B, V] of one step (``uniforms``: each
+        row's draw, see :func:`sample_tokens`)."""
+        return sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                             uniforms=uniforms)
 
     def _functional_decoder(self, fn: FunctionalForward, dtype: torch.dtype, device: torch.device) -> _Decoder:
         """A decoder over ``fn`` with this engine's KV cache, rebuilt when its shape or dtype changed."""
@@ -212,6 +261,18 @@ class BatchedRolloutEngine(ABC):
     def release_cache(self) -> None:
         """Free the KV-cache buffers kept between calls (they are rebuilt on the next generate)."""
         self._cache = None
+
+    def _streams(self, streams: Sequence[tuple[int, int]], n: int) -> Tensor:
+        """``streams`` checked (one (seed, first draw) pair of int64s per prompt), as an [n, 2] tensor."""
+        if len(streams) != n:
+            raise GenerateArgumentError(f"streams has {len(streams)} entries for {n} prompts: give each prompt one")
+        for i, pair in enumerate(streams):
+            if (not isinstance(pair, tuple | list) or len(pair) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63 for v in pair)
+                    or pair[1] < 0):
+                raise GenerateArgumentError(f"streams[{i}] must be a (seed, first draw) pair of int64s, the first draw "
+                                            f">= 0, got {pair!r}")
+        return torch.tensor([list(pair) for pair in streams], dtype=torch.int64, device=self.device)
 
     def _check(self, prompts: list[Tensor], max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
         if not prompts:
@@ -242,16 +303,19 @@ class BatchedRolloutEngine(ABC):
         top_k: int = 0,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        streams: Sequence[tuple[int, int]] | None = None,
     ) -> list[Generation]:
         """One completion per prompt (pass a prompt n times for n completions).
 
         ``seed`` makes the call reproducible (a fresh generator); ``generator`` continues a
-        caller's stream; neither = torch's global RNG on the engine's device.
+        caller's stream; neither = torch's global RNG on the engine's device. ``streams``: each
+        prompt's own (seed, index of its first draw) instead (see the module doc).
         """
         self._check(prompts, max_new_tokens, temperature, top_p, top_k)
         device = self.device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
+        row_streams = None if streams is None else self._streams(streams, len(prompts))
 
         # Identical prompts share one prefill row.
         unique: dict[tuple[int, ...], int] = {}
@@ -275,7 +339,7 @@ class BatchedRolloutEngine(ABC):
                 )
                 generations = self._sample_loop(
                     decoder, logits, lengths.to(device).index_select(0, expand), max_new_tokens,
-                    temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                    temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, streams=row_streams,
                 )
             ok = True
             return generations
@@ -294,7 +358,9 @@ class BatchedRolloutEngine(ABC):
         top_k: int,
         top_p: float,
         generator: torch.Generator | None,
+        streams: Tensor | None = None,
     ) -> list[Generation]:
+        """``streams`` [n, 2] int64: each row's (seed, index of its first draw)."""
         n = logits.shape[0]
         device = logits.device
         out_tokens = torch.empty((n, max_new_tokens), dtype=torch.int64, device=device)
@@ -305,8 +371,9 @@ class BatchedRolloutEngine(ABC):
         finish: list[FinishReason] = ["length"] * n
         length = [max_new_tokens] * n
         for t in range(max_new_tokens):
+            uniforms = None if streams is None else stream_uniforms(streams[:, 0], streams[:, 1] + t)
             tokens, logprobs = self._sample(
-                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, uniforms=uniforms
             )
             out_tokens[slot_rows, t] = tokens
             out_logprobs[slot_rows, t] = logprobs
@@ -324,6 +391,8 @@ class BatchedRolloutEngine(ABC):
                 keep = torch.tensor(keep_host, dtype=torch.int64, device=device)
                 decoder.keep(keep)
                 slot_rows, positions, tokens = slot_rows[keep], positions[keep], tokens[keep]
+                if streams is not None:
+                    streams = streams[keep]
                 rows_host = [rows_host[slot] for slot in keep_host]
                 alive = [True] * len(keep_host)
             rebalance(work(len(rows_host), decoder.width), DECODE_GRAIN)  # this step's share of the cores (core_share.py)

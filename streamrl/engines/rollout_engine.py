@@ -15,7 +15,7 @@ stage asks for it). Stages select one with ``options.engine: builtin | vllm``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -38,10 +38,13 @@ class RolloutEngine(Protocol):
 
     def generate(
         self, prompts: list[Tensor], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-        generator: torch.Generator,
+        generator: torch.Generator, streams: Sequence[tuple[int, int]] | None = None,
     ) -> list[Generation]:
         """One completion per prompt. ``generator`` decides the random draws: the same generator
-        state, weights and prompts give the same tokens."""
+        state, weights and prompts give the same tokens. ``streams``: each prompt's own random
+        stream instead, a (seed, index of its first draw) pair: its tokens then do not depend on the
+        other prompts of the call (the built-in engine draws its k-th token at that index + k with
+        :func:`~streamrl.engines.rollout.stream_uniforms`; vLLM seeds the request from the pair)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:

@@ -231,8 +231,8 @@ class TensorParallelRolloutEngine(BatchedRolloutEngine):
         """One completion per prompt, sampled with this rank's ``weights`` (see the class docstring).
 
         ``options``: the keywords of ``TorchRolloutEngine.generate`` (``max_new_tokens``,
-        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``generator``), passed through so the two
-        engines cannot drift apart; only rank 0's ``seed`` / ``generator`` are used.
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``generator``, ``streams``), passed through so
+        the two engines cannot drift apart; only rank 0's ``seed`` / ``generator`` / ``streams`` are used.
         """
         self._weights = weights
         try:
@@ -291,15 +291,17 @@ class TensorParallelRolloutEngine(BatchedRolloutEngine):
         return self._functional_decoder(fn, fn.dtype, self.device)
 
     def _sample(
-        self, logits: Tensor, *, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+        self, logits: Tensor, *, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
+        uniforms: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         if self.group is None:
-            return super()._sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            return super()._sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                                   uniforms=uniforms)
         # float64 carries int64 token ids (< 2^53) and float32 logprobs exactly: one collective.
         packed = torch.empty((2, logits.shape[0]), dtype=torch.float64, device=logits.device)
         if self.rank == 0:
             tokens, logprobs = super()._sample(
-                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, uniforms=uniforms
             )
             packed[0], packed[1] = tokens, logprobs
         dist.broadcast(packed, group=self.group, group_src=0)

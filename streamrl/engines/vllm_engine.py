@@ -18,7 +18,10 @@ or the tiny model saved into the run directory). What the rest of streamrl relie
   untruncated tempered distribution instead, which is what the trainer recomputes. With top_k /
   top_p off the two agree). vLLM's default ("raw") would be before temperature.
 - **Reproducible draws.** Every request gets its own seed, drawn from the stage's generator, so a
-  batch generated again (restart, resume) with the same generator state gets the same tokens.
+  batch generated again (restart, resume) with the same generator state gets the same tokens; with
+  ``streams`` the seed comes from the request's (seed, first draw) pair alone, whatever else the
+  call holds (a completion split over calls draws another seed per call, unlike the built-in
+  engine's, whose draws follow the token index).
 - **Weights in place.** ``load_weights`` runs vLLM's ``model_runner.reload_weights`` over the
   given (name, tensor) iterable: layer by layer, repacking for vLLM's kernels (the model's own
   ``load_weights`` fails on the CPU build, whose linear layers hold repacked weights). The
@@ -38,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,7 +52,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from streamrl.engines.options import VLLM_INSTALL_HINT, EngineUnavailableError, VllmOptions
-from streamrl.engines.rollout import FinishReason, GenerateArgumentError, Generation
+from streamrl.engines.rollout import FinishReason, GenerateArgumentError, Generation, stream_seed
 
 log = logging.getLogger("streamrl.engine.vllm")
 
@@ -201,7 +204,7 @@ class VllmRolloutEngine:
 
     def generate(
         self, prompts: list[Tensor], *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-        top_k: int = 0, generator: torch.Generator | None = None,
+        top_k: int = 0, generator: torch.Generator | None = None, streams: Sequence[tuple[int, int]] | None = None,
     ) -> list[Generation]:
         if not prompts:
             raise GenerateArgumentError("prompts is empty; pass at least one 1-D int64 tensor of token ids")
@@ -213,14 +216,22 @@ class VllmRolloutEngine:
         if longest + max_new_tokens > self.max_model_len:
             raise GenerateArgumentError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the "
                                         f"engine's max_model_len {self.max_model_len}")
+        if streams is not None and len(streams) != len(prompts):
+            raise GenerateArgumentError(f"streams has {len(streams)} entries for {len(prompts)} prompts: give each "
+                                        "prompt one")
         vllm = self._vllm
-        base = int(torch.randint(0, SEED_RANGE, (1,), generator=generator).item())
+        if streams is None:
+            base = int(torch.randint(0, SEED_RANGE, (1,), generator=generator).item())
+            seeds = [(base + i) % SEED_RANGE for i in range(len(prompts))]
+        else:  # a request's seed from its stream alone (a completion continued in another call gets another)
+            seeds = [stream_seed(int(seed), int(first)) % SEED_RANGE for seed, first in streams]
         params = [
             vllm.SamplingParams(
                 n=1, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
-                logprobs=0, stop_token_ids=[] if self.eos_token_id is None else [self.eos_token_id], seed=(base + i) % SEED_RANGE, detokenize=False,
+                logprobs=0, stop_token_ids=[] if self.eos_token_id is None else [self.eos_token_id], seed=seed,
+                detokenize=False,
             )
-            for i in range(len(prompts))
+            for seed in seeds
         ]
         requests = [{"prompt_token_ids": [int(t) for t in p.tolist()]} for p in prompts]
         try:

@@ -44,7 +44,7 @@ follower that left.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -88,7 +88,8 @@ class TensorParallelRollout:
         self.group, self.tensors, self.version = group, tensors, version
 
     def generate(self, prompts: list[Tensor], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                 generator: torch.Generator | None = None) -> list[Generation]:
+                 generator: torch.Generator | None = None, streams: Sequence[tuple[int, int]] | None = None
+                 ) -> list[Generation]:
         a = self.group.ctx.config.algo
         asked = (max_new_tokens, temperature, top_p, top_k)
         if asked != (a.max_new_tokens, a.temperature, a.top_p, a.top_k):
@@ -96,7 +97,7 @@ class TensorParallelRollout:
                 f"a TP group samples with the run's algo settings (max_new_tokens, temperature, top_p, top_k) = "
                 f"{(a.max_new_tokens, a.temperature, a.top_p, a.top_k)}, not {asked}: its followers run those")
         self.group._send(Command.GENERATE, self.version, prompts)
-        return self.group._generate(self.tensors, prompts, generator)
+        return self.group._generate(self.tensors, prompts, generator, streams)  # (only the leader samples)
 
 
 class TensorParallelGeneration:
@@ -145,12 +146,13 @@ class TensorParallelGeneration:
         return command, version, prompts
 
     def _generate(self, tensors: Mapping[str, Tensor], prompts: list[Tensor],
-                  generator: torch.Generator | None = None) -> list[Generation]:
+                  generator: torch.Generator | None = None, streams: Sequence[tuple[int, int]] | None = None
+                  ) -> list[Generation]:
         # every rank runs the run's sampling settings: the group's collectives must line up step by step
         a = self.ctx.config.algo
         return self.engine.generate(prompts, weights=tensors, max_new_tokens=a.max_new_tokens,
                                     temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                                    generator=generator or self.generator)
+                                    generator=generator or self.generator, streams=streams)
 
     # -- leader ---------------------------------------------------------------------------------------
     @asynccontextmanager

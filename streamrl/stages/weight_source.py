@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -86,7 +86,8 @@ class Rollout(Protocol):
     version: int
 
     def generate(self, prompts: list[Tensor], *, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, generator: torch.Generator | None) -> list[Generation]: ...
+                 top_k: int, generator: torch.Generator | None,
+                 streams: Sequence[tuple[int, int]] | None = None) -> list[Generation]: ...
 
 
 class WeightSource(Protocol):

@@ -135,3 +135,43 @@ async def test_a_version_installed_mid_completion_stamps_the_tokens_after_it() -
             lp = torch.log_softmax(weights(full).logits[0].float(), -1)
         expected = [lp[len(prompt) + k - 1, done.ids[k]].item() for k in span]
         assert torch.allclose(torch.tensor([done.logprobs[k] for k in span]), torch.tensor(expected), atol=1e-5)
+
+
+async def _complete_all(backend: BatchingBackend, asks: list[tuple[list[int], int, int | None]]) -> list[Completion]:
+    """Each (prompt, max_tokens, stream) asked at once; their completions in that order."""
+    results: list[Completion | None] = [None] * len(asks)
+
+    async def ask(i: int) -> None:
+        prompt, max_tokens, stream = asks[i]
+        results[i] = await backend.complete(prompt, max_tokens=max_tokens, stream=stream)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(backend.run)
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as inner:
+                for i in range(len(asks)):
+                    inner.start_soon(ask, i)
+        backend.close()
+        tg.cancel_scope.cancel()
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 3])
+async def test_a_requests_stream_decides_its_tokens_whoever_it_is_batched_with(chunk_tokens: int | None) -> None:
+    """The same prompt and stream give the same completion alone, batched with others that arrive
+    with it, and split into chunks or not (the built-in engine draws a stream's k-th token at k)."""
+    model = _model()
+    prompt = [3, 4, 5]
+
+    def backend() -> BatchingBackend:
+        engine = TorchRolloutEngine(model, NEVER, 0, "cpu")
+        return BatchingBackend(OwnWeights(engine), NEVER, window_s=0.0, chunk_tokens=chunk_tokens, seed=5)
+
+    alone = (await _complete_all(backend(), [(prompt, 10, 42)]))[0]
+    crowd = await _complete_all(backend(), [([6, 7], 4, 1), ([8], 12, 2), (prompt, 10, 42), (prompt, 10, 43)])
+    assert crowd[2].ids == alone.ids and crowd[2].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert crowd[3].ids != alone.ids  # another stream, another draw
+    whole = (await _complete_all(BatchingBackend(OwnWeights(TorchRolloutEngine(model, NEVER, 0, "cpu")), NEVER,
+                                                 window_s=0.0, seed=5), [(prompt, 10, 42)]))[0]
+    assert whole.ids == alone.ids

@@ -200,6 +200,43 @@ async def test_concurrent_sessions_batch_and_keep_the_sampled_tokens_bitwise() -
             assert c.model_extra["streamrl"]["logprobs"] == g.logprobs.tolist()
 
 
+async def test_a_sessions_replies_do_not_depend_on_the_other_sessions_timing() -> None:
+    """Six three-turn sessions played concurrently (their turns batched as they arrive) and then one
+    after another on a fresh endpoint of the same seed: each session's replies are the same tokens,
+    as each (session, turn, choice) samples from a stream of its own."""
+    tok = tokenizer(QWEN25, "<|im_end|>")
+
+    async def play(concurrently: bool) -> tuple[dict[str, list[list[int]]], int]:
+        replies: dict[str, list[list[int]]] = {}
+        async with _endpoint(RecordingEngine(_model(tok), tok), tok) as ep:
+            async def agent(session: str) -> None:
+                client = _client(ep, session)
+                messages: list[dict[str, Any]] = [{"role": "user", "content": f"Hello {session}"}]
+                for _ in range(3):
+                    resp = await client.chat.completions.create(model=ep.config.model, messages=messages,
+                                                                max_tokens=12, n=2)
+                    replies.setdefault(session, []).extend(c.model_extra["streamrl"]["token_ids"]
+                                                           for c in resp.choices)
+                    messages += [resp.choices[0].message.model_dump(exclude_none=True),
+                                 {"role": "user", "content": "?"}]
+                await _reward(ep, session, 0.5)
+
+            if concurrently:
+                async with anyio.create_task_group() as tg:
+                    for k in range(6):
+                        tg.start_soon(agent, f"a{k}")
+            else:
+                for k in range(6):
+                    await agent(f"a{k}")
+            return replies, ep.backend.stats.largest_batch
+
+    together, largest = await play(concurrently=True)
+    one_by_one, alone = await play(concurrently=False)
+    assert largest > alone  # the concurrent sessions' turns shared engine calls
+    assert together == one_by_one
+    assert len({tuple(r) for rs in together.values() for r in rs}) > 6  # and the streams differ
+
+
 async def test_a_template_that_rewrites_history_forks_and_is_counted() -> None:
     tok = tokenizer(QWEN3, "<|im_end|>")
     engine = ScriptedEngine(_model(tok), tok, lambda prompt: "<think>\nhmm\n</think>\n\n42")

@@ -1,4 +1,4 @@
-"""The torch rollout engine: stopping, logprobs, sampling filters, determinism, errors."""
+"""The torch rollout engine: stopping, logprobs, sampling filters, determinism, per-prompt random streams, errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from streamrl.engines.logprob import LogprobEngine
-from streamrl.engines.rollout import GenerateArgumentError, TorchRolloutEngine, sample_tokens
+from streamrl.engines.rollout import GenerateArgumentError, TorchRolloutEngine, sample_tokens, stream_uniforms
 from streamrl.models.build import TinyModelSpec, build_model
 from streamrl.models.matmul_precision import ieee_matmuls
 from tests.engines.conftest import TINY, constant_model, encode
@@ -153,6 +153,73 @@ def test_top_k_and_top_p_restrict_the_draws() -> None:
     assert 0.45 < share < 0.55
 
 
+def _splitmix64_uniform(seed: int, counter: int) -> float:
+    """The reference of docs' stream draw, in Python's unbounded ints: splitmix64 of ``seed`` stepped
+    ``counter + 1`` times, its top 53 bits + 1/2 over 2^53."""
+    m = 2**64 - 1
+    z = (seed + (counter + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) / 2**53
+
+
+def test_stream_draws_are_splitmix64_of_the_seed_and_the_counter() -> None:
+    seeds = [0, 1, 7, 2**62 + 3, -1, -(2**63), 2**63 - 1]
+    counters = [0, 1, 2, 31, 1000, 2**40]
+    pairs = [(s, c) for s in seeds for c in counters]
+    got = stream_uniforms(torch.tensor([s for s, _ in pairs]), torch.tensor([c for _, c in pairs]))
+    assert got.dtype == torch.float64
+    assert got.tolist() == [_splitmix64_uniform(s % 2**64, c) for s, c in pairs]  # bit for bit
+    # one stream's draws: in (0, 1), and uniform enough to sample with (mean and quartiles of 2^16)
+    draws = stream_uniforms(torch.full((2**16,), 12345), torch.arange(2**16))
+    assert 0.0 < draws.min() and draws.max() < 1.0
+    assert abs(draws.mean().item() - 0.5) < 0.005
+    assert all(abs((draws < q).double().mean().item() - q) < 0.01 for q in (0.25, 0.5, 0.75))
+
+
+def test_given_draws_pick_the_first_token_whose_cumulative_probability_reaches_them() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(5, 1)
+    tokens, logp = sample_tokens(logits, temperature=1.0, uniforms=torch.tensor([0.2, 0.6, 0.85, 0.99, 0.45]))
+    assert tokens.tolist() == [0, 1, 2, 3, 0]
+    torch.testing.assert_close(logp, logits.log_softmax(-1).gather(1, tokens.unsqueeze(1)).squeeze(1))
+    # the filters renormalise what the draw is scaled to: top_k 2 leaves [0.5, 0.3] -> 0.99 * 0.8 falls in token 1
+    tokens, _ = sample_tokens(logits, temperature=1.0, top_k=2, uniforms=torch.full((5,), 0.99))
+    assert tokens.tolist() == [1] * 5
+    # a stream's draws sample the distribution
+    many = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(8000, 1)
+    tokens, _ = sample_tokens(many, temperature=1.0, uniforms=stream_uniforms(torch.full((8000,), 3), torch.arange(8000)))
+    shares = torch.bincount(tokens, minlength=4).double() / 8000
+    assert torch.allclose(shares, torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64), atol=0.02), shares
+
+
+def test_a_prompts_stream_gives_its_tokens_whatever_else_the_call_holds_and_however_it_is_split(
+    model: torch.nn.Module, tok: PreTrainedTokenizerFast
+) -> None:
+    engine = _engine(model, tok)
+    prompts = encode(tok, PROMPTS)
+    streams = [(1000 + i, 0) for i in range(len(prompts))]
+    together = [g.response_ids.tolist() for g in engine.generate(prompts, max_new_tokens=8, streams=streams)]
+    assert together[0] != together[3]  # the same prompt twice, two streams: two draws
+    alone = [engine.generate([p], max_new_tokens=8, streams=[s])[0].response_ids.tolist()
+             for p, s in zip(prompts, streams, strict=True)]
+    assert alone == together
+    order = [4, 1, 5, 0, 3, 2]
+    shuffled = engine.generate([prompts[i] for i in order], max_new_tokens=8, streams=[streams[i] for i in order])
+    assert [g.response_ids.tolist() for g in shuffled] == [together[i] for i in order]
+    # split into a call of 3 tokens and one that goes on from the completion so far, at draw 3
+    first = engine.generate(prompts, max_new_tokens=3, streams=streams)
+    going = [i for i, g in enumerate(first) if g.finish_reason == "length"]
+    assert going
+    rest = engine.generate([torch.cat([prompts[i], first[i].response_ids]) for i in going], max_new_tokens=5,
+                           streams=[(streams[i][0], 3) for i in going])
+    for i, g in zip(going, rest, strict=True):
+        assert first[i].response_ids.tolist() + g.response_ids.tolist() == together[i]
+    # without streams the call's rows share one generator: another batch, other tokens
+    assert engine.generate(prompts, max_new_tokens=8, streams=[(7, 0)] * len(prompts))[1].response_ids.tolist() \
+        == engine.generate([prompts[1]], max_new_tokens=8, streams=[(7, 0)])[0].response_ids.tolist()
+
+
 def test_top_k_in_generation(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
     prompts = encode(tok, PROMPTS)
     gens = _engine(model, tok).generate(prompts, max_new_tokens=6, top_k=2, temperature=0.9, seed=3)
@@ -208,6 +275,13 @@ def test_an_install_copies_every_tensor_in_place_and_refuses_what_does_not_match
 def test_bad_arguments(model: torch.nn.Module, tok: PreTrainedTokenizerFast, kwargs: dict, needle: str) -> None:
     with pytest.raises(GenerateArgumentError, match=needle):
         _engine(model, tok).generate(encode(tok, ["1="]), **kwargs)
+
+
+@pytest.mark.parametrize(("streams", "needle"), [([(1, 0)], "2 prompts"), ([(1, 0), (2,)], r"streams\[1\]"),
+                                                 ([(1, 0), (2, -1)], "first draw"), ([(1, 0), (2**63, 0)], "int64")])
+def test_bad_streams(model: torch.nn.Module, tok: PreTrainedTokenizerFast, streams: list, needle: str) -> None:
+    with pytest.raises(GenerateArgumentError, match=needle):
+        _engine(model, tok).generate(encode(tok, ["1=", "2="]), max_new_tokens=2, streams=streams)
 
 
 def test_bad_prompts(model: torch.nn.Module, tok: PreTrainedTokenizerFast) -> None:
