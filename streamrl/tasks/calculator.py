@@ -51,7 +51,10 @@ async def solve(client: Any, sample: dict[str, Any], turns: int = 3, max_tokens:
     """Answer ``sample["prompt"]`` with the policy behind ``client`` (an ``openai.AsyncOpenAI``),
     running the calculator whenever it asks, for at most ``turns`` turns; the first turn without a
     call is the answer. Only an answer after a call counts (the task is to use the tool): it earns
-    ``tool_bonus``, plus ``1 - tool_bonus`` if it is right. No answer within ``turns`` turns, or one
+    ``tool_bonus`` shared by the calls made (a second call tells nothing new: without the share,
+    calling twice pays as calling once, and a policy that settles on it must later unlearn the
+    second call, which it does by calling less at every turn for a few steps), plus
+    ``1 - tool_bonus`` if it is right. No answer within ``turns`` turns, or one
     without a call, earns nothing. Why: a random policy rarely calls; rewarding the answers it
     guesses without the tool (right one time in ten) would teach it a fixed guess before it ever
     calls, and a fixed guess gives every session of a group the same reward, so nothing is learned
@@ -59,15 +62,13 @@ async def solve(client: Any, sample: dict[str, Any], turns: int = 3, max_tokens:
     had to end with the end-of-turn token as well would be right one time in ~400 at first, not 1 in 20.
     With longer replies, one that has ``?`` among other characters is a malformed call."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": sample["prompt"]}]
-    called = False
-    for _ in range(turns):
+    for calls in range(turns):  # calls made so far
         reply = await client.chat.completions.create(model=sample["model"], messages=messages,
                                                      tools=[CALCULATOR_TOOL], max_tokens=max_tokens)
         message = reply.choices[0].message
         if not message.tool_calls:
             right = message.content == sample["answer"]
-            return (tool_bonus + (1.0 - tool_bonus) * right) if called else 0.0
-        called = True
+            return (tool_bonus / calls + (1.0 - tool_bonus) * right) if calls else 0.0
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(sample["prompt"])})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import pytest
@@ -9,7 +10,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from streamrl.engines.logprob import LogprobEngine
-from streamrl.engines.rollout import GenerateArgumentError, TorchRolloutEngine, sample_tokens, stream_uniforms
+from streamrl.engines.rollout import (
+    GenerateArgumentError,
+    TorchRolloutEngine,
+    sample_tokens,
+    stream_seed,
+    stream_uniforms,
+)
 from streamrl.models.build import TinyModelSpec, build_model
 from streamrl.models.matmul_precision import ieee_matmuls
 from tests.engines.conftest import TINY, constant_model, encode
@@ -176,6 +183,10 @@ def test_stream_draws_are_splitmix64_of_the_seed_and_the_counter() -> None:
     assert draws.min() > 0.0 and draws.max() < 1.0
     assert abs(draws.mean().item() - 0.5) < 0.005
     assert all(abs((draws < q).double().mean().item() - q) < 0.01 for q in (0.25, 0.5, 0.75))
+    # a named stream's seed, as docs/agents.md states it: BLAKE2b-64 of repr((parts)), little-endian, >> 1
+    for parts in [(0, "w0-3", 2, 1), (17001, "a", 0, 0)]:
+        digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+        assert stream_seed(*parts) == int.from_bytes(digest, "little") >> 1 < 2**63
 
 
 def test_given_draws_pick_the_first_token_whose_cumulative_probability_reaches_them() -> None:
