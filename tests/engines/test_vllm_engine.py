@@ -113,6 +113,12 @@ def test_the_same_generator_state_draws_the_same_tokens(engine: VllmRolloutEngin
     assert draw(8) != first
     # identical prompts in one batch get distinct draws (each request its own seed)
     assert first[0] != first[3]
+    # with streams, a prompt's tokens are its stream's whatever else the call holds
+    streams = [(100 + i, 0) for i in range(len(prompts))]
+    together = engine.generate(prompts, max_new_tokens=MAX_NEW, streams=streams)
+    alone = [engine.generate([p], max_new_tokens=MAX_NEW, streams=[s])[0] for p, s in zip(prompts, streams, strict=True)]
+    assert [g.response_ids.tolist() for g in alone] == [g.response_ids.tolist() for g in together]
+    assert together[0].response_ids.tolist() != together[3].response_ids.tolist()
 
 
 def test_generation_follows_each_installed_version(engine: VllmRolloutEngine, policy: PreTrainedModel,
