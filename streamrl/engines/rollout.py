@@ -102,10 +102,14 @@ def sample_tokens(
 
     The logprob is taken from the *unfiltered* tempered distribution: top-k / top-p only
     restrict which tokens may be drawn. That is the quantity the train engine recomputes.
-    ``uniforms`` [B] in (0, 1): each row's draw is given (inverse transform: the first token whose
-    cumulative probability reaches it), else ``torch.multinomial`` draws from ``generator``.
+    Each row's token is drawn by inverse transform (:func:`inverse_transform`) at a uniform draw in
+    (0, 1): ``uniforms`` [B] when given, else one per row from ``generator`` (torch's global RNG on
+    the logits' device without one). One draw a row, not ``torch.multinomial``'s exponential race,
+    which draws one random number per vocabulary entry: 152 of its 190 ms for 64 rows of a
+    152k-token vocabulary on 2 CPU threads, against about 30 ms for the whole of this function.
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
     allowed = logp
     vocab = logp.shape[-1]
     if 0 < top_k < vocab:
@@ -121,14 +125,47 @@ def sample_tokens(
         sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
         allowed = torch.full_like(allowed, float("-inf")).scatter(-1, order, sorted_logp)
     if uniforms is None:
-        tokens = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(1)
-    else:
-        # float64 sums, and the draw scaled to the row's total: no token past the end from rounding.
-        # A token of probability 0 never holds the first cumulative value to reach a draw > 0.
-        cdf = allowed.exp().to(torch.float64).cumsum(dim=-1)
-        point = uniforms.to(device=cdf.device, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, point).squeeze(1).clamp_(max=vocab - 1)
+        uniforms = torch.rand(logp.shape[0], generator=generator, dtype=torch.float64,
+                              device=generator.device if generator is not None else logp.device)
+    tokens = inverse_transform(allowed.exp(), uniforms)
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+SAMPLE_BLOCK = 1024  # vocabulary entries a block of inverse_transform's first level
+
+
+def inverse_transform(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Per row of ``probs`` [B, V] (unnormalised, >= 0, each row's sum > 0), the first token whose
+    cumulative probability reaches ``uniforms`` [B] (in (0, 1)) times the row's sum: a draw from the
+    row's distribution, never a token of probability 0. Sums in float64.
+
+    Over a vocabulary of more than ``SAMPLE_BLOCK`` entries in two levels: the blocks' sums and
+    the block the draw falls in, then a cumulative sum inside that block only. Why: a cumulative sum
+    is sequential along the row, and in float64 over a 152k vocabulary it was a third of the
+    sampling (23 of 66 ms for 64 rows, plus 15 ms of conversion)."""
+    vocab = probs.shape[1]
+    u = uniforms.to(device=probs.device, dtype=torch.float64)
+    tiny = torch.finfo(torch.float64).tiny  # a point > 0 never stops on the zeros before a token
+    if vocab <= SAMPLE_BLOCK:
+        cdf = probs.to(torch.float64).cumsum(dim=-1)
+        point = (u * cdf[:, -1]).clamp_(min=tiny).unsqueeze(1)
+        return torch.searchsorted(cdf, point).squeeze(1).clamp_(max=vocab - 1)
+    full = vocab // SAMPLE_BLOCK
+    # each block summed in the probabilities' dtype (a float64 sum would convert the whole row first)
+    sums = probs.unfold(1, SAMPLE_BLOCK, SAMPLE_BLOCK).sum(dim=-1)  # [B, full], over views
+    if vocab > full * SAMPLE_BLOCK:
+        sums = torch.cat([sums, probs[:, full * SAMPLE_BLOCK:].sum(dim=-1, keepdim=True)], 1)
+    block_cdf = sums.to(torch.float64).cumsum(dim=-1)
+    point = (u * block_cdf[:, -1]).clamp_(min=tiny)
+    block = torch.searchsorted(block_cdf, point.unsqueeze(1)).squeeze(1).clamp_(max=block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    index = block.unsqueeze(1) * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=probs.device)  # [B, block]
+    inside = probs.gather(1, index.clamp(max=vocab - 1)).to(torch.float64).masked_fill_(index >= vocab, 0.0)
+    cdf = inside.cumsum(dim=-1)
+    # the two levels round apart: the remainder kept within the block's own sum, and above 0
+    rest = torch.minimum(point - before, cdf[:, -1]).clamp_(min=tiny)
+    offset = torch.searchsorted(cdf, rest.unsqueeze(1)).squeeze(1).clamp_(max=SAMPLE_BLOCK - 1)
+    return (block * SAMPLE_BLOCK + offset).clamp_(max=vocab - 1)
 
 
 class _Decoder(Protocol):

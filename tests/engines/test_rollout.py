@@ -11,8 +11,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from streamrl.engines.logprob import LogprobEngine
 from streamrl.engines.rollout import (
+    SAMPLE_BLOCK,
     GenerateArgumentError,
     TorchRolloutEngine,
+    inverse_transform,
     sample_tokens,
     stream_seed,
     stream_uniforms,
@@ -202,6 +204,38 @@ def test_given_draws_pick_the_first_token_whose_cumulative_probability_reaches_t
     tokens, _ = sample_tokens(many, temperature=1.0, uniforms=stream_uniforms(torch.full((8000,), 3), torch.arange(8000)))
     shares = torch.bincount(tokens, minlength=4).double() / 8000
     assert torch.allclose(shares, torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64), atol=0.02), shares
+
+
+def test_inverse_transform_over_a_large_vocabulary_draws_the_distribution_and_never_a_zero() -> None:
+    """The two-level draw (block sums, then inside the block) over 3000 entries: the same tokens as one
+    cumulative sum over the row, its frequencies those of the distribution, and no token of
+    probability 0 at any draw, the extreme ones included."""
+    vocab = 3 * SAMPLE_BLOCK - 72  # a last block shorter than the others
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(16, vocab, generator=g) ** 8  # uneven, every entry > 0
+    u = torch.rand(16 * 500, generator=g, dtype=torch.float64)
+    rows = probs.repeat(500, 1)
+    two_level = inverse_transform(rows, u)
+    cdf = rows.to(torch.float64).cumsum(-1)
+    one_level = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
+    assert (two_level == one_level).double().mean() > 0.999  # apart only where the two round apart
+    # a distribution of a few tokens across the blocks, zeros around them (a top-k mask)
+    sparse = torch.zeros(vocab)
+    sparse[[0, 5, SAMPLE_BLOCK - 1, SAMPLE_BLOCK, 2 * SAMPLE_BLOCK + 7, vocab - 1]] = torch.tensor(
+        [0.1, 0.2, 0.05, 0.25, 0.3, 0.1])
+    draws = torch.cat([torch.rand(20000, generator=g, dtype=torch.float64),
+                       torch.tensor([2.0**-53, 1e-300, 1 - 2.0**-53, 0.5], dtype=torch.float64)])
+    tokens = inverse_transform(sparse.repeat(len(draws), 1), draws)
+    assert bool((sparse[tokens] > 0).all())
+    shares = torch.bincount(tokens[:20000], minlength=vocab).double() / 20000
+    want = sparse.double()
+    assert torch.allclose(shares[want > 0], want[want > 0], atol=0.015), shares[want > 0]
+    # a leading zero block and a row whose only mass is the last entry
+    only_last = torch.zeros(2, vocab)
+    only_last[0, -1] = 1.0
+    only_last[1, SAMPLE_BLOCK + 3] = 1e-30
+    assert inverse_transform(only_last, torch.tensor([1e-9, 0.999999], dtype=torch.float64)).tolist() == [
+        vocab - 1, SAMPLE_BLOCK + 3]
 
 
 def test_a_prompts_stream_gives_its_tokens_whatever_else_the_call_holds_and_however_it_is_split(
