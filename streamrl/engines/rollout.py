@@ -102,11 +102,15 @@ def sample_tokens(
 
     The logprob is taken from the *unfiltered* tempered distribution: top-k / top-p only
     restrict which tokens may be drawn. That is the quantity the train engine recomputes.
-    Each row's token is drawn by inverse transform (:func:`inverse_transform`) at a uniform draw in
-    (0, 1): ``uniforms`` [B] when given, else one per row from ``generator`` (torch's global RNG on
-    the logits' device without one). One draw a row, not ``torch.multinomial``'s exponential race,
-    which draws one random number per vocabulary entry: 152 of its 190 ms for 64 rows of a
-    152k-token vocabulary on 2 CPU threads, against about 30 ms for the whole of this function.
+    With ``uniforms`` [B] in (0, 1), each row's token is drawn by inverse transform
+    (:func:`inverse_transform`) at its uniform. Without them, ``generator`` (torch's global RNG
+    without one) decides: over a vocabulary of more than ``SAMPLE_BLOCK`` entries by inverse
+    transform at one uniform a row drawn from it, under it by ``torch.multinomial``. Why two:
+    multinomial's exponential race draws one random number per vocabulary entry, 152 of its 190 ms
+    for 64 rows of a 152k-token vocabulary on 2 CPU threads (about 30 ms for the whole function by
+    inverse transform), while under a thousand entries it costs about 0.1 ms a step; keeping it
+    there keeps the draws, and so the learning curves, of the runs and tests that sample a small
+    vocabulary (the character tokenizer's) as they were.
     """
     scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
     logp = torch.log_softmax(scaled, dim=-1)
@@ -124,10 +128,13 @@ def sample_tokens(
         drop[:, 0] = False
         sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
         allowed = torch.full_like(allowed, float("-inf")).scatter(-1, order, sorted_logp)
-    if uniforms is None:
-        uniforms = torch.rand(logp.shape[0], generator=generator, dtype=torch.float64,
-                              device=generator.device if generator is not None else logp.device)
-    tokens = inverse_transform(allowed.exp(), uniforms)
+    if uniforms is None and vocab <= SAMPLE_BLOCK:
+        tokens = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(1)
+    else:
+        if uniforms is None:
+            uniforms = torch.rand(logp.shape[0], generator=generator, dtype=torch.float64,
+                                  device=generator.device if generator is not None else logp.device)
+        tokens = inverse_transform(allowed.exp(), uniforms)
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
