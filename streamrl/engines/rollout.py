@@ -94,6 +94,20 @@ def stream_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def check_streams(streams: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """``streams`` of a ``generate`` call for ``n`` prompts, checked: one (seed, first draw) pair of
+    int64s per prompt, the first draw >= 0 (every engine's ``streams`` argument)."""
+    if len(streams) != n:
+        raise GenerateArgumentError(f"streams has {len(streams)} entries for {n} prompts: give each prompt one")
+    for i, pair in enumerate(streams):
+        if (not isinstance(pair, tuple | list) or len(pair) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63 for v in pair)
+                or pair[1] < 0):
+            raise GenerateArgumentError(f"streams[{i}] must be a (seed, first draw) pair of int64s, the first draw "
+                                        f">= 0, got {pair!r}")
+    return [(pair[0], pair[1]) for pair in streams]
+
+
 def sample_tokens(
     logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
     uniforms: Tensor | None = None,
@@ -306,18 +320,6 @@ class BatchedRolloutEngine(ABC):
         """Free the KV-cache buffers kept between calls (they are rebuilt on the next generate)."""
         self._cache = None
 
-    def _streams(self, streams: Sequence[tuple[int, int]], n: int) -> Tensor:
-        """``streams`` checked (one (seed, first draw) pair of int64s per prompt), as an [n, 2] tensor."""
-        if len(streams) != n:
-            raise GenerateArgumentError(f"streams has {len(streams)} entries for {n} prompts: give each prompt one")
-        for i, pair in enumerate(streams):
-            if (not isinstance(pair, tuple | list) or len(pair) != 2
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63 for v in pair)
-                    or pair[1] < 0):
-                raise GenerateArgumentError(f"streams[{i}] must be a (seed, first draw) pair of int64s, the first draw "
-                                            f">= 0, got {pair!r}")
-        return torch.tensor([list(pair) for pair in streams], dtype=torch.int64, device=self.device)
-
     def _check(self, prompts: list[Tensor], max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
         if not prompts:
             raise GenerateArgumentError("prompts is empty; pass at least one 1-D int64 tensor of token ids")
@@ -359,7 +361,8 @@ class BatchedRolloutEngine(ABC):
         device = self.device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
-        row_streams = None if streams is None else self._streams(streams, len(prompts))
+        row_streams = None if streams is None else torch.tensor(
+            check_streams(streams, len(prompts)), dtype=torch.int64, device=device)
 
         # Identical prompts share one prefill row.
         unique: dict[tuple[int, ...], int] = {}

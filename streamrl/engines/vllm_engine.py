@@ -52,7 +52,13 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from streamrl.engines.options import VLLM_INSTALL_HINT, EngineUnavailableError, VllmOptions
-from streamrl.engines.rollout import FinishReason, GenerateArgumentError, Generation, stream_seed
+from streamrl.engines.rollout import (
+    FinishReason,
+    GenerateArgumentError,
+    Generation,
+    check_streams,
+    stream_seed,
+)
 
 log = logging.getLogger("streamrl.engine.vllm")
 
@@ -216,15 +222,13 @@ class VllmRolloutEngine:
         if longest + max_new_tokens > self.max_model_len:
             raise GenerateArgumentError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the "
                                         f"engine's max_model_len {self.max_model_len}")
-        if streams is not None and len(streams) != len(prompts):
-            raise GenerateArgumentError(f"streams has {len(streams)} entries for {len(prompts)} prompts: give each "
-                                        "prompt one")
+        checked = None if streams is None else check_streams(streams, len(prompts))
         vllm = self._vllm
-        if streams is None:
+        if checked is None:
             base = int(torch.randint(0, SEED_RANGE, (1,), generator=generator).item())
             seeds = [(base + i) % SEED_RANGE for i in range(len(prompts))]
         else:  # a request's seed from its stream alone (a completion continued in another call gets another)
-            seeds = [stream_seed(int(seed), int(first)) % SEED_RANGE for seed, first in streams]
+            seeds = [stream_seed(seed, first) % SEED_RANGE for seed, first in checked]
         params = [
             vllm.SamplingParams(
                 n=1, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
