@@ -32,7 +32,7 @@ the same logprobs this way is checked by :func:`streamrl.engines.packing.probe_p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,8 @@ class SharedPrefixLayout:
     # packing): each completion's prompt keys are then a broadcast, whose backward is a sum over G
     # instead of an index_add (a scatter: ~2 % of a W2 train step); None otherwise
     completions_per_prompt: int | None = None
+    # the masks as additive biases, made by the first layer's attention for the others (masked_attention)
+    biases: dict[tuple[object, ...], Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(prompts: Sequence[tuple[int, int, int]], completions: Sequence[tuple[int, int, int]], width: int,
@@ -123,6 +125,41 @@ class SharedPrefixLayout:
         )
 
 
+# Scores a call materialises at most (queries x keys x heads x rows) in masked_attention: 2 Mi float32
+# scores, 8 MiB, about a core's share of this kind of host's L3. Below it, scores written out by one
+# batched matmul and read back by the softmax and the second matmul stay in cache, and that was 1.2-3x
+# faster than SDPA's flash kernel on a CPU, forward and backward together (W2's completions: 4.6
+# against 6.3 ms a layer); from 48 MiB on the flash kernel's tiles were 1.4-2.1x faster, and its
+# memory does not grow with keys x queries (docs/benchmarks.md §44).
+MATERIALIZED_MAX_SCORES = 2 * 2**20
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout: float, scale: float | None,
+                     biases: dict[tuple[object, ...], Tensor], name: str) -> Tensor:
+    """SDPA of q [n, h, Lq, d] over k, v [n, h_kv, Lk, d] (h a multiple of h_kv) under a boolean mask
+    [n, 1, Lq, Lk] shared by the heads, in which every query sees a key -> [n, h, Lq, d].
+
+    A small call on a CPU materialises its scores (:data:`MATERIALIZED_MAX_SCORES`): one batched matmul
+    with the mask added in it, a softmax, a second batched matmul. Each kv head's query heads are
+    stacked as one matrix of rows, so grouped-query attention reads its keys once. The additive mask,
+    the same in every layer, is made once into ``biases`` under ``name``."""
+    n, heads, lq, d = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    if dropout > 0 or q.device.type != "cpu" or n * heads * lq * lk > MATERIALIZED_MAX_SCORES:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                              enable_gqa=kv_heads != heads)
+    rep = heads // kv_heads
+    key = (name, q.dtype, kv_heads, rep)
+    bias = biases.get(key)
+    if bias is None:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        bias = biases[key] = bias.unsqueeze(1).expand(n, kv_heads, rep, lq, lk).reshape(n * kv_heads, rep * lq, lk)
+    scores = torch.baddbmm(bias, q.reshape(n * kv_heads, rep * lq, d), k.reshape(n * kv_heads, lk, d).transpose(1, 2),
+                           alpha=d**-0.5 if scale is None else scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(n * kv_heads, lk, d))
+    return out.view(n, heads, lq, d)
+
+
 def shared_prefix_attention(
     module: nn.Module,
     query: Tensor,
@@ -161,7 +198,6 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
     if batch * length != layout.tokens:
         raise ValueError(f"shared-prefix layout covers {layout.tokens} token positions, the attention call "
                          f"{batch} x {length}; build the layout with the same packed rows")
-    gqa = kv_heads != heads
     # token-major views [B*L, heads, d]: gathering whole token rows keeps each index one lookup
     q = query.transpose(1, 2).reshape(batch * length, heads, d)
     k = key.transpose(1, 2).reshape(batch * length, kv_heads, d)
@@ -174,9 +210,8 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
         return t.index_select(0, index.reshape(-1)).view(*index.shape, *t.shape[1:]).transpose(1, 2)
 
     kp, vp = gather(k, layout.prompt_index), gather(v, layout.prompt_index)
-    out_prompt = F.scaled_dot_product_attention(gather(q, layout.prompt_index), kp, vp,
-                                                attn_mask=layout.prompt_mask, dropout_p=p, scale=scaling,
-                                                enable_gqa=gqa)
+    out_prompt = masked_attention(gather(q, layout.prompt_index), kp, vp, layout.prompt_mask, p, scaling,
+                                  layout.biases, "prompt")
 
     def per_completion(t: Tensor) -> Tensor:  # [prompts, h, P, d] -> [n, h, P, d]: each completion's prompt
         g = layout.completions_per_prompt
@@ -186,9 +221,8 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
 
     ck = torch.cat([per_completion(kp), gather(k, layout.completion_index)], dim=2)
     cv = torch.cat([per_completion(vp), gather(v, layout.completion_index)], dim=2)
-    out_completion = F.scaled_dot_product_attention(gather(q, layout.completion_index), ck, cv,
-                                                    attn_mask=layout.completion_mask, dropout_p=p, scale=scaling,
-                                                    enable_gqa=gqa)
+    out_completion = masked_attention(gather(q, layout.completion_index), ck, cv, layout.completion_mask, p,
+                                      scaling, layout.biases, "completion")
     # Every real token reads its one output; padding positions read the zero row (their logits are
     # never read). One index_select: its backward is one index_add.
     pieces = torch.cat([out_prompt.transpose(1, 2).reshape(-1, heads, d),

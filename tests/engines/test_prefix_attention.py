@@ -47,9 +47,18 @@ def any_model(request: pytest.FixtureRequest, model: PreTrainedModel,
             "gpt2": lambda: build_model(GPT2, tok)}[request.param]()
 
 
+@pytest.fixture(params=["materialized", "sdpa"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a piece of the attention computes on a CPU: its scores materialised (these tests'
+    sizes, below MATERIALIZED_MAX_SCORES), or SDPA's kernel (the threshold at 0, as for large pieces)."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(prefix_attention, "MATERIALIZED_MAX_SCORES", 0)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("max_row_tokens", [4096, 9, 2])
 def test_logprobs_equal_the_padded_rows_and_the_truth(
-    any_model: PreTrainedModel, tok: PreTrainedTokenizerFast, max_row_tokens: int
+    any_model: PreTrainedModel, tok: PreTrainedTokenizerFast, max_row_tokens: int, kernel: str
 ) -> None:
     prompts, responses = _batch(tok)
     any_model.eval()
@@ -64,7 +73,7 @@ def test_logprobs_equal_the_padded_rows_and_the_truth(
 
 @pytest.mark.parametrize("max_row_tokens", [4096, 9])
 def test_gradients_equal_the_dense_mask(
-    any_model: PreTrainedModel, tok: PreTrainedTokenizerFast, max_row_tokens: int
+    any_model: PreTrainedModel, tok: PreTrainedTokenizerFast, max_row_tokens: int, kernel: str
 ) -> None:
     prompts, responses = _batch(tok)
 
