@@ -41,6 +41,7 @@ from streamrl.metrics.trace import Tracer, open_tracer, reset_tracer, tracer, us
 from streamrl.models.device import DeviceUnavailableError, resolve_device
 from streamrl.runtime.checkpoints import ResumeFrom
 from streamrl.runtime.control import ControlClient
+from streamrl.runtime.host_memory import keep_freed_memory
 from streamrl.runtime.orphans import remove_if_owner_is, wait_gone
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec, import_object
 from streamrl.runtime.policy import PolicySubscriber
@@ -644,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("STREAMRL_LOG", "INFO"),  # the worker's own log file
                         format=f"%(asctime)s {spec.stage.name}[{spec.worker}] %(name)s: %(message)s")
     quiet_progress_bars()
+    keep_freed_memory()  # before the worker starts its threads: they share its one arena
     pin_event_loop_thread(max(s.threads for s in [spec.stage, *spec.colocated]))
     # `kill -USR1 <pid>` (the launcher does it for a stalled run) writes every thread's Python
     # stack to this worker's log: works while a thread blocks in C or the event loop is stuck

@@ -102,7 +102,8 @@ class TrainOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Host memory (glibc): serve every allocation of at least this many bytes from its own mapping, "
         "returned to the OS when freed, e.g. 1048576. Lowers the worker's peak resident memory by the "
         "C heap's fragmentation, for page faults on every such allocation (slower on small models); "
-        "null keeps glibc's adaptive threshold. Figures: docs/benchmarks.md §15"))] = None
+        "null keeps the workers' default (blocks below 32 MiB from a heap that keeps freed memory for the next "
+        "step, streamrl.runtime.host_memory). Figures: docs/benchmarks.md §15, §44"))] = None
     rollout: Annotated[ChainOptions | None, Meta(description=(
         "Make the samples in this process: {links: [...]} as a chain stage's (generate, score, advantage), run on "
         "each claimed micro-batch of prompts before training on it, the generate link on the module this stage "

@@ -1,6 +1,6 @@
 """streamrl.runtime.host_memory against glibc itself, in fresh interpreters (the allocator's state is
 per process): a fixed mmap threshold maps a block that glibc's adaptive threshold would have served
-from the heap."""
+from the heap; keep_freed_memory keeps what a thread frees mapped for its next step."""
 
 from __future__ import annotations
 
@@ -52,3 +52,47 @@ def test_values_glibc_would_refuse_are_refused_first() -> None:
     for bad in (0, -1, MAX_MMAP_THRESHOLD + 1):
         with pytest.raises(ValueError, match=r"mmap threshold must be in 1\.\."):
             set_mmap_threshold(bad)
+
+
+# A thread's "steps": each allocates 96 MiB in 2 MiB blocks (more than one 64 MiB heap of a thread's
+# arena), writes every page, frees them all; reports each step's page faults in that thread.
+STEPS = """
+import ctypes, json, resource, sys, threading
+from streamrl.runtime.host_memory import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+faults = []
+def steps():
+    for _ in range(4):
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        blocks = [libc.malloc(2 << 20) for _ in range(48)]
+        for b in blocks:
+            libc.memset(b, 1, 2 << 20)
+        for b in blocks:
+            libc.free(b)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+t = threading.Thread(target=steps)
+t.start()
+t.join()
+print(json.dumps({"faults": faults}))
+"""
+
+
+def _step_faults(mode: str) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    return [int(n) for n in json.loads(out.strip().splitlines()[-1])["faults"]]
+
+
+def test_freed_memory_is_kept_for_the_next_step() -> None:
+    pages = 96 * 2**20 // 4096
+    default, kept = _step_faults("none"), _step_faults("keep")
+    assert kept[0] > pages // 2  # the first step maps its memory either way
+    assert all(n < 64 for n in kept[1:]), kept  # then reuses it
+    # glibc's defaults unmap the thread's second heap once it is free: every step faults it back
+    assert sum(default[1:]) > pages // 4, default
+
