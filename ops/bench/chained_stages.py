@@ -76,6 +76,16 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
     return out
 
 
+def minor_faults(pids: list[int]) -> dict[int, int]:
+    """Minor page faults so far of each process still there (a page mapped on first touch)."""
+    out = {}
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None:
+            out[pid] = int(fields[7])
+    return out
+
+
 def last_step(run_root: Path, key: str = "step") -> float:
     """The newest value of ``key`` in the run's metrics.jsonl (the step by default; 0 before the first)."""
     for metrics in run_root.glob("*/metrics.jsonl"):
@@ -104,11 +114,12 @@ def process_names(run_root: Path) -> dict[int, str]:
 
 def measure_window(config: Path, overrides: list[str], window: tuple[int, int], timeout_s: float,
                    env: dict[str, str] | None = None,
-                   per: str = "step") -> tuple[float, dict[int, float], dict[int, str]]:
+                   per: str = "step") -> tuple[float, dict[int, float], dict[int, str], dict[int, float]]:
     """One ``streamrl run CONFIG OVERRIDES`` (quiet, no outputs beyond metrics) measured between
-    steps ``window``: its ms a step, each process's CPU ms a step (by pid), and the run's names
-    for its processes. ``per``: another metric that counts up, e.g. ``source/groups_made``: each
-    figure is then per unit of it over the window instead of per step."""
+    steps ``window``: its ms a step, each process's CPU ms a step (by pid), the run's names for its
+    processes, and each process's minor page faults a step. ``per``: another metric that counts
+    up, e.g. ``source/groups_made``: each figure is then per unit of it over the window instead of
+    per step."""
     with tempfile.TemporaryDirectory(prefix="cpu-window-") as tmp:
         run_root = Path(tmp) / "runs"
         proc = subprocess.Popen(
@@ -125,23 +136,25 @@ def measure_window(config: Path, overrides: list[str], window: tuple[int, int], 
                         raise SystemExit(f"the run ({' '.join(overrides)}) ended or timed out at step {step} before "
                                          f"step {target} (exit {proc.returncode}); run it by hand to see why")
                     time.sleep(POLL_S)
-                snaps.append((last_step(run_root, per), time.monotonic(), cpu_seconds(process_tree(proc.pid))))
+                pids = process_tree(proc.pid)
+                snaps.append((last_step(run_root, per), time.monotonic(), cpu_seconds(pids), minor_faults(pids)))
             names = process_names(run_root)
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
-    (s0, t0, cpu0), (s1, t1, cpu1) = snaps
+    (s0, t0, cpu0, faults0), (s1, t1, cpu1, faults1) = snaps
     n = s1 - s0
     if n <= 0:
         raise SystemExit(f"{per} did not grow between steps {window[0]} and {window[1]}: nothing to divide by")
-    return (t1 - t0) * 1000 / n, {p: (cpu1[p] - cpu0[p]) * 1000 / n for p in cpu1 if p in cpu0}, names
+    return ((t1 - t0) * 1000 / n, {p: (cpu1[p] - cpu0[p]) * 1000 / n for p in cpu1 if p in cpu0}, names,
+            {p: (faults1[p] - faults0[p]) / n for p in faults1 if p in faults0})
 
 
 def one_run(pipeline: Path, preset: str, staleness: int, steps: int, window: tuple[int, int],
             timeout_s: float) -> dict[str, float]:
-    wall, cpu, _ = measure_window(CONFIG, [f"pipeline={pipeline}", f"preset={preset}",
+    wall, cpu, _, _ = measure_window(CONFIG, [f"pipeline={pipeline}", f"preset={preset}",
                                            f"algo.max_staleness={staleness}", f"algo.steps={steps}"],
                                   window, timeout_s)
     used = sorted(cpu.values(), reverse=True)

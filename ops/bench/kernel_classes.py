@@ -151,7 +151,9 @@ def measure(shape_name: str, calls: int, dtype: str = "float32") -> dict[str, An
     from streamrl.engines.samples import TrainSample
     from streamrl.models.build import TinyModelSpec, build_model
     from streamrl.models.tokenizer import build_char_tokenizer
+    from streamrl.runtime.host_memory import keep_freed_memory
 
+    keep_freed_memory()  # the workers' malloc settings: a step's buffers reused, not faulted in again
     shape = SHAPES[shape_name]
     tok = build_char_tokenizer()
     spec = TinyModelSpec(hidden=shape["hidden"], layers=shape["layers"], heads=shape["heads"],

@@ -28,6 +28,17 @@ faster of the two everywhere. Run it with ``OMP_WAIT_POLICY=PASSIVE`` for the pi
 
     python ops/bench/prefix_attention.py              # all shapes, 5 timed steps each
     python ops/bench/prefix_attention.py --quick      # W2's shapes, 2 steps: a smoke run
+
+``--kernels`` measures instead how one piece of the shared-prefix attention computes on a CPU:
+``masked_attention`` with its scores materialised (batched matmuls and a softmax, the default
+below ``MATERIALIZED_MAX_SCORES``; its additive mask made once, as a micro-batch makes it for every
+layer) against SDPA's flash kernel (the baseline), forward and backward, alternating, at pieces
+from W1's and W2's sizes up to ones past the threshold (where the engine takes SDPA; measured both
+ways here), in a process with the workers' malloc settings. Target: materialised within 5 % of SDPA or
+faster below the threshold.
+
+    python ops/bench/prefix_attention.py --kernels --threads 2
+    python ops/bench/prefix_attention.py --kernels --threads 1
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,6 +142,73 @@ def measure(shape: Shape, reps: int, warmup: int, micro_batch: int) -> dict:
             "step_s": {name: spread(ts) for name, ts in times.items()}}
 
 
+# Pieces of the shared-prefix attention: (name, pieces n, heads, queries, prefix keys): a completion
+# piece attends to P prompt keys and its own queries (causally), a prompt piece (P = 0) causally
+PIECES = [("W1 prompts", 8, 4, 6, 0), ("W1 completions", 64, 4, 4, 6), ("W2 prompts", 8, 8, 26, 0),
+          ("W2 completions", 64, 8, 32, 20), ("completions of 64", 64, 8, 64, 32),
+          ("completions of 128 (past the threshold)", 64, 8, 128, 64),
+          ("completions of 256, d 64 (past the threshold)", 32, 14, 256, 128)]
+
+
+def measure_kernels(reps: int) -> list[dict[str, Any]]:
+    """``masked_attention`` materialised against SDPA (the threshold at 0) per piece of PIECES."""
+    from streamrl.engines import prefix_attention
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for name, n, heads, lq, prefix in PIECES:
+        d = 64 if "d 64" in name else 32
+        lengths = torch.randint(max(1, lq // 3), lq + 1, (n,), generator=g)
+        valid = torch.arange(lq).unsqueeze(0) < lengths.unsqueeze(1)
+        own = torch.ones(lq, lq, dtype=torch.bool).tril() & valid.unsqueeze(1)
+        mask = torch.cat([torch.ones(n, lq, prefix, dtype=torch.bool), own], dim=2).unsqueeze(1)
+        lk = prefix + lq
+        times: dict[str, list[float]] = {"materialised": [], "sdpa": []}
+        biases: dict[tuple[object, ...], torch.Tensor] = {}  # the additive mask: made once, as for a micro-batch
+        for r in range(reps + 2):
+            for kernel in (("materialised", "sdpa") if r % 2 == 0 else ("sdpa", "materialised")):
+                q = torch.randn(n, lq, heads, d, generator=g).transpose(1, 2).requires_grad_()
+                k, v = (torch.randn(n, heads, lk, d, generator=g).requires_grad_() for _ in range(2))
+                grad = torch.randn(n, heads, lq, d, generator=g)
+                saved = prefix_attention.MATERIALIZED_MAX_SCORES
+                prefix_attention.MATERIALIZED_MAX_SCORES = 1 << 62 if kernel == "materialised" else 0
+                try:
+                    t0 = time.perf_counter()
+                    prefix_attention.masked_attention(q, k, v, mask, 0.0, None, biases, "piece").backward(grad)
+                    dt = time.perf_counter() - t0
+                finally:
+                    prefix_attention.MATERIALIZED_MAX_SCORES = saved
+                if r >= 2:  # two warm-ups each: the first calls' allocations
+                    times[kernel].append(dt)
+        scores = n * heads * lq * lk
+        out.append({"piece": name, "scores": scores, "materialised_by_default":
+                    scores <= prefix_attention.MATERIALIZED_MAX_SCORES,
+                    **{kernel: spread(ts) for kernel, ts in times.items()}})
+        print(f"{name}: materialised {fmt_spread(spread(times['materialised']), 5)} s, sdpa "
+              f"{fmt_spread(spread(times['sdpa']), 5)} s", flush=True)
+    return out
+
+
+def kernels_main(reps: int, threads: int) -> None:
+    from streamrl.runtime.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as in a worker
+    load = [round(os.getloadavg()[0], 2)]
+    results = measure_kernels(reps)
+    load.append(round(os.getloadavg()[0], 2))
+    print(f"\nmasked_attention forward + backward, {threads} threads, load average {load[0]} -> {load[1]}")
+    print_table(["piece", "scores", "materialised ms", "SDPA ms", "materialised / SDPA", "default"],
+                [[r["piece"], r["scores"], fmt_spread({k: v * 1e3 for k, v in r["materialised"].items()}, 2),
+                  fmt_spread({k: v * 1e3 for k, v in r["sdpa"].items()}, 2),
+                  f"{r['materialised']['median'] / r['sdpa']['median']:.2f}",
+                  "materialised" if r["materialised_by_default"] else "SDPA"] for r in results])
+    print_json_line("prefix_attention_kernels",
+                    figures={r["piece"]: r["materialised"] for r in results} | {"load": load, "threads": threads},
+                    baseline={r["piece"]: r["sdpa"] for r in results},
+                    ratio={r["piece"]: r["materialised"]["median"] / r["sdpa"]["median"] for r in results},
+                    target={"materialised / SDPA below the threshold": "<= 1.05"})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=5, help="timed steps per engine and shape (alternating)")
@@ -137,8 +216,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=64, help="samples per accumulate")
     p.add_argument("--quick", action="store_true", help="W2's shapes only, 2 timed steps")
+    p.add_argument("--kernels", action="store_true", help="one attention piece, materialised against SDPA")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kernels:
+        kernels_main(max(args.reps, 9), args.threads)
+        return
     store = tempfile.mkdtemp(prefix="streamrl-bench-prefix-")
     dist.init_process_group("gloo", store=dist.FileStore(f"{store}/store", 1), rank=0, world_size=1)
     shapes = SHAPES[:2] if args.quick else SHAPES
