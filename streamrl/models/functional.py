@@ -112,10 +112,12 @@ class KVCache:
     """Keys/values of sequences that continue a few distinct prompts (GRPO: n samples per prompt).
 
     Each distinct prompt's keys/values are kept once ([U, kv_heads, Lp, head_dim] per layer) and
-    each sequence's generated ones apart ([rows, kv_heads, T, head_dim], column t = its t-th
-    generated token, so all rows write the same column at each step). Why: decoding is bound
-    by reading the cache; with one copy of the prompt per group instead of one per row, a
-    step reads n-fold less prompt keys.
+    each sequence's generated ones apart, time-major ([T, rows, kv_heads, head_dim]: column t =
+    every row's t-th generated token, written by one step). Why: decoding is bound by reading the
+    cache; with one copy of the prompt per group instead of one per row, a step reads n-fold less
+    prompt keys, and the generated columns a step reads are one contiguous block, which a cache
+    evicted since the layer's last step streams back at memory speed (a row-major cache read as a
+    thousand short pieces took twice as long; docs/benchmarks.md §44).
 
     The generated-token buffers are reused across calls: first-touching a fresh multi-MB
     buffer (page faults, zero fill) costs more than a decode step on CPU. Columns are only
@@ -129,7 +131,7 @@ class KVCache:
         self.prompt_values: list[Tensor] = []
         self.prompt_mask = torch.zeros(0)  # [U, Lp] additive: 0 = real key, -inf = padding
         self.row_mask = torch.zeros(0)  # [rows, Lp + columns] additive, per row: its prompt's, then 0s
-        self.gen_keys: list[Tensor] = []  # per layer [capacity rows, kv_heads, capacity columns, d]
+        self.gen_keys: list[Tensor] = []  # per layer [capacity columns, capacity rows, kv_heads, d]
         self.gen_values: list[Tensor] = []
         self.rows = 0
         self.columns = 0  # generated columns this call may write
@@ -155,10 +157,10 @@ class KVCache:
         )
         self.columns = max(columns, 1)
         rows = len(row_prompt)
-        have_rows = self.gen_keys[0].shape[0] if self.gen_keys else 0
-        have_cols = self.gen_keys[0].shape[2] if self.gen_keys else 0
+        have_cols = self.gen_keys[0].shape[0] if self.gen_keys else 0
+        have_rows = self.gen_keys[0].shape[1] if self.gen_keys else 0
         if rows > have_rows or columns > have_cols:
-            shape = (max(rows, have_rows), self.kv_heads, max(columns, have_cols, 1), self.head_dim)
+            shape = (max(columns, have_cols, 1), max(rows, have_rows), self.kv_heads, self.head_dim)
             self.gen_keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
             self.gen_values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
         self._set_rows(row_prompt)
@@ -189,7 +191,7 @@ class KVCache:
         index = torch.tensor(keep, dtype=torch.int64, device=self.device)
         m = len(keep)
         for buf in (*self.gen_keys, *self.gen_values):
-            buf[:m, :, :columns] = buf[index, :, :columns]
+            buf[:columns, :m] = buf[:columns].index_select(1, index)
         self._set_rows([self._row_prompt_host[r] for r in keep])
 
     def release(self) -> None:
@@ -389,20 +391,24 @@ class FunctionalForward(ABC):
 
         for i, w in enumerate(self._layer_weights()):
             q, k, v = self._qkv(w, x, cos, sin)
-            gen_k, gen_v = cache.gen_keys[i][:batch], cache.gen_values[i][:batch]
-            gen_k[:, :, step] = k
-            gen_v[:, :, step] = v
-            gen_k = gen_k[:, :, : step + 1].view(*row_shape, kvh, step + 1, d)
-            gen_v = gen_v[:, :, : step + 1].view(*row_shape, kvh, step + 1, d)
-            # Query heads grouped per kv head (GQA without repeating keys); plain matmuls, not
-            # the SDPA kernel, which is slower for one query per row.
-            q = q.view(*row_shape, kvh, rep, d).to(cache.dtype)  # float32 for a half-precision model on a CPU
+            cache.gen_keys[i][step, :batch] = k
+            cache.gen_values[i][step, :batch] = v
+            gen_k = cache.gen_keys[i][: step + 1, :batch].unsqueeze(3)  # [step + 1, B, kvh, 1, d]
+            gen_v = cache.gen_values[i][: step + 1, :batch].unsqueeze(3)
+            # Query heads grouped per kv head (GQA without repeating keys). The prompt part: plain
+            # matmuls, not the SDPA kernel, which is slower for one query per row. The generated
+            # part: products summed, one streaming pass over the time-major columns each (a batched
+            # matmul there is a thousand matrix-vector products, each over a piece of the cache).
+            q = q.view(batch, kvh, rep, d).to(cache.dtype)  # float32 for a half-precision model on a CPU
             with ieee_matmuls():  # one query per row: too small for a lowered matmul precision's path
-                s_prompt = by_row(torch.matmul(by_prompt(q), cache.prompt_keys[i].transpose(-1, -2)))
-                s_gen = torch.matmul(q, gen_k.transpose(-1, -2))
+                q_rows = q.view(*row_shape, kvh, rep, d)
+                s_prompt = by_row(torch.matmul(by_prompt(q_rows), cache.prompt_keys[i].transpose(-1, -2)))
+                s_gen = (gen_k * q).sum(-1).permute(1, 2, 3, 0).view(*row_shape, kvh, rep, step + 1)
                 p = torch.softmax(torch.add(mask, torch.cat([s_prompt, s_gen], dim=-1), alpha=scale), dim=-1)
                 p_prompt, p_gen = p.split([p_len, step + 1], dim=-1)
-                out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + torch.matmul(p_gen, gen_v)
+                p_gen = p_gen.reshape(batch, kvh, rep, step + 1).permute(3, 0, 1, 2).unsqueeze(-1)
+                out_gen = (gen_v * p_gen).sum(0).view(*row_shape, kvh, rep, d)
+                out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + out_gen
             x = self._mlp_and_out(w, x, out.reshape(batch, self.n_heads * d).to(x.dtype))
         return self.logits(x)
 
