@@ -126,11 +126,12 @@ class SharedPrefixLayout:
 
 
 # Scores a call materialises at most (queries x keys x heads x rows) in masked_attention: 2 Mi float32
-# scores, 8 MiB, about a core's share of this kind of host's L3. Below it, scores written out by one
-# batched matmul and read back by the softmax and the second matmul stay in cache, and that was 1.2-3x
-# faster than SDPA's flash kernel on a CPU, forward and backward together (W2's completions: 4.6
-# against 6.3 ms a layer); from 48 MiB on the flash kernel's tiles were 1.4-2.1x faster, and its
-# memory does not grow with keys x queries (docs/benchmarks.md §44).
+# scores, 8 MiB. Below it, scores written out by one batched matmul and read back by the softmax and
+# the second matmul took 0.27-0.68x the time of SDPA's flash kernel on a CPU at 2 threads and
+# 0.78-1.12x at 1, forward and backward together (W2's completions: 4.5 against 6.6 ms a layer at
+# 2 threads); at 3 Mi scores 0.86x / 1.10x, from 12 Mi on the flash kernel was 1.6-2.1x faster, and
+# its memory does not grow with keys x queries (ops/bench/prefix_attention.py --kernels,
+# docs/benchmarks.md §44).
 MATERIALIZED_MAX_SCORES = 2 * 2**20
 
 

@@ -393,24 +393,43 @@ class FunctionalForward(ABC):
             q, k, v = self._qkv(w, x, cos, sin)
             cache.gen_keys[i][step, :batch] = k
             cache.gen_values[i][step, :batch] = v
-            gen_k = cache.gen_keys[i][: step + 1, :batch].unsqueeze(3)  # [step + 1, B, kvh, 1, d]
-            gen_v = cache.gen_values[i][: step + 1, :batch].unsqueeze(3)
-            # Query heads grouped per kv head (GQA without repeating keys). The prompt part: plain
-            # matmuls, not the SDPA kernel, which is slower for one query per row. The generated
-            # part: products summed, one streaming pass over the time-major columns each (a batched
-            # matmul there is a thousand matrix-vector products, each over a piece of the cache).
+            gen_k = cache.gen_keys[i][: step + 1, :batch]  # [step + 1, B, kvh, d]
+            gen_v = cache.gen_values[i][: step + 1, :batch]
+            # Query heads grouped per kv head (GQA without repeating keys); plain matmuls for the
+            # prompt part, not the SDPA kernel, which is slower for one query per row.
             q = q.view(batch, kvh, rep, d).to(cache.dtype)  # float32 for a half-precision model on a CPU
             with ieee_matmuls():  # one query per row: too small for a lowered matmul precision's path
                 q_rows = q.view(*row_shape, kvh, rep, d)
                 s_prompt = by_row(torch.matmul(by_prompt(q_rows), cache.prompt_keys[i].transpose(-1, -2)))
-                s_gen = (gen_k * q).sum(-1).permute(1, 2, 3, 0).view(*row_shape, kvh, rep, step + 1)
+                s_gen = _generated_scores(gen_k, q).permute(1, 2, 3, 0).view(*row_shape, kvh, rep, step + 1)
                 p = torch.softmax(torch.add(mask, torch.cat([s_prompt, s_gen], dim=-1), alpha=scale), dim=-1)
                 p_prompt, p_gen = p.split([p_len, step + 1], dim=-1)
-                p_gen = p_gen.reshape(batch, kvh, rep, step + 1).permute(3, 0, 1, 2).unsqueeze(-1)
-                out_gen = (gen_v * p_gen).sum(0).view(*row_shape, kvh, rep, d)
+                p_gen = p_gen.reshape(batch, kvh, rep, step + 1).permute(3, 0, 1, 2)
+                out_gen = _generated_sum(gen_v, p_gen).view(*row_shape, kvh, rep, d)
                 out = by_row(torch.matmul(by_prompt(p_prompt), cache.prompt_values[i])) + out_gen
             x = self._mlp_and_out(w, x, out.reshape(batch, self.n_heads * d).to(x.dtype))
         return self.logits(x)
+
+
+def _generated_scores(keys: Tensor, q: Tensor) -> Tensor:
+    """[T, B, kvh, rep]: each row's query heads q [B, kvh, rep, d] against its generated keys
+    [T, B, kvh, d] (time-major).
+
+    On a CPU as products summed: one streaming pass over the keys, where a batched matmul is B x kvh
+    matrix-vector products, each over a piece of a cache evicted since the layer's last step (twice
+    as slow, docs/benchmarks.md §44). Elsewhere one batched matmul, which also sums the products
+    unrounded in a half-precision cache."""
+    if keys.device.type == "cpu":
+        return (keys.unsqueeze(3) * q).sum(-1)
+    return torch.einsum("tbhd,bhrd->tbhr", keys, q)
+
+
+def _generated_sum(values: Tensor, p: Tensor) -> Tensor:
+    """[B, kvh, rep, d]: generated values [T, B, kvh, d] weighted by p [T, B, kvh, rep] and summed over
+    T (as :func:`_generated_scores`, products summed on a CPU)."""
+    if values.device.type == "cpu":
+        return (values.unsqueeze(3) * p.unsqueeze(-1)).sum(0)
+    return torch.einsum("tbhd,tbhr->bhrd", values, p)
 
 
 class FunctionalCausalLM(FunctionalForward):
