@@ -66,23 +66,14 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def cpu_seconds(pids: list[int]) -> dict[int, float]:
-    """User + system CPU seconds of each process still there."""
+def counters(pids: list[int]) -> dict[int, tuple[float, int]]:
+    """User + system CPU seconds and minor page faults (a page mapped on first touch) so far of each
+    process still there, from one read of its ``/proc/PID/stat``."""
     out = {}
     for pid in pids:
         fields = _stat(pid)
         if fields is not None:
-            out[pid] = (int(fields[11]) + int(fields[12])) * TICK_S
-    return out
-
-
-def minor_faults(pids: list[int]) -> dict[int, int]:
-    """Minor page faults so far of each process still there (a page mapped on first touch)."""
-    out = {}
-    for pid in pids:
-        fields = _stat(pid)
-        if fields is not None:
-            out[pid] = int(fields[7])
+            out[pid] = ((int(fields[11]) + int(fields[12])) * TICK_S, int(fields[7]))
     return out
 
 
@@ -136,27 +127,27 @@ def measure_window(config: Path, overrides: list[str], window: tuple[int, int], 
                         raise SystemExit(f"the run ({' '.join(overrides)}) ended or timed out at step {step} before "
                                          f"step {target} (exit {proc.returncode}); run it by hand to see why")
                     time.sleep(POLL_S)
-                pids = process_tree(proc.pid)
-                snaps.append((last_step(run_root, per), time.monotonic(), cpu_seconds(pids), minor_faults(pids)))
+                snaps.append((last_step(run_root, per), time.monotonic(), counters(process_tree(proc.pid))))
             names = process_names(run_root)
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
-    (s0, t0, cpu0, faults0), (s1, t1, cpu1, faults1) = snaps
+    (s0, t0, c0), (s1, t1, c1) = snaps
     n = s1 - s0
     if n <= 0:
         raise SystemExit(f"{per} did not grow between steps {window[0]} and {window[1]}: nothing to divide by")
-    return ((t1 - t0) * 1000 / n, {p: (cpu1[p] - cpu0[p]) * 1000 / n for p in cpu1 if p in cpu0}, names,
-            {p: (faults1[p] - faults0[p]) / n for p in faults1 if p in faults0})
+    both = [p for p in c1 if p in c0]
+    return ((t1 - t0) * 1000 / n, {p: (c1[p][0] - c0[p][0]) * 1000 / n for p in both}, names,
+            {p: (c1[p][1] - c0[p][1]) / n for p in both})
 
 
 def one_run(pipeline: Path, preset: str, staleness: int, steps: int, window: tuple[int, int],
             timeout_s: float) -> dict[str, float]:
     wall, cpu, _, _ = measure_window(CONFIG, [f"pipeline={pipeline}", f"preset={preset}",
-                                           f"algo.max_staleness={staleness}", f"algo.steps={steps}"],
-                                  window, timeout_s)
+                                              f"algo.max_staleness={staleness}", f"algo.steps={steps}"],
+                                     window, timeout_s)
     used = sorted(cpu.values(), reverse=True)
     return {"ms a step": wall, "CPU ms a step": sum(used), "CPU ms a step around the compute": sum(used[2:])}
 

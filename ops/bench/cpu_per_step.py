@@ -89,11 +89,12 @@ def main() -> None:
                  "against": (args.against.resolve(), checkout_env(args.against))}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     tmp = Path(tempfile.mkdtemp(prefix="cpu-per-step-"))
+    w2 = w2_config(tmp) if args.workload == "W2" else None  # the same file for both checkouts
     for pair in range(args.pairs):
         for name in (list(checkouts) if pair % 2 == 0 else list(reversed(checkouts))):
             root, env = checkouts[name]
             load = os.getloadavg()[0]
-            config = root / "configs" / "grpo_digits.yaml" if args.workload == "W1" else w2_config(tmp)
+            config = w2 or root / "configs" / "grpo_digits.yaml"
             r = one_run(config, root / args.pipeline, args.sets, (args.first, args.last), env, args.timeout,
                         args.per, args.faults)
             runs[name].append(r)

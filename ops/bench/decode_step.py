@@ -4,9 +4,9 @@
     python ops/bench/decode_step.py --against /tmp/old   # against another checkout's engine (a git worktree)
     python ops/bench/decode_step.py --reps 5 --threads 2 --shapes w2,w1,long
 
-Each measurement is a fresh process (so ``--against`` imports the other checkout's package, with
-the workers' malloc settings) that builds the model, warms up with 3 calls and times ``calls`` generate calls of one shape; settings
-alternate within each repetition, so load drift hits both. No EOS stop: every call decodes the same
+Each measurement is a fresh process (so ``--against`` imports the other checkout's package), with
+the workers' malloc settings, that builds the model, warms up with 3 calls and times ``calls``
+generate calls of one shape; settings alternate within each repetition, so load drift hits both. No EOS stop: every call decodes the same
 number of steps. Shapes:
 
 - ``w2``: W2's model (hidden 256, 4 layers), 16 ragged digit prompts (3-25 tokens) x 8 samples, 32 new tokens;
@@ -74,15 +74,20 @@ def child(shape_name: str, threads: int, hf: bool) -> None:
     print(json.dumps({"call_ms": statistics.median(times) * 1e3, "package": str(Path(streamrl.__file__).parent)}))
 
 
-# The workers' malloc settings (streamrl.runtime.host_memory.keep_freed_memory) as glibc's environment
-# variables, so that a child of either checkout runs with them: one arena, blocks below 32 MiB from
-# the heap, 1 GiB of free top kept
-WORKER_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
+def worker_malloc() -> dict[str, str]:
+    """The workers' malloc settings (streamrl.runtime.host_memory.keep_freed_memory) as glibc's
+    environment variables, so that a child of either checkout runs with them: one arena, blocks
+    below 32 MiB from the heap, 1 GiB of free top kept. Imported here, in the parent only: a child
+    imports the package of the checkout it measures."""
+    from streamrl.runtime.host_memory import KEPT_FREE_BYTES, MAX_MMAP_THRESHOLD
+
+    return {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(MAX_MMAP_THRESHOLD),
+            "MALLOC_TRIM_THRESHOLD_": str(KEPT_FREE_BYTES)}
 
 
 def measure(shape: str, threads: int, env: dict[str, str], hf: bool) -> float:
     cmd = [sys.executable, __file__, "--child", shape, "--threads", str(threads)] + (["--hf"] if hf else [])
-    out = subprocess.run(cmd, env={**os.environ, **WORKER_MALLOC, **env}, capture_output=True, text=True,
+    out = subprocess.run(cmd, env={**os.environ, **worker_malloc(), **env}, capture_output=True, text=True,
                          timeout=600, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{shape} failed:\n{out.stderr[-2000:]}")
