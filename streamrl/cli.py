@@ -61,10 +61,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from streamrl.config import ConfigError, dump_config, load_config
-    from streamrl.runtime.prerun import load_pipeline, resolve_run_length
+    from streamrl.runtime.prerun import choose_pipeline, load_pipeline, resolve_run_length
 
     try:
-        cfg = resolve_run_length(load_config(args.config, args.overrides))
+        cfg = choose_pipeline(resolve_run_length(load_config(args.config, args.overrides)))
         pipe = load_pipeline(cfg)
     except ConfigError as exc:
         print(f"streamrl: config error: {exc}", file=sys.stderr)

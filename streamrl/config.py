@@ -429,6 +429,12 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "the run goes, merged into trace.json at its end (`streamrl trace RUN_DIR`; docs/observability.md)"))] = True
 
 
+# RunConfig.pipeline: "auto" stands for one of the two files below (streamrl.runtime.prerun.choose_pipeline)
+AUTO_PIPELINE = "auto"
+SYNC_PIPELINE = "pipelines/grpo_sync.yaml"  # algo.max_staleness 0: a step in one process
+STREAMING_PIPELINE = "pipelines/grpo_rollout.yaml"  # generation in a process of its own, free to run ahead
+
+
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A run: the pipeline it runs and every setting of its stages."""
 
@@ -437,8 +443,10 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "reinforce_pp, gspo, cispo, dapo, ppo (streamrl/algos/presets/<name>.yaml), or a path to a YAML file of "
         "config fields; null = the defaults"))] = None
     pipeline: Annotated[str, Meta(description=(
-        "The pipeline file (the stage graph), relative to the config file, the cwd, or the package"))] = (
-        "pipelines/grpo_rollout.yaml")
+        "The pipeline file (the stage graph), relative to the config file, the cwd, or the package. auto: "
+        "pipelines/grpo_sync.yaml (each step generated, scored and trained in one process) for algo.max_staleness "
+        "0 on a CPU host where it fits (one train worker, the built-in engine, no dynamic sampling), else "
+        "pipelines/grpo_rollout.yaml; the run's config.yaml records the file chosen"))] = "auto"
     seed: Annotated[int, Meta(description=(
         "Sampling seed of generation (each worker and batch derive their generator's seed from it)"))] = 0
     model: Annotated[ModelConfig, Meta(description="The policy model")] = msgspec.field(default_factory=ModelConfig)

@@ -15,6 +15,7 @@ import yaml
 
 from streamrl.cli import main
 from streamrl.config import load_config
+from streamrl.runtime.prerun import choose_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "configs" / "grpo_digits.yaml"
@@ -42,10 +43,13 @@ def test_validate_prints_the_resolved_config(capsys: pytest.CaptureFixture[str])
     assert resolved["algo"]["group_size"] == 8  # from the file
     assert resolved["output"]["checkpoint"] is True  # a default the file does not set
     # the printout is a complete config: loading it gives the same run config
-    assert load_config(resolved) == load_config(DIGITS, ["algo.steps=12", "resources.launch=inprocess",
-                                                        "algo.lr=0.0005"])
-    assert pipeline_line.startswith("# pipeline grpo_rollout (")
-    assert "source -> rollout -> train" in pipeline_line
+    # the printout is a complete config, with the pipeline the file's `auto` picks: loading it gives the
+    # same run config
+    assert load_config(resolved) == choose_pipeline(load_config(DIGITS, ["algo.steps=12", "resources.launch=inprocess",
+                                                                         "algo.lr=0.0005"]))
+    assert resolved["pipeline"] == "pipelines/grpo_sync.yaml"
+    assert pipeline_line.startswith("# pipeline grpo_sync (")
+    assert "source -> train" in pipeline_line
 
 
 def test_validate_the_kl_pipeline(capsys: pytest.CaptureFixture[str]) -> None:

@@ -189,7 +189,7 @@ def test_every_field_has_a_default() -> None:
     """An empty config is valid: every field has a documented default (see streamrl/config.py)."""
     assert load_config({}) == RunConfig()
     cfg = RunConfig()
-    assert cfg.pipeline == "pipelines/grpo_rollout.yaml"
+    assert cfg.pipeline == "auto"  # streamrl.runtime.prerun.choose_pipeline (tests/runtime/test_pipeline.py)
     assert cfg.resources.launch == "processes"
     assert cfg.algo.max_staleness == 0
     assert cfg.dock_capacity == 2 * cfg.batch_size  # (max_staleness + 2) steps' worth
@@ -221,7 +221,7 @@ def test_dump_config_lists_every_field_and_round_trips() -> None:
 def test_the_config_dir_resolves_relative_paths(tmp_path: Path) -> None:
     cfg = load_config(DIGITS)
     assert cfg.config_dir == str(DIGITS.parent)
-    assert resolve_path(cfg, cfg.pipeline) == REPO / "pipelines" / "grpo_rollout.yaml"
+    assert resolve_path(cfg, "../pipelines/grpo.yaml") == REPO / "pipelines" / "grpo.yaml"
     (tmp_path / "p.yaml").write_text("x")
     own = tmp_path / "c.yaml"
     own.write_text("pipeline: p.yaml\n")

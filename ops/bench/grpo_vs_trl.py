@@ -30,8 +30,10 @@ minutes). Last line: one JSON object.
     python ops/bench/grpo_vs_trl.py --workload W2 --streamrl-set model.matmul_precision=medium
     python ops/bench/grpo_vs_trl.py --workload W2 --dtype bfloat16   # both sides compute in bfloat16
 
-Each repetition also runs streamrl at k=0 on pipelines/grpo_sync.yaml ("sync": the train stage
-generates, scores and trains in one process), beside the default pipeline (pipelines/grpo_rollout.yaml).
+streamrl runs with the run's default pipeline (`pipeline: auto`: pipelines/grpo_sync.yaml at k=0, the
+train stage generating, scoring and training in one process; pipelines/grpo_rollout.yaml at k=1), and
+each repetition also runs k=0 on pipelines/grpo_rollout.yaml ("rollout": generation in a process of
+its own, as at k=1).
 With --engines builtin,vllm, W2's streamrl side also runs with stages.generate.options.engine=vllm,
 in the python of the vLLM environment (--vllm-python, default .venv-vllm/bin/python, made by
 ops/vllm_env.sh); W1 stays on the built-in engine.
@@ -83,15 +85,17 @@ W2_TRL = ["--task", "reverse", "--n-digits", "24", "--min-digits", "2", "--max-c
           *_shape_flags("W2")]
 
 
-# streamrl's modes: the rollout engine and the pipeline ("sync": k=0 only, the built-in engine)
-PIPELINES = {"builtin": "grpo_rollout.yaml", "vllm": "grpo_rollout.yaml", "sync": "grpo_sync.yaml"}
+# streamrl's modes: the rollout engine and the pipeline. builtin: the run's default, `pipeline: auto`
+# (grpo_sync.yaml at k=0, grpo_rollout.yaml at k=1); "rollout": the streaming pipeline at k=0 too
+PIPELINES = {"builtin": None, "vllm": "grpo_rollout.yaml", "rollout": "grpo_rollout.yaml"}
 
 
 def streamrl_config(workload: str, seed: int, staleness: int, run_dir: str,
                     engine: str = "builtin") -> dict[str, Any]:
-    """``engine``: a mode of :data:`PIPELINES` (builtin and vllm on the default pipeline)."""
+    """``engine``: a mode of :data:`PIPELINES`."""
+    pipeline = PIPELINES[engine]
     common: dict[str, Any] = {
-        "pipeline": str(ROOT / "pipelines" / PIPELINES[engine]),  # grpo_rollout.yaml: the default (RunConfig.pipeline)
+        **({} if pipeline is None else {"pipeline": str(ROOT / "pipelines" / pipeline)}),
         "seed": seed,
         "output": {"run_dir": run_dir, "name": f"{workload}-{engine}-k{staleness}-s{seed}", "tensorboard": False,
                    "plot": False, "checkpoint": False, "progress": "none"},
@@ -191,10 +195,10 @@ def run_trl(python: Path, workload: str, args: list[str], seed: int) -> dict[str
 def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace, tmp: Path,
                 engines: tuple[str, ...] = ("builtin",)) -> tuple[dict[tuple[str, int], list[dict[str, Any]]],
                                                                   list[dict[str, Any]]]:
-    """Repetition r runs TRL, then streamrl k=0, then k=1 (per engine), then k=0 on the sync pipeline,
-    all with seed r: load drift hits every side. ``ours`` is keyed by (mode, k), the mode an engine or
-    "sync"."""
-    modes = [(e, k) for e in engines for k in (0, 1)] + [("sync", 0)]
+    """Repetition r runs TRL, then streamrl k=0, then k=1 (per engine), then k=0 on the streaming
+    pipeline, all with seed r: load drift hits every side. ``ours`` is keyed by (mode, k), the mode an
+    engine or "rollout"."""
+    modes = [(e, k) for e in engines for k in (0, 1)] + [("rollout", 0)]
     ours: dict[tuple[str, int], list[dict[str, Any]]] = {mode: [] for mode in modes}
     trl: list[dict[str, Any]] = []
     python = None if args.skip_trl else ensure_trl_venv(args.trl_venv)
@@ -210,13 +214,13 @@ def interleaved(workload: str, trl_args: list[str], args: argparse.Namespace, tm
 
 
 def mode_key(engine: str, k: int, prefix: str = "W2") -> str:
-    """A figure's key: the default mode's (the built-in engine on the default pipeline) keep their
-    names from before the other modes (W2_k0_...); the others name their mode (W2_sync_k0_...)."""
+    """A figure's key: the default mode's (the built-in engine, `pipeline: auto`) keep their names from
+    before the other modes (W2_k0_...); the others name their mode (W2_rollout_k0_...)."""
     return f"{prefix}_k{k}" if engine == "builtin" else f"{prefix}_{engine}_k{k}"
 
 
 def mode_label(engine: str, k: int, workload: str) -> str:
-    """A mode's rows in the printed table: "W2 streamrl k=0", "W2 streamrl sync k=0"."""
+    """A mode's rows in the printed table: "W2 streamrl k=0", "W2 streamrl rollout k=0"."""
     return f"{workload} streamrl k={k}" if engine == "builtin" else f"{workload} streamrl {engine} k={k}"
 
 
@@ -272,9 +276,9 @@ def main() -> None:
     ratios: dict[str, Any] = {}
     # issue 24's targets (streamrl over TRL; the FLOP fraction at k=1)
     targets = {"W1_time_to_0.9_ratio_k0": "<= 0.6", "W1_time_to_0.9_ratio_k1": "<= 0.5",
-               "W1_time_to_0.9_ratio_sync_k0": "<= 0.6",
+               "W1_time_to_0.9_ratio_rollout_k0": "<= 0.6",
                "W2_completions_per_s_ratio_k0": ">= 1.8", "W2_completions_per_s_ratio_k1": ">= 2.5",
-               "W2_completions_per_s_ratio_sync_k0": ">= 1.8",
+               "W2_completions_per_s_ratio_rollout_k0": ">= 1.8",
                "W2_flop_fraction_of_ceiling_k1": ">= 0.6"}
     trl_side: dict[str, Any] = {}  # what ran on the TRL side, for the record
     with tempfile.TemporaryDirectory(prefix="srl-bench-") as tmpdir:

@@ -7,7 +7,7 @@ Each repetition runs ``--steps`` optimizer steps (stop_reward off) of the digits
 (W1's model, task and batch) under every placement, interleaved:
 
 - ``separate`` (baseline): one trainer process publishes a full CPU snapshot per version and the
-  generator fetches it (``configs/grpo_digits.yaml``);
+  generator fetches it (``configs/grpo_digits.yaml`` on ``pipelines/grpo_rollout.yaml``);
 - ``colocated`` T = 1 / T = 2: R = 2 processes alternate generate and train through the reshard
   and the swap (``configs/grpo_digits_colocated.yaml``);
 - ``disaggregated`` T = 1 / T = 2: R = 2 train processes send each version bucket by bucket to 2
@@ -39,7 +39,7 @@ import streamrl
 REPO = Path(__file__).resolve().parents[2]
 TP2 = ["stages.generate.options={tensor_parallel: 2}", "stages.generate.micro_batch=64"]
 RUNS: dict[str, tuple[str, list[str]]] = {
-    "separate": ("grpo_digits.yaml", []),
+    "separate": ("grpo_digits.yaml", [f"pipeline={REPO / 'pipelines' / 'grpo_rollout.yaml'}"]),
     "colocated T=1": ("grpo_digits_colocated.yaml", []),
     "colocated T=2": ("grpo_digits_colocated.yaml", TP2),
     "disaggregated T=1": ("grpo_digits_disaggregated.yaml", []),

@@ -51,9 +51,12 @@ PIPELINES: dict[str, dict[str, Path]] = {
 
 
 def placement_of(config: dict[str, Any], config_path: Path) -> str:
-    """The placement of the config's pipeline file (separate when it says none)."""
+    """The placement of the config's pipeline file (separate when it says none, and for ``auto``: both
+    files it picks from are)."""
     import yaml
 
+    if config.get("pipeline", "auto") == "auto":
+        return "separate"
     pipeline = (config_path.resolve().parent / config["pipeline"]).resolve()
     return str(yaml.safe_load(pipeline.read_text()).get("placement", "separate"))
 

@@ -36,16 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import checkout_env, fmt_spread, print_json_line, print_table, ratio, spread
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "grpo_digits.yaml"
+QUICKSTART = Path("configs") / "grpo_digits.yaml"  # each checkout's own
 TARGET_S = 15.0
 FIGURES = ("exit", "output closed", "before launch", "setup", "training", "end")
 
 
-def one_run(env: dict[str, str], timeout_s: float) -> dict[str, float]:
-    """One ``streamrl run`` of the quickstart config in a temp directory; its figures in seconds."""
+def one_run(config: Path, env: dict[str, str], timeout_s: float) -> dict[str, float]:
+    """One ``streamrl run`` of a checkout's quickstart ``config`` in a temp directory; its figures in seconds."""
     with tempfile.TemporaryDirectory(prefix="quickstart-") as tmp:
         t0 = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "run", str(CONFIG), f"output.run_dir={tmp}/run",
+        proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "run", str(config), f"output.run_dir={tmp}/run",
                                  "output.progress=none", "--print-result"],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=tmp, env={**os.environ, **env})
         try:
@@ -79,11 +79,12 @@ def main() -> None:
     if args.reps < 1:
         raise SystemExit("--reps must be >= 1")
     checkouts = {"this": {"PYTHONPATH": str(ROOT)}, "against": checkout_env(args.against)}
+    configs = {"this": ROOT / QUICKSTART, "against": args.against.resolve() / QUICKSTART}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
     for rep in range(args.reps):
         for name, env in checkouts.items():
             load = os.getloadavg()[0]
-            r = one_run(env, args.timeout)
+            r = one_run(configs[name], env, args.timeout)
             runs[name].append(r)
             print(f"rep {rep} {name:7s} load {load:.2f}: " + ", ".join(f"{k} {r[k]:.2f}" for k in FIGURES)
                   + f" s ({r['steps']:.0f} steps)", flush=True)

@@ -31,7 +31,8 @@ PINS = "{source: {node_a: 1}, score: {node_a: 1}, advantage: {node_b: 1}, train:
 def _run(steps: int, run_dir: str, ray_address: str | None) -> dict[str, Any]:
     import streamrl
 
-    overrides = [f"algo.steps={steps}", "algo.stop_reward=null", f"output.run_dir={run_dir}", "output.progress=none",
+    overrides = [f"pipeline={REPO / 'pipelines' / 'grpo.yaml'}",  # as tests/e2e/test_ray.py: every stage apart
+                 f"algo.steps={steps}", "algo.stop_reward=null", f"output.run_dir={run_dir}", "output.progress=none",
                  "stages.generate.workers=2", "stages.generate.threads=1", "stages.train.threads=1"]
     if ray_address is not None:
         overrides += ["resources.launch=ray", f"resources.ray.address={ray_address}",

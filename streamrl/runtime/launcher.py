@@ -49,7 +49,7 @@ from streamrl.runtime.forkserver import start_forkserver, stop_forkserver
 from streamrl.runtime.launch_backends import BACKENDS, LaunchBackend, _Worker, loop_cores
 from streamrl.runtime.orphans import SHM_DIR, make_private_dir, process_alive, remove_dead_owners
 from streamrl.runtime.pipeline import PipelineSpec, trainer_stages
-from streamrl.runtime.prerun import load_pipeline, resolve_run_length
+from streamrl.runtime.prerun import choose_pipeline, load_pipeline, resolve_run_length
 from streamrl.runtime.rendezvous import RendezvousServer
 from streamrl.runtime.run_metrics import RunMetrics
 from streamrl.runtime.stage import StageError
@@ -147,7 +147,8 @@ async def arun(config: str | Path | dict[str, Any] | RunConfig | None = None, ov
             run_dir = resume
         if config is None:
             raise ConfigError("no config: pass a config file (or resume=RUN_DIR to continue a run)")
-        cfg = resolve_run_length(load_config(config, overrides))
+        # the pipeline chosen for `auto` is the one config.yaml records, so a resumed run keeps it
+        cfg = choose_pipeline(resolve_run_length(load_config(config, overrides)))
         if warm_start and cfg.resources.launch != "processes":
             stop_forkserver()  # no worker will fork from it
         pipeline = load_pipeline(cfg)

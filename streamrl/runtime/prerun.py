@@ -27,6 +27,9 @@ from typing import Any
 import msgspec
 
 from streamrl.config import (
+    AUTO_PIPELINE,
+    STREAMING_PIPELINE,
+    SYNC_PIPELINE,
     ConfigError,
     ConfigErrors,
     ConfigProblem,
@@ -47,8 +50,17 @@ log = logging.getLogger("streamrl.pipeline")
 
 
 def load_pipeline(cfg: RunConfig) -> PipelineSpec:
-    """The run's pipeline with its per-stage overrides applied, validated, and the whole run checked
-    (:func:`check_run`): everything that can be known before a process starts."""
+    """The run's pipeline (``auto``: the one :func:`choose_pipeline` picks) with its per-stage overrides
+    applied, validated, and the whole run checked (:func:`check_run`): everything that can be known
+    before a process starts."""
+    cfg = choose_pipeline(cfg)
+    spec = _validated_pipeline(cfg)
+    check_run(spec, cfg)
+    return spec
+
+
+def _validated_pipeline(cfg: RunConfig) -> PipelineSpec:
+    """The pipeline file with the config's overrides (and the eval stage), validated."""
     if cfg.eval.every > 0:
         from streamrl.stages.evaluate import EVAL_STAGE_NAME, add_eval_stage
 
@@ -57,8 +69,37 @@ def load_pipeline(cfg: RunConfig) -> PipelineSpec:
     else:
         spec = read_pipeline(cfg)
     validate_pipeline(spec, cfg)
-    check_run(spec, cfg)
     return spec
+
+
+def choose_pipeline(cfg: RunConfig) -> RunConfig:
+    """The config with ``pipeline: auto`` replaced by the file it stands for (any other value as is).
+
+    At ``algo.max_staleness`` 0 nothing can run ahead: every hand-over between a generator's process
+    and the trainer's is on the step's path, the weights' install and the samples' hop among them.
+    So a synchronous run on a CPU host gets :data:`SYNC_PIPELINE`, where the train stage generates,
+    scores and trains in one process, wherever that pipeline's checks pass (one train worker, the
+    built-in engine, no dynamic sampling, overrides that name its stages); anything else gets
+    :data:`STREAMING_PIPELINE`. Accelerators and Ray keep the streaming one: each generator may have
+    a device or a node of its own there. The log says which and why."""
+    if cfg.pipeline != AUTO_PIPELINE:
+        return cfg
+    sync = msgspec.structs.replace(cfg, pipeline=SYNC_PIPELINE)
+    if cfg.algo.max_staleness != 0:
+        why = f"algo.max_staleness {cfg.algo.max_staleness}: generation runs ahead in a stage of its own"
+    elif cfg.resources.device != "cpu" or cfg.resources.launch == "ray":
+        why = (f"resources.device {cfg.resources.device}, resources.launch {cfg.resources.launch}: "
+               "generation may have a device or node of its own")
+    else:
+        try:
+            _validated_pipeline(sync)
+        except ConfigError as exc:
+            why = f"{SYNC_PIPELINE} does not fit: {exc}"
+        else:
+            log.info("pipeline auto: %s (algo.max_staleness 0 on a CPU host: one process a step)", SYNC_PIPELINE)
+            return sync
+    log.info("pipeline auto: %s (%s)", STREAMING_PIPELINE, why)
+    return msgspec.structs.replace(cfg, pipeline=STREAMING_PIPELINE)
 
 
 def pipeline_from_path(path: str | Path, cfg: RunConfig) -> PipelineSpec:

@@ -3,7 +3,8 @@ metrics whose keys are all in docs/observability.md's table, busy fractions with
 timeline trace that agrees with them.
 
 configs/grpo_digits.yaml unchanged but for the step count: a random-init tiny Qwen2 on a CPU, on its
-pipeline (pipelines/grpo_rollout.yaml: generation, scoring and advantages chained in one worker) and on
+pipeline (`auto`, here pipelines/grpo_sync.yaml: the train stage generates, scores and trains), on
+pipelines/grpo_rollout.yaml (generation, scoring and advantages chained in one worker) and on
 pipelines/grpo.yaml (each stage a worker of its own).
 Chance is about 0.1 (the first steps' mean reward is 0.03-0.12). The run is deterministic here
 (same seeds -> the same curve, checked over several runs): at step 60 the mean reward of the
@@ -25,6 +26,7 @@ import yaml
 import streamrl
 from streamrl.config import load_config
 from streamrl.runtime.launcher import RunResult
+from streamrl.runtime.prerun import choose_pipeline
 from tests.metrics.documented import undocumented
 from tests.metrics.test_trace import assert_spans_nest
 from tests.runtime.hygiene import assert_run_cleaned, ipc_dirs
@@ -46,6 +48,10 @@ class Shape(NamedTuple):
 
 
 SHAPES = {
+    "grpo_sync": Shape(
+        ["source", "train"], "train",
+        {("source", "produce"), ("train", "process"), ("train", "generate"), ("train", "score"), ("train", "advantage"),
+         ("train", "publish"), ("source", "wait version"), ("source", "reserve"), ("train", "claim")}, 0),
     "grpo_rollout": Shape(
         ["source", "rollout", "train"], "rollout",
         {("source", "produce"), ("rollout", "process"), ("rollout", "generate"), ("rollout", "score"),
@@ -66,7 +72,7 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path, pipeline: str
     shape = SHAPES[pipeline]
     stages = shape.stages
     overrides = [f"algo.steps={STEPS}", "algo.stop_reward=null", f"output.run_dir={tmp_path}", "output.progress=none"]
-    if pipeline != "grpo_rollout":  # the config's own
+    if pipeline != "grpo_sync":  # what the config's own (auto) picks
         overrides.append(f"pipeline={REPO / 'pipelines' / pipeline}.yaml")
     before = ipc_dirs()
     result = streamrl.run(str(DIGITS), overrides)
@@ -81,8 +87,9 @@ def test_grpo_digits_learns_and_writes_its_outputs(tmp_path: Path, pipeline: str
     assert first < 0.15, rewards
     assert last >= 0.35 and last >= first + 0.25, rewards
 
-    # config.yaml: the resolved config, loadable as is
-    assert load_config(yaml.safe_load((run_dir / "config.yaml").read_text())) == load_config(DIGITS, overrides)
+    # config.yaml: the resolved config, loadable as is, with the pipeline `auto` picked
+    saved = load_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    assert saved == choose_pipeline(load_config(DIGITS, overrides)) and Path(saved.pipeline).stem == pipeline
 
     _check_credentials(result, shape)
 

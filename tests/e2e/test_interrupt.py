@@ -59,7 +59,7 @@ def test_an_interrupt_stops_the_run_and_every_process(tmp_path: Path, sent: sign
         assert metrics is not None, f"no step within 120 s (exit code {proc.poll()}):\n{out.read_text()}"
         run_dir = metrics.parent
         started = descendants(proc.pid)  # dock servers, the forkserver, the workers
-        assert len(started) >= 7, started  # controller + warehouse + 5 stage workers (+ a forkserver)
+        assert len(started) >= 5, started  # controller + warehouse + the source and train workers + the forkserver
         dirs = run_ipc_dirs(run_dir)
         assert dirs and all(d.exists() for d in dirs)
 

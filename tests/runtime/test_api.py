@@ -16,6 +16,7 @@ import yaml
 import streamrl
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime.launcher import RunResult
+from streamrl.runtime.prerun import choose_pipeline
 from tests.runtime.hygiene import ipc_dirs, leftover_ipc_dirs
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,7 +76,8 @@ def test_arun_with_a_runconfig_and_a_chosen_run_dir(tmp_path: Path) -> None:
     result = anyio.run(main)
     assert result.run_dir == target and result.steps == 2
     assert (target / "metrics.jsonl").read_text().count("\n") == 2
-    assert load_config(yaml.safe_load((target / "config.yaml").read_text())) == cfg
+    saved = load_config(yaml.safe_load((target / "config.yaml").read_text()))
+    assert saved == choose_pipeline(cfg) and saved.pipeline == "pipelines/grpo_sync.yaml"  # what `auto` picked
     assert not (target / "tensorboard").exists() and not (target / "reward_curve.png").exists()
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from streamrl.config import ConfigError, load_config
 from streamrl.runtime.pipeline import PipelineSpec, StageSpec
-from streamrl.runtime.prerun import load_pipeline, pipeline_from_path
+from streamrl.runtime.prerun import choose_pipeline, load_pipeline, pipeline_from_path
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO = yaml.safe_load((REPO / "pipelines" / "grpo.yaml").read_text())
@@ -192,3 +192,34 @@ def test_validate_without_importing_classes(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot import module 'nowhere'"):
         validate_pipeline(spec, cfg)
     assert pipeline_from_path(REPO / "pipelines" / "grpo.yaml", cfg).name == "grpo"
+
+
+@pytest.mark.parametrize(("overrides", "chosen", "why"), [
+    ([], "grpo_sync", None),
+    (["algo.max_staleness=1"], "grpo_rollout", "algo.max_staleness 1"),
+    (["stages.rollout.micro_batch=32"], "grpo_rollout", "stages.rollout overrides a stage"),
+    (["stages.train.workers=2"], "grpo_rollout", "workers must be 1"),
+    (["stages.generate.options={engine: vllm}"], "grpo_rollout", "not 'vllm'"),
+    (["resources.launch=ray"], "grpo_rollout", "resources.launch ray"),
+])
+def test_pipeline_auto_is_one_process_a_step_where_that_fits(
+        overrides: list[str], chosen: str, why: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    """``pipeline: auto`` (the default): the synchronous one-process pipeline at max_staleness 0 on a
+    CPU host wherever its checks pass, else the streaming one, the log saying why."""
+    cfg = load_config({"algo": {"steps": 2}}, overrides)
+    assert cfg.pipeline == "auto"
+    with caplog.at_level("INFO", logger="streamrl.pipeline"):
+        picked = choose_pipeline(cfg)
+    assert picked.pipeline == f"pipelines/{chosen}.yaml"
+    assert choose_pipeline(picked) is picked  # a file stays as it is
+    said = "\n".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("pipeline auto"))
+    assert f"pipelines/{chosen}.yaml" in said
+    if why is not None:
+        assert why in said
+    if not any("ray" in o or "vllm" in o for o in overrides):  # (their checks need Ray or vLLM installed)
+        assert load_pipeline(cfg).name == chosen  # load_pipeline resolves auto the same way
+
+
+def test_pipeline_auto_on_an_accelerator_streams() -> None:
+    cfg = load_config({"resources": {"device": "cuda"}})
+    assert choose_pipeline(cfg).pipeline == "pipelines/grpo_rollout.yaml"
