@@ -2,8 +2,9 @@
 """How cost grows with the model and the batch: streamrl and TRL's GRPOTrainer side by side on one
 grid, in one run.
 
-The pipeline of ops/bench/grpo_vs_trl.py's W2 (synchronous GRPO on the default pipeline,
-pipelines/grpo_rollout.yaml; the same optimizer, sampling and loss on both sides) on digits-reverse
+The pipeline of ops/bench/grpo_vs_trl.py's W2 (synchronous GRPO on the run's default pipeline,
+``auto``: pipelines/grpo_sync.yaml at max_staleness 0, or another with --streamrl-set pipeline=...;
+the same optimizer, sampling and loss on both sides) on digits-reverse
 (2-12 digits, up to 16 tokens), at four model sizes (tiny Qwen2, intermediate 2 x hidden, head
 size 64 or 4 heads) and three batch sizes (4, 8, 16 prompts x 8 completions), STEPS steps each,
 seed 0. Figures per cell:
@@ -66,7 +67,7 @@ BATCHES = (32, 64, 128)  # completions per step: 4, 8, 16 prompts x 8
 GROUP = 8
 STEPS = 4
 MAX_NEW_TOKENS = 16
-POLL_S = 0.25
+POLL_S = 0.05
 ACT_BYTES_PER_TOKEN_LAYER_HIDDEN = 64  # fp32: about 16 saved tensors of `hidden` floats per token and layer
 # the policy publisher's fp32 versions in the run's shared memory: the newest one's file and the next
 # one's, allocated and populated ahead while training goes on (streamrl/runtime/policy.py), both
@@ -204,8 +205,8 @@ def main() -> None:
                 useful, executed = gflops(params, ours["sequence_tokens"], ours["prompt_tokens"], ours["train_s"],
                                           GROUP)
                 peaks = ours["peak_rss_mib"]
-                # a worker without a model: the source (the default pipeline chains advantages into the
-                # rollout worker, so no advantage stage runs apart)
+                # a worker without a model: the source (the sync and rollout pipelines chain advantages
+                # into the train or rollout worker, so no advantage stage runs apart)
                 if "source-0" not in peaks:
                     raise RuntimeError(f"{size} x {batch}: no peak RSS was read for the source stage (read: "
                                        f"{sorted(peaks)}); the trainer's estimate needs it")
