@@ -42,7 +42,6 @@ def test_validate_prints_the_resolved_config(capsys: pytest.CaptureFixture[str])
     assert resolved["resources"]["launch"] == "inprocess"
     assert resolved["algo"]["group_size"] == 8  # from the file
     assert resolved["output"]["checkpoint"] is True  # a default the file does not set
-    # the printout is a complete config: loading it gives the same run config
     # the printout is a complete config, with the pipeline the file's `auto` picks: loading it gives the
     # same run config
     assert load_config(resolved) == choose_pipeline(load_config(DIGITS, ["algo.steps=12", "resources.launch=inprocess",

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -88,19 +87,18 @@ def main() -> None:
     checkouts = {"this": (ROOT, {"PYTHONPATH": str(ROOT)}),
                  "against": (args.against.resolve(), checkout_env(args.against))}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in checkouts}
-    tmp = Path(tempfile.mkdtemp(prefix="cpu-per-step-"))
-    w2 = w2_config(tmp) if args.workload == "W2" else None  # the same file for both checkouts
-    for pair in range(args.pairs):
-        for name in (list(checkouts) if pair % 2 == 0 else list(reversed(checkouts))):
-            root, env = checkouts[name]
-            load = os.getloadavg()[0]
-            config = w2 or root / "configs" / "grpo_digits.yaml"
-            r = one_run(config, root / args.pipeline, args.sets, (args.first, args.last), env, args.timeout,
-                        args.per, args.faults)
-            runs[name].append(r)
-            print(f"pair {pair} {name:7s} load {load:.2f}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()),
-                  flush=True)
-    shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="cpu-per-step-") as tmp:  # removed also when a run fails
+        w2 = w2_config(Path(tmp)) if args.workload == "W2" else None  # the same file for both checkouts
+        for pair in range(args.pairs):
+            for name in (list(checkouts) if pair % 2 == 0 else list(reversed(checkouts))):
+                root, env = checkouts[name]
+                load = os.getloadavg()[0]
+                config = w2 or root / "configs" / "grpo_digits.yaml"
+                r = one_run(config, root / args.pipeline, args.sets, (args.first, args.last), env, args.timeout,
+                            args.per, args.faults)
+                runs[name].append(r)
+                print(f"pair {pair} {name:7s} load {load:.2f}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()),
+                      flush=True)
     keys = sorted({k for rs in runs.values() for r in rs for k in r}, key=lambda k: (k != "wall", k))
     figures = {name: {k: spread(r[k] for r in rs if k in r) for k in keys} for name, rs in runs.items()}
     print_table([f"ms a {args.per} (wall) / CPU ms a {args.per}, median [min, max]", "this checkout", f"against {args.against}"],

@@ -6,8 +6,8 @@
 
 Each measurement is a fresh process (so ``--against`` imports the other checkout's package), with
 the workers' malloc settings, that builds the model, warms up with 3 calls and times ``calls``
-generate calls of one shape; settings alternate within each repetition, so load drift hits both. No EOS stop: every call decodes the same
-number of steps. Shapes:
+generate calls of one shape; settings alternate within each repetition, so load drift hits both.
+No EOS stop: every call decodes the same number of steps. Shapes:
 
 - ``w2``: W2's model (hidden 256, 4 layers), 16 ragged digit prompts (3-25 tokens) x 8 samples, 32 new tokens;
 - ``w1``: W1's model (hidden 128, 2 layers), 8 prompts of 4 tokens x 8 samples, 4 new tokens;
